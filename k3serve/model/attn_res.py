@@ -1,0 +1,55 @@
+"""Block Attention Residuals (model-spec §2.7): softmax mixing over depth instead of a residual sum.
+
+Everything here is per token and transient within one forward pass; nothing is cached across steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class AttnResMixer(nn.Module):
+    """Mix(v) = sum_i softmax_i(w . RMSNorm(v_i; gamma)) v_i, all fp32; the UN-normalised
+    sources are mixed. Parameters: pseudo-query ``proj`` [1, d] and key-norm ``norm`` [d]."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.eps = eps
+        self.proj = nn.Parameter(torch.empty(1, dim, dtype=dtype, device=device), requires_grad=False)
+        self.norm = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        if len(sources) == 1:
+            return sources[0].float()
+        v = torch.stack(sources).float()  # [m, T, d]
+        w = (self.proj.float()[0] * self.norm.float())  # fold gamma into the query
+        scores = (v * w).sum(-1) * torch.rsqrt(v.pow(2).mean(-1) + self.eps)  # [m, T]
+        alpha = torch.softmax(scores, dim=0)
+        return (alpha.unsqueeze(-1) * v).sum(0)
+
+
+class AttnResState:
+    """The reference bookkeeping for one forward pass: stored blocks and the running partial,
+    the partial rounded to the activation dtype after every addition (bit-close to the reference)."""
+
+    def __init__(self, embeddings: torch.Tensor, block_size: int):
+        self.block_size = block_size
+        self.blocks: list[torch.Tensor] = []
+        self.partial = embeddings
+
+    def token_mixer_sources(self, layer: int, prev_ffn_out: torch.Tensor | None) -> list[torch.Tensor]:
+        if layer > 0:
+            self.partial = self.partial + prev_ffn_out
+        if layer % self.block_size == 0:
+            self.blocks.append(self.partial)
+            return self.blocks[:-1] + [self.partial]
+        return self.blocks + [self.partial]
+
+    def channel_mixer_sources(self, layer: int, attn_out: torch.Tensor) -> list[torch.Tensor]:
+        self.partial = attn_out if layer % self.block_size == 0 else self.partial + attn_out
+        return self.blocks + [self.partial]
+
+    def final_sources(self, last_ffn_out: torch.Tensor) -> list[torch.Tensor]:
+        self.partial = self.partial + last_ffn_out
+        return self.blocks + [self.partial]

@@ -1,0 +1,140 @@
+"""What one forward step sees: a flat varlen batch and handles to engine-owned caches.
+
+The runner (engine) owns all cache memory; the model only indexes it:
+- KDA: one *slot* per sequence; per KDA layer a recurrent state [H, K, V] fp32 and a conv window
+  [3P, W-1] in the model dtype.
+- MLA: *pages* of ``page_size`` tokens; per MLA layer a latent [page_size, kv_lora_rank + rope]
+  per page. A sequence's pages are listed in its row of ``block_table``.
+Sequences are ordered decode steps first (query length 1), then prefill chunks, so the decode
+part is one contiguous, batched slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..config import ModelConfig
+
+
+@dataclass
+class KDALayerCache:
+    recurrent: torch.Tensor  # [num_slots, H, K, V] fp32 (may be a strided view into a pool)
+    conv: torch.Tensor  # [num_slots, 3P, W-1]
+
+
+@dataclass
+class MLALayerCache:
+    latent: torch.Tensor  # [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]
+
+
+@dataclass
+class CacheHandles:
+    kda: list[KDALayerCache]  # indexed by KDA-layer ordinal
+    mla: list[MLALayerCache]  # indexed by MLA-layer ordinal
+    page_size: int
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, num_slots: int, num_pages: int, page_size: int = 64,
+                 device=None, dtype: torch.dtype = torch.bfloat16) -> "CacheHandles":
+        """Standalone caches (tests, tools). The engine builds views into its unified pool instead."""
+        H, D, W = config.kda_num_heads, config.kda_head_dim, config.kda_conv_size
+        kda = [
+            KDALayerCache(
+                recurrent=torch.zeros(num_slots, H, D, D, dtype=torch.float32, device=device),
+                conv=torch.zeros(num_slots, 3 * H * D, W - 1, dtype=dtype, device=device),
+            )
+            for _ in range(config.num_kda_layers)
+        ]
+        mla = [
+            MLALayerCache(torch.zeros(num_pages, page_size, config.mla_cache_width, dtype=dtype, device=device))
+            for _ in range(config.num_mla_layers)
+        ]
+        return cls(kda=kda, mla=mla, page_size=page_size)
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: new tokens on top of ``context_len`` cached ones."""
+
+    token_ids: Sequence[int]
+    context_len: int
+    kda_slot: int
+    pages: Sequence[int]  # MLA pages covering positions [0, context_len + len(token_ids))
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    query_start: torch.Tensor  # [N+1] int64, token offsets of each sequence in the flat batch
+    context_lens: torch.Tensor  # [N] int64, tokens already cached before this step
+    seq_lens: torch.Tensor  # [N] int64, context + new
+    kda_slots: torch.Tensor  # [N] int64
+    block_table: torch.Tensor  # [N, max_pages] int64 (padding -1)
+    slot_mapping: torch.Tensor  # [T] int64, flat latent index page * page_size + offset
+    logits_indices: torch.Tensor  # [N] int64, last new token of each sequence
+    num_decodes: int  # leading sequences with exactly one new token
+    page_size: int
+    # Host copies of the per-sequence lengths (known to the scheduler; no device sync needed).
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+
+    def token_range(self, i: int) -> tuple[int, int]:
+        """[start, end) of sequence i's new tokens in the flat batch (host ints)."""
+        start = sum(self.query_lens_host[:i])
+        return start, start + self.query_lens_host[i]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, chunks: Sequence[SeqChunk], page_size: int = 64, device=None) -> "ForwardBatch":
+        if not chunks:
+            raise ValueError("a forward batch needs at least one sequence")
+        qlens = [len(c.token_ids) for c in chunks]
+        if min(qlens) < 1:
+            raise ValueError("every sequence in a step needs at least one new token")
+        num_decodes = 0
+        while num_decodes < len(qlens) and qlens[num_decodes] == 1:
+            num_decodes += 1
+        ctx = [c.context_len for c in chunks]
+        for c, q in zip(chunks, qlens):
+            need = -(-(c.context_len + q) // page_size)
+            if len(c.pages) < need:
+                raise ValueError(
+                    f"sequence with {c.context_len}+{q} tokens needs {need} pages of {page_size}, got {len(c.pages)}"
+                )
+        max_pages = max(len(c.pages) for c in chunks)
+        table = torch.full((len(chunks), max(max_pages, 1)), -1, dtype=torch.int64)
+        for i, c in enumerate(chunks):
+            table[i, : len(c.pages)] = torch.as_tensor(list(c.pages), dtype=torch.int64)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        qlen_t = torch.tensor(qlens, dtype=torch.int64)
+        ctx_t = torch.tensor(ctx, dtype=torch.int64)
+        qstart = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+        qstart[1:] = qlen_t.cumsum(0)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), qlen_t)
+        pos = ctx_t[seq_of_token] + torch.arange(len(ids)) - qstart[seq_of_token]
+        slot_mapping = table[seq_of_token, pos // page_size] * page_size + pos % page_size
+        to = lambda t: t.to(device) if device is not None else t  # noqa: E731
+        return cls(
+            input_ids=to(ids),
+            query_start=to(qstart),
+            context_lens=to(ctx_t),
+            seq_lens=to(ctx_t + qlen_t),
+            kda_slots=to(torch.tensor([c.kda_slot for c in chunks], dtype=torch.int64)),
+            block_table=to(table),
+            slot_mapping=to(slot_mapping),
+            logits_indices=to(qstart[1:] - 1),
+            num_decodes=num_decodes,
+            page_size=page_size,
+            query_lens_host=qlens,
+            context_lens_host=ctx,
+        )

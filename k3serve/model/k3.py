@@ -1,0 +1,98 @@
+"""The K3-family network, assembled from the config: Kimi K3 and Kimi-Linear-48B-A3B alike.
+
+Module names mirror the checkpoint tensor names (minus the ``model.`` / ``language_model.``
+prefix), so the loader's name map is short and obvious.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attn_res import AttnResMixer, AttnResState
+from .batch import CacheHandles, ForwardBatch
+from .kda import KDAMixer
+from .layers import RMSNorm, rms_norm
+from .mla import MLAMixer
+from .moe import GLUMLP, MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.is_kda = cfg.is_kda[layer]
+        self.self_attn = KDAMixer(cfg, dtype, device) if self.is_kda else MLAMixer(cfg, dtype, device)
+        if cfg.is_moe_layer(layer):
+            self.block_sparse_moe = MoE(cfg, dtype, device)
+        else:
+            self.mlp = GLUMLP(cfg, d, cfg.intermediate_size, dtype, device)
+        self.input_layernorm = RMSNorm(d, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype, device)
+        if cfg.attn_res_block_size:
+            self.self_attention_res = AttnResMixer(d, eps, dtype, device)
+            self.mlp_res = AttnResMixer(d, eps, dtype, device)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+
+class K3Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
+        super().__init__()
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+        if cfg.attn_res_block_size:
+            self.output_attn_res = AttnResMixer(d, cfg.rms_norm_eps, dtype, device)
+
+
+class K3ForCausalLM(nn.Module):
+    """forward(batch, caches) -> pre-final-norm hidden states [T, d];
+    compute_logits(hidden) -> fp32 logits (final norm applied there, so drafters get pre-norm h)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.model = K3Backbone(cfg, dtype, device)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        if self.lm_head is not None:
+            self.lm_head.weight.requires_grad_(False)
+        # Layer -> ordinal within its cache kind.
+        kda_i = mla_i = 0
+        self.cache_index: list[int] = []
+        for is_kda in cfg.is_kda:
+            self.cache_index.append(kda_i if is_kda else mla_i)
+            kda_i, mla_i = kda_i + is_kda, mla_i + (not is_kda)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: CacheHandles) -> torch.Tensor:
+        h = self.model.embed_tokens(batch.input_ids)
+        B = self.config.attn_res_block_size
+        res = AttnResState(h, B) if B else None
+        m = None
+        for i, layer in enumerate(self.model.layers):
+            cache = caches.kda[self.cache_index[i]] if layer.is_kda else caches.mla[self.cache_index[i]]
+            if res is None:
+                a = layer.self_attn(layer.input_layernorm(h), batch, cache)
+                h = h + a
+                h = h + layer.ffn(layer.post_attention_layernorm(h))
+                continue
+            mixed = layer.self_attention_res(res.token_mixer_sources(i, m))
+            a = layer.self_attn(layer.input_layernorm(mixed, out_dtype=self.dtype), batch, cache)
+            mixed = layer.mlp_res(res.channel_mixer_sources(i, a))
+            m = layer.ffn(layer.post_attention_layernorm(mixed, out_dtype=self.dtype))
+        if res is not None:
+            return self.model.output_attn_res(res.final_sources(m)).to(self.dtype)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.model.norm(hidden, out_dtype=self.dtype)
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(x, w).float()

@@ -1,0 +1,60 @@
+"""Kimi Delta Attention token mixer (model-spec §2.3)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.kda import kda_core
+from ..ops.kda_ref import kda_gate, l2norm
+from ..ops.short_conv import short_conv_ref
+from .batch import ForwardBatch, KDALayerCache
+from .layers import Linear, rms_norm
+
+
+class KDAMixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
+        super().__init__()
+        d, H, D, W = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+        P = H * D
+        self.num_heads, self.head_dim, self.lower_bound = H, D, cfg.kda_gate_lower_bound
+        self.eps = cfg.rms_norm_eps
+        lin = lambda i, o, tp=0: Linear(i, o, dtype, device, tp_dim=tp)  # noqa: E731
+        self.q_proj, self.k_proj, self.v_proj = lin(d, P), lin(d, P), lin(d, P)
+        f32 = dict(dtype=torch.float32, device=device)
+        # Conv weights, gate parameters and the output-norm weight are always held in fp32.
+        self.q_conv1d = nn.Parameter(torch.empty(P, W, **f32), requires_grad=False)
+        self.k_conv1d = nn.Parameter(torch.empty(P, W, **f32), requires_grad=False)
+        self.v_conv1d = nn.Parameter(torch.empty(P, W, **f32), requires_grad=False)
+        self.f_a_proj = lin(d, D, None)
+        self.f_b_proj = lin(D, P)
+        self.dt_bias = nn.Parameter(torch.empty(P, **f32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(H, **f32), requires_grad=False)
+        self.b_proj = lin(d, H)
+        self.full_rank_gate = cfg.kda_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = lin(d, P)
+        else:
+            self.g_a_proj = lin(d, D, None)
+            self.g_b_proj = lin(D, P)
+        self.o_norm = nn.Parameter(torch.empty(D, **f32), requires_grad=False)
+        self.o_proj = lin(P, d, 1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
+        T = x.shape[0]
+        H, D = self.num_heads, self.head_dim
+        P = H * D
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        conv_w = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d], dim=0)
+        qkv = F.silu(short_conv_ref(qkv, conv_w, cache.conv, batch).float())
+        q, k, v = (t.reshape(T, H, D) for t in qkv.split(P, dim=-1))
+        q, k = l2norm(q), l2norm(k)
+        # Gates and beta come from the layer input x, not from the conv output.
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, D), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o = kda_core(q, k, v, g, beta, D ** -0.5, cache.recurrent, batch)
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        y = rms_norm(o, self.o_norm, self.eps, torch.float32) * torch.sigmoid(gate.float().view(T, H, D))
+        return self.o_proj(y.reshape(T, P).to(x.dtype))

@@ -1,0 +1,79 @@
+"""Building blocks shared by every layer: norms, GLU activations, (tensor-parallel-ready) linears.
+
+Parameters are created uninitialised (``torch.empty``) on the target device: the checkpoint
+loader or the dummy initialiser fills them, so the model is never held twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype=None) -> torch.Tensor:
+    """gamma * x / sqrt(mean(x^2) + eps) with statistics and the weight product in fp32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(out_dtype or x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, out_dtype=None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, out_dtype)
+
+
+def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0,
+                   linear_beta: float | None = None) -> torch.Tensor:
+    """GLU in fp32, cast back. silu: silu(a)*b. situ (SiTU-GLU, K3):
+    [beta*tanh(a/beta) * sigmoid(a)] * [linear_beta*tanh(b/linear_beta)]; the sigmoid sees the
+    unclipped a, and b is unclipped when linear_beta is None."""
+    a, b = gate.float(), up.float()
+    if act == "silu":
+        y = F.silu(a) * b
+    elif act == "situ":
+        y = beta * torch.tanh(a / beta) * torch.sigmoid(a)
+        if linear_beta is not None:
+            b = linear_beta * torch.tanh(b / linear_beta)
+        y = y * b
+    else:
+        raise ValueError(f"unknown activation {act!r}")
+    return y.to(gate.dtype)
+
+
+class Linear(nn.Module):
+    """Bias-free linear, y = x W^T, W stored [out, in] as in the checkpoints.
+
+    ``tp_dim`` says how the full checkpoint matrix is split across tensor-parallel ranks:
+    0 = column parallel (split outputs), 1 = row parallel (split inputs), None = replicated.
+    With tp_size 1 (the default) it is a plain linear; the row-parallel all-reduce belongs to
+    the caller's process group and arrives with the distributed issue.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device=None,
+                 tp_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if tp_dim is not None and (in_features, out_features)[1 - tp_dim] % tp_size:
+            raise ValueError(f"{out_features if tp_dim == 0 else in_features} is not divisible by tp_size={tp_size}")
+        self.full_shape = (out_features, in_features)
+        self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
+        shape = list(self.full_shape)
+        if tp_dim is not None:
+            shape[tp_dim] //= tp_size
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full checkpoint matrix."""
+        if self.tp_dim is None or self.tp_size == 1:
+            return full
+        return full.chunk(self.tp_size, dim=self.tp_dim)[self.tp_rank]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)

@@ -1,0 +1,75 @@
+"""Gated NoPE MLA token mixer (model-spec §2.4).
+
+Decode steps use the weight-absorbed form over the 576-wide latent (the cache is read once, no
+per-head K/V); prefill chunks use the expanded form. No rotary embedding anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops import mla_ref
+from .batch import ForwardBatch, MLALayerCache
+from .layers import Linear, RMSNorm
+
+
+class MLAMixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
+        super().__init__()
+        d, Ha = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = Ha
+        self.nope, self.rope, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rkv = cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim ** -0.5
+        qk = cfg.qk_head_dim
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, dtype, device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_latent_norm_eps, dtype, device)
+            self.q_b_proj = Linear(cfg.q_lora_rank, Ha * qk, dtype, device, tp_dim=0)
+        else:
+            self.q_proj = Linear(d, Ha * qk, dtype, device, tp_dim=0)
+        self.kv_a_proj_with_mqa = Linear(d, self.rkv + self.rope, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.rkv, cfg.mla_latent_norm_eps, dtype, device)
+        self.kv_b_proj = Linear(self.rkv, Ha * (self.nope + self.dv), dtype, device, tp_dim=0)
+        self.output_gate = cfg.mla_use_output_gate
+        if self.output_gate:
+            self.g_proj = Linear(d, Ha * self.dv, dtype, device, tp_dim=0)
+        self.o_proj = Linear(Ha * self.dv, d, dtype, device, tp_dim=1)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [T, Ha, dn+dr] and the new cache rows [T, rkv+dr] = [normalised c ; k_pe]."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rkv, self.rope], dim=-1)
+        return q.view(x.shape[0], self.num_heads, -1), torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def attend(self, q: torch.Tensor, batch: ForwardBatch, latent_pages: torch.Tensor) -> torch.Tensor:
+        """Attention of every new token over its sequence's cached latents (new rows already written)."""
+        T = q.shape[0]
+        out = torch.empty(T, self.num_heads, self.dv, dtype=torch.float32, device=q.device)
+        nd = batch.num_decodes
+        w = self.kv_b_proj.weight
+        if nd:
+            max_len = max(batch.context_lens_host[:nd]) + 1
+            table = batch.block_table[:nd, : -(-max_len // batch.page_size)].clamp_min(0)
+            lat = latent_pages[table].flatten(1, 2)[:, :max_len]  # [nd, S, 576]
+            mask = torch.arange(max_len, device=q.device)[None, :] < batch.seq_lens[:nd, None]
+            q_abs = mla_ref.absorb_query(q[:nd], w, self.rkv, self.nope)
+            o_lat = mla_ref.mla_absorbed_ref(q_abs[:, None], lat, mask[:, None], self.rkv, self.scale)
+            out[:nd] = mla_ref.unabsorb_output(o_lat[:, 0], w, self.rkv, self.nope)
+        for i in range(nd, batch.num_seqs):
+            s, e = batch.token_range(i)
+            ctx = batch.context_lens_host[i]
+            lat = mla_ref.gather_latent(latent_pages, batch.block_table[i], ctx + e - s)
+            out[s:e] = mla_ref.mla_expanded_ref(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)
+        return out
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
+        q, kv_rows = self.project(x)
+        cache.latent.view(-1, cache.latent.shape[-1])[batch.slot_mapping] = kv_rows.to(cache.latent.dtype)
+        o = self.attend(q, batch, cache.latent).reshape(x.shape[0], -1)
+        if self.output_gate:
+            o = o * torch.sigmoid(self.g_proj(x).float())
+        return self.o_proj(o.to(x.dtype))

@@ -1,0 +1,119 @@
+"""Channel mixers: dense GLU MLP, shared experts, sigmoid router and (Stable Latent) MoE.
+
+Routed experts are stacked per layer ([E, ...] tensors) as grouped-GEMM kernels want them; MXFP4
+experts stay packed in memory (E2M1 pairs + one E8M0 byte per 32 inputs) and are dequantised on
+use in the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.moe_ref import experts_ref, route
+from ..ops.mxfp4 import dequantize_mxfp4
+from .layers import Linear, RMSNorm, glu_activation
+
+
+class GLUMLP(nn.Module):
+    """Dense MLP and shared experts: down(act(gate x, up x))."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int, inter: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, dtype, device, tp_dim=0)
+        self.up_proj = Linear(hidden, inter, dtype, device, tp_dim=0)
+        self.down_proj = Linear(inter, hidden, dtype, device, tp_dim=1)
+        self.act = (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), *self.act))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
+        super().__init__()
+        E = cfg.num_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(E, dtype=torch.float32, device=device),
+                                                    requires_grad=False)
+        groups = cfg.num_expert_group if cfg.use_grouped_topk else 1
+        self.args = dict(top_k=cfg.num_experts_per_token, num_groups=groups, topk_group=cfg.topk_group if groups > 1 else 1,
+                         renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor,
+                         score_func=cfg.moe_router_activation_func)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # fp32 router, as HF / the original code
+        return route(logits, self.e_score_correction_bias, **self.args)
+
+
+class RoutedExperts(nn.Module):
+    """All E experts of one layer, stacked. w1 = gate [E, I, din], w3 = up [E, I, din],
+    w2 = down [E, dout, I]; or their MXFP4 ``*_packed`` / ``*_scale`` pairs."""
+
+    def __init__(self, cfg: ModelConfig, din: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        E, inter = cfg.num_experts, cfg.moe_intermediate_size
+        self.mxfp4 = cfg.expert_format == "mxfp4"
+        self.dtype = dtype
+        self.act = (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
+        shapes = {"w1": (inter, din), "w2": (din, inter), "w3": (inter, din)}
+        for name, (n, k) in shapes.items():
+            if self.mxfp4:
+                self.register_parameter(f"{name}_packed", nn.Parameter(
+                    torch.empty(E, n, k // 2, dtype=torch.uint8, device=device), requires_grad=False))
+                self.register_parameter(f"{name}_scale", nn.Parameter(
+                    torch.empty(E, n, k // 32, dtype=torch.uint8, device=device), requires_grad=False))
+            else:
+                self.register_parameter(name, nn.Parameter(torch.empty(E, n, k, dtype=dtype, device=device),
+                                                           requires_grad=False))
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.mxfp4:
+            return self.w1[e], self.w2[e], self.w3[e]
+        return tuple(
+            dequantize_mxfp4(getattr(self, f"{n}_packed")[e], getattr(self, f"{n}_scale")[e], self.dtype,
+                             check_scales=False)
+            for n in ("w1", "w2", "w3")
+        )
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_ref(x, weights, ids, self.expert, *self.act)
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ latent projections, K3) + shared experts.
+
+    Latent MoE (routed_expert_hidden_size set): zeta = W_dn x; experts run at width dl;
+    r = sum w_i y_i (fp32); optional RMSNorm on r; out = W_up r + shared(x). The router and the
+    shared experts always read the full-width x.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
+        super().__init__()
+        d, dl = cfg.hidden_size, cfg.routed_expert_hidden_size
+        self.gate = Router(cfg, dtype, device)
+        self.latent = dl is not None
+        self.experts = RoutedExperts(cfg, dl if self.latent else d, dtype, device)
+        if self.latent:
+            self.routed_expert_down_proj = Linear(d, dl, dtype, device)
+            self.routed_expert_up_proj = Linear(dl, d, dtype, device)
+            self.routed_expert_norm = RMSNorm(dl, cfg.rms_norm_eps, dtype, device) if cfg.latent_moe_use_norm else None
+        self.shared_experts = (
+            GLUMLP(cfg, d, cfg.moe_intermediate_size * cfg.num_shared_experts, dtype, device)
+            if cfg.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        if self.latent:
+            r = self.experts(self.routed_expert_down_proj(x), weights, ids)
+            if self.routed_expert_norm is not None:
+                r = self.routed_expert_norm(r, out_dtype=x.dtype)
+            routed = self.routed_expert_up_proj(r.to(x.dtype))
+        else:
+            routed = self.experts(x, weights, ids).to(x.dtype)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed

@@ -1,0 +1,39 @@
+"""KDA core over a varlen batch: decode steps batched, prefill chunks chunked.
+
+One entry point, two implementations: the plain-torch reference (CPU, tests) and fla-core's
+Triton kernels on CUDA when fla is installed (``k3serve[gpu]``). States live in the engine's
+slot pool [num_slots, H, K, V] fp32 and are read at, and written back to, each sequence's slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.batch import ForwardBatch
+from . import fla_backend
+from .kda_ref import kda_chunked_ref, kda_recurrent_ref
+
+
+def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             scale: float, state: torch.Tensor, batch: ForwardBatch, backend: str = "auto") -> torch.Tensor:
+    """q, k (L2-normalised), g (log decay), all [T, H, K]; v [T, H, V]; beta [T, H].
+    ``state`` [num_slots, H, K, V] is updated in place at ``batch.kda_slots``. Returns o [T, H, V] fp32."""
+    if backend == "auto":
+        backend = "fla" if q.is_cuda and fla_backend.available() else "torch"
+    if backend == "fla":
+        return fla_backend.kda_core(q, k, v, g, beta, scale, state, batch)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    nd = batch.num_decodes
+    has_ctx = batch.context_lens > 0
+    if nd:
+        slots = batch.kda_slots[:nd]
+        s0 = torch.where(has_ctx[:nd].view(-1, 1, 1, 1), state[slots], 0.0)
+        o, s1 = kda_recurrent_ref(q[:nd, None], k[:nd, None], v[:nd, None], g[:nd, None], beta[:nd, None], scale, s0)
+        out[:nd] = o[:, 0]
+        state[slots] = s1
+    for i in range(nd, batch.num_seqs):
+        s, e = batch.token_range(i)
+        slot = batch.kda_slots[i]
+        s0 = state[slot] if batch.context_lens_host[i] > 0 else None
+        out[s:e], state[slot] = kda_chunked_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], scale, s0)
+    return out

@@ -1,0 +1,122 @@
+"""Plain-torch reference for Kimi Delta Attention (model-spec §2.3, seed 002).
+
+Two forms of the same recurrence, both fp32, state in fla's [H, K, V] layout:
+- ``kda_recurrent_ref``: the per-token delta rule, the definition everything is tested against;
+- ``kda_chunked_ref``: the chunked UT-transform (FlashKDA) algorithm used for prefill.
+The chunked form never forms exp(G_i) * exp(-G_j) separately: every intra-chunk decay is an
+exp of a per-pair difference G_i - G_j <= 0, so the K3 bound (g down to -5 per token) cannot
+overflow however long the chunk is (model-spec §5 pitfall 6).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps): eps inside the sqrt, as fla and the references do."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(
+    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+) -> torch.Tensor:
+    """Per-channel log decay g from the low-rank pre-activation f ([..., H, D], without dt_bias).
+
+    lower_bound None: Kimi-Linear's g = -exp(A_log) * softplus(f + dt_bias).
+    lower_bound λ:    K3's g = λ * sigmoid(exp(A_log) * (f + dt_bias)), in (λ, 0).
+    """
+    H, D = f.shape[-2:]
+    z = f.float() + dt_bias.float().view(H, D)
+    a = torch.exp(A_log.float()).view(H, 1)
+    if lower_bound is None:
+        return -a * torch.where(z > 20.0, z, torch.log1p(torch.exp(z)))
+    return lower_bound * torch.sigmoid(a * z)
+
+
+def kda_recurrent_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token recurrence. q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H];
+    state [B, H, K, V]. q, k must already be L2-normalised; q is multiplied by ``scale`` here.
+    Returns (o [B, T, H, V] fp32, final state [B, H, K, V] fp32)."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    S = torch.zeros(B, H, K, V, dtype=torch.float32, device=q.device)
+    if initial_state is not None:
+        S = S + initial_state.float()
+    out = q.new_empty(B, T, H, V)
+    for t in range(T):
+        S = S * torch.exp(g[:, t]).unsqueeze(-1)  # S <- Diag(alpha) S
+        r = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])
+        S = S + beta[:, t, :, None, None] * k[:, t].unsqueeze(-1) * r.unsqueeze(-2)
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale)
+    return out, S
+
+
+def kda_chunked_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked UT-transform form for one sequence. q, k, g: [T, H, K]; v: [T, H, V];
+    beta: [T, H]; state [H, K, V]. Same contract as ``kda_recurrent_ref`` without the batch dim.
+
+    Per chunk (seed 002, FlashKDA K1/K2), with G the inclusive cumulative log decay:
+        L   = StrictTril(beta_i * sum_c k_i k_j exp(G_i - G_j))      (UT transform)
+        U   = (I + L)^-1 diag(beta) (V - (exp(G) * K) S)
+        O   = (exp(G) * Q) S + Tril(sum_c q_i k_j exp(G_i - G_j)) U
+        S'  = exp(G_last) * S + (exp(G_last - G) * K)^T U
+    """
+    T, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    pad = (-T) % C
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    # Padding tokens have k = 0, beta = 0, g = 0: they neither decay nor write the state.
+    q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(beta, (0, 0, 0, pad))
+    n = (T + pad) // C
+    # [n, H, C, D] chunk-major, head-batched
+    q, k, v, g = (x.view(n, C, H, -1).transpose(1, 2) for x in (q, k, v, g))
+    beta = beta.view(n, C, H).transpose(1, 2)
+    q = q * scale
+    S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
+    if initial_state is not None:
+        S = S + initial_state.float()
+    eye = torch.eye(C, device=q.device)
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), diagonal=-1)
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+    out = torch.empty(n, H, C, V, device=q.device)
+    for c in range(n):
+        qc, kc, vc, bc = q[c], k[c], v[c], beta[c]
+        G = g[c].cumsum(1)  # [H, C, K]
+        # Pairwise decays exp(G_i - G_j), only where j <= i (exponent <= 0).
+        diff = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~incl[None, :, :, None], float("-inf"))
+        decay = torch.exp(diff)  # [H, C(i), C(j), K]
+        kk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay)
+        L = (bc.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
+        Mqk = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay).masked_fill(~incl, 0.0)
+        a = torch.exp(G)
+        Bm = bc.unsqueeze(-1) * (vc - (a * kc) @ S)
+        U = torch.linalg.solve_triangular(eye + L, Bm, upper=False, unitriangular=True)
+        out[c] = (a * qc) @ S + Mqk @ U
+        a_last = a[:, -1, :]  # [H, K]
+        k_restore = torch.exp(G[:, -1:, :] - G) * kc
+        S = a_last.unsqueeze(-1) * S + k_restore.transpose(1, 2) @ U
+    o = out.transpose(1, 2).reshape(n * C, H, V)[:T]
+    return o, S

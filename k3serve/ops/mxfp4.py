@@ -1,0 +1,196 @@
+"""MXFP4 (OCP MX, compressed-tensors ``mxfp4-pack-quantized``) pack/unpack/quant.
+
+Kimi K3 checkpoints ship expert weights as MXFP4: FP4 E2M1 elements packed two
+per byte (low nibble = even input index) plus one E8M0 power-of-two scale per
+32 consecutive input elements of a row. Everything here is plain vectorised
+torch so the same code serves as the CPU reference and the CUDA load path.
+
+All arithmetic is done in fp32, where every MXFP4 value is exactly
+representable (2^-128 = 0.5 * 2^-127 is an fp32 subnormal), so dequantisation
+is exact. This assumes denormals are not flushed (``torch.set_flush_denormal``
+left at its default). Values with |x| >= 2 under scale byte 254 exceed the fp32
+range and become +-inf; real checkpoints do not use such scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "E2M1_VALUES",
+    "MXFP4_BLOCK_SIZE",
+    "unpack_fp4",
+    "pack_fp4_codes",
+    "dequantize_mxfp4",
+    "quantize_mxfp4",
+    "mxfp4_bytes",
+]
+
+MXFP4_BLOCK_SIZE = 32
+_E8M0_BIAS = 127
+_E8M0_NAN = 255
+# Largest power-of-two exponent of an E2M1 value (6 = 1.5 * 2^2); the OCP
+# shared-exponent rule subtracts it so the block amax lands in [4, 8).
+_E2M1_EMAX = 2
+
+# Indexed by the 4-bit code: bit 3 is the sign, so codes 8..15 mirror 0..7.
+E2M1_VALUES: torch.Tensor = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+
+# Rounding boundaries between consecutive magnitude codes, paired with whether
+# an exact tie goes up. Ties go to the even code (OCP round-to-nearest-even),
+# i.e. up exactly when the upper code is even.
+_E2M1_BOUNDARIES: tuple[tuple[float, bool], ...] = (
+    (0.25, False),  # 0 | 1
+    (0.75, True),   # 1 | 2
+    (1.25, False),  # 2 | 3
+    (1.75, True),   # 3 | 4
+    (2.5, False),   # 4 | 5
+    (3.5, True),    # 5 | 6
+    (5.0, False),   # 6 | 7 ; everything above saturates to 7 (= 6.0)
+)
+
+
+def _exp2_int(e: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 2^e for integer e in [-127, 127], built from bits.
+
+    Built by hand because pow/exp2/ldexp are not guaranteed bit-exact on every
+    backend, and 2^-127 needs the subnormal encoding.
+    """
+    biased = e.to(torch.int32) + _E8M0_BIAS  # 0..254
+    bits = torch.where(
+        biased > 0,
+        biased << 23,
+        torch.full_like(biased, 1 << 22),  # 2^-127 as an fp32 subnormal
+    )
+    return bits.view(torch.float32)
+
+
+def _check_uint8(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{name} must be uint8, got {t.dtype}")
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension")
+
+
+def _unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> uint8 codes [..., K], low nibble first."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Decode packed E2M1 nibbles to fp32 (no block scale applied)."""
+    _check_uint8(packed, "packed")
+    codes = _unpack_codes(packed)
+    return E2M1_VALUES.to(packed.device)[codes.long()]
+
+
+def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes two per byte, even index in the low nibble."""
+    _check_uint8(codes, "codes")
+    if codes.shape[-1] % 2 != 0:
+        raise ValueError(f"codes last dim must be even, got {codes.shape[-1]}")
+    if codes.numel() and bool((codes > 0x0F).any()):
+        raise ValueError("codes must be 4-bit values in [0, 15]")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def dequantize_mxfp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    check_scales: bool = True,
+) -> torch.Tensor:
+    """MXFP4 -> dense [..., N, K]; exact in fp32, then cast to ``dtype``.
+
+    The NaN-scale check costs a device sync: keep it at load time, where a
+    silent NaN scale is far more expensive than the check, and pass
+    ``check_scales=False`` on the forward path (the loader already checked).
+    """
+    _check_uint8(packed, "packed (weight_packed)")
+    _check_uint8(scale, "scale (weight_scale)")
+    k = packed.shape[-1] * 2
+    if packed.shape[:-1] != scale.shape[:-1] or k != scale.shape[-1] * MXFP4_BLOCK_SIZE:
+        raise ValueError(
+            "inconsistent MXFP4 shapes: weight_packed "
+            f"{tuple(packed.shape)} (K={k}) needs weight_scale "
+            f"{tuple(packed.shape[:-1]) + (k // MXFP4_BLOCK_SIZE,)} with K % 32 == 0, "
+            f"got {tuple(scale.shape)}"
+        )
+    if scale.device != packed.device:
+        raise ValueError(f"packed on {packed.device} but scale on {scale.device}")
+    if check_scales and scale.numel() and bool((scale == _E8M0_NAN).any()):
+        raise ValueError("weight_scale contains E8M0 byte 255 (NaN); checkpoint is invalid")
+
+    values = unpack_fp4(packed)
+    blocks = values.reshape(*scale.shape, MXFP4_BLOCK_SIZE)
+    factors = _exp2_int(scale.to(torch.int32) - _E8M0_BIAS)
+    out = (blocks * factors.unsqueeze(-1)).reshape(values.shape)
+    return out.to(dtype)
+
+
+def _round_to_e2m1_codes(mag: torch.Tensor) -> torch.Tensor:
+    """Non-negative fp32 magnitudes -> nearest E2M1 magnitude code (0..7).
+
+    Counting crossed boundaries is exact, branch-free and gives
+    ties-to-even and saturation at 6 for free.
+    """
+    codes = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
+    for boundary, tie_up in _E2M1_BOUNDARIES:  # 7 constants, not elements
+        crossed = mag >= boundary if tie_up else mag > boundary
+        codes += crossed.to(torch.uint8)
+    return codes
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float [..., N, K] -> (weight_packed uint8 [..., K/2], weight_scale uint8 [..., K/32]).
+
+    Shared exponent per OCP MX: floor(log2(amax)) - 2, clamped to [-127, 127].
+    An all-zero block gets scale byte 0 (2^-127), which is what the clamp
+    yields for log2(0) = -inf. Elements round to nearest E2M1, ties to even,
+    saturating at +-6; the sign of zero is kept (negative tiny values -> -0).
+    Input is cast to fp32 first (exact for bf16/fp16). Used for tests and
+    offline tooling, not the serving hot path.
+    """
+    if not w.is_floating_point():
+        raise TypeError(f"w must be a floating tensor, got {w.dtype}")
+    if w.dim() < 1 or w.shape[-1] % MXFP4_BLOCK_SIZE != 0:
+        raise ValueError(
+            f"w last dim must be a multiple of {MXFP4_BLOCK_SIZE}, got shape {tuple(w.shape)}"
+        )
+    x = w.to(torch.float32)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError("w contains non-finite values; MXFP4 cannot encode them")
+
+    k = x.shape[-1]
+    blocks = x.reshape(*x.shape[:-1], k // MXFP4_BLOCK_SIZE, MXFP4_BLOCK_SIZE)
+    amax = blocks.abs().amax(dim=-1)
+
+    # frexp: amax = m * 2^e, m in [0.5, 1) => floor(log2(amax)) = e - 1 exactly
+    # (also for subnormals, unlike log2 + floor which can misround).
+    _, e = torch.frexp(amax)
+    shared = e.to(torch.int32) - 1 - _E2M1_EMAX
+    shared = torch.where(amax > 0, shared, torch.full_like(shared, -_E8M0_BIAS))
+    shared = shared.clamp(-_E8M0_BIAS, _E8M0_BIAS)
+
+    scaled = blocks * _exp2_int(-shared).unsqueeze(-1)
+    mag_codes = _round_to_e2m1_codes(scaled.abs())
+    sign = torch.signbit(scaled).to(torch.uint8) << 3
+    codes = (mag_codes | sign).reshape(x.shape)
+
+    packed = pack_fp4_codes(codes)
+    scale = (shared + _E8M0_BIAS).to(torch.uint8)
+    return packed, scale.contiguous()
+
+
+def mxfp4_bytes(n: int, k: int) -> int:
+    """Storage for an [n, k] MXFP4 matrix: 4 bits/elem + 8 bits/32 = 4.25 bits/weight."""
+    if n < 0 or k < 0 or k % MXFP4_BLOCK_SIZE != 0:
+        raise ValueError(f"need n >= 0 and k a non-negative multiple of 32, got n={n}, k={k}")
+    return n * (k // 2) + n * (k // MXFP4_BLOCK_SIZE)

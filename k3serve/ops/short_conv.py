@@ -1,0 +1,40 @@
+"""KDA's short causal depthwise convolution over a varlen batch, with per-slot conv state.
+
+The conv state of a sequence is its last W-1 *pre-conv* inputs, [C, W-1], oldest first; a
+sequence with no cached context starts from zeros (its slot is never read).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model.batch import ForwardBatch
+
+
+def short_conv_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                   batch: ForwardBatch) -> torch.Tensor:
+    """x [T, C] pre-conv inputs; weight [C, W] fp32; conv_state [num_slots, C, W-1] (updated in
+    place at each sequence's slot). Returns the conv output [T, C] (fp32 math, x's dtype), no
+    activation."""
+    T, C = x.shape
+    W = weight.shape[-1]
+    out = torch.empty_like(x)
+    has_ctx = (batch.context_lens > 0).view(-1, 1, 1)
+    nd = batch.num_decodes
+    wf = weight.float()
+    if nd:
+        slots = batch.kda_slots[:nd]
+        prev = torch.where(has_ctx[:nd], conv_state[slots].float(), 0.0)
+        window = torch.cat([prev, x[:nd].float().unsqueeze(-1)], dim=-1)  # [nd, C, W]
+        out[:nd] = (window * wf).sum(-1).to(x.dtype)
+        conv_state[slots] = window[..., 1:].to(conv_state.dtype)
+    for i in range(nd, batch.num_seqs):
+        s, e = batch.token_range(i)
+        slot = batch.kda_slots[i]
+        prev = conv_state[slot].float() if batch.context_lens_host[i] > 0 else x.new_zeros(C, W - 1, dtype=torch.float32)
+        seq = torch.cat([prev, x[s:e].float().t()], dim=-1)  # [C, W-1+L]
+        y = F.conv1d(seq.unsqueeze(0), wf.unsqueeze(1), groups=C)[0]  # [C, L]
+        out[s:e] = y.t().to(x.dtype)
+        conv_state[slot] = seq[:, -(W - 1):].to(conv_state.dtype)
+    return out
