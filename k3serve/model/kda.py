@@ -8,7 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.kda import kda_core
-from ..ops.kda_ref import kda_gate, l2norm
+from ..ops.kda_ref import kda_gate
 from ..ops.short_conv import short_conv_ref
 from .batch import ForwardBatch, KDALayerCache
 from .layers import Linear, rms_norm
@@ -48,9 +48,8 @@ class KDAMixer(nn.Module):
         P = H * D
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_w = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d], dim=0)
-        qkv = F.silu(short_conv_ref(qkv, conv_w, cache.conv, batch).float())
+        qkv = F.silu(short_conv_ref(qkv, conv_w, cache.conv, batch).float()).to(x.dtype)
         q, k, v = (t.reshape(T, H, D) for t in qkv.split(P, dim=-1))
-        q, k = l2norm(q), l2norm(k)
         # Gates and beta come from the layer input x, not from the conv output.
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, D), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())

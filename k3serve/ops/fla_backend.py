@@ -1,8 +1,21 @@
-"""fla-core (flash-linear-attention) kernels for KDA on CUDA; optional dependency."""
+"""fla-core (flash-linear-attention) kernels for the KDA core on CUDA; optional (``k3serve[gpu]``).
+
+API facts this relies on (fla-core 0.6.0, checked on an H200, see the model-core issue note):
+- ``chunk_kda`` takes a varlen batch as B=1 + ``cu_seqlens``, initial states [N, H, K, V] fp32,
+  and returns the final states as a new tensor (so: gather slots, run, scatter back).
+- the public ``fused_recurrent_kda`` ignores ``ssm_state_indices``; ``fused_recurrent_kda_fwd``
+  with ``inplace_final_state=True`` updates the slot pool in place.
+- plain mode takes ``g`` as the activated per-channel log decay, which is safe for any g <= 0
+  (the "safe_gate" speed path needs g >= -5 and is left off so one call serves both gate forms).
+"""
 
 from __future__ import annotations
 
 import functools
+
+import torch
+
+from ..model.batch import ForwardBatch
 
 
 @functools.lru_cache(maxsize=1)
@@ -12,3 +25,45 @@ def available() -> bool:
     except Exception:
         return False
     return True
+
+
+def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
+    """Sequences without cached context start from a zero state (host-known, no device sync)."""
+    fresh = [i for i in seqs if batch.context_lens_host[i] == 0]
+    if fresh:
+        state[batch.kda_slots[torch.tensor(fresh, device=state.device)]] = 0.0
+
+
+def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             scale: float, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Same contract as ``ops.kda.kda_core``; q and k are L2-normalised inside the kernels."""
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    T, H, K = q.shape
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    nd = batch.num_decodes
+    if nd:
+        _zero_fresh(state, batch, range(nd))
+        o, _ = fused_recurrent_kda_fwd(
+            q=q[:nd, None].contiguous(), k=k[:nd, None].contiguous(), v=v[:nd, None].contiguous(),
+            g=g[:nd, None].float().contiguous(), beta=beta[:nd, None].float().contiguous(),
+            initial_state=state, scale=scale, inplace_final_state=True,
+            ssm_state_indices=batch.kda_slots[:nd], use_qk_l2norm_in_kernel=True,
+        )
+        out[:nd] = o[:, 0]
+    if nd < batch.num_seqs:
+        slots = batch.kda_slots[nd:]
+        _zero_fresh(state, batch, range(nd, batch.num_seqs))
+        qlens = batch.query_lens_host[nd:]
+        cu_cpu = torch.zeros(len(qlens) + 1, dtype=torch.long)
+        cu_cpu[1:] = torch.tensor(qlens).cumsum(0)
+        s = nd  # decode tokens come first, one each
+        o, ht = chunk_kda(
+            q[None, s:], k[None, s:], v[None, s:], g[None, s:].float(), beta[None, s:].float(),
+            scale=scale, initial_state=state[slots], output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu,
+        )
+        out[s:] = o[0]
+        state[slots] = ht
+    return out

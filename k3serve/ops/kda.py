@@ -11,17 +11,19 @@ import torch
 
 from ..model.batch import ForwardBatch
 from . import fla_backend
-from .kda_ref import kda_chunked_ref, kda_recurrent_ref
+from .kda_ref import kda_chunked_ref, kda_recurrent_ref, l2norm
 
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              scale: float, state: torch.Tensor, batch: ForwardBatch, backend: str = "auto") -> torch.Tensor:
-    """q, k (L2-normalised), g (log decay), all [T, H, K]; v [T, H, V]; beta [T, H].
-    ``state`` [num_slots, H, K, V] is updated in place at ``batch.kda_slots``. Returns o [T, H, V] fp32."""
+    """q, k (post conv, L2-normalised here), g (log decay), all [T, H, K]; v [T, H, V]; beta [T, H].
+    ``state`` [num_slots, H, K, V] is updated in place at ``batch.kda_slots``. Returns o [T, H, V]
+    (fp32 from the reference, v's dtype from fla)."""
     if backend == "auto":
         backend = "fla" if q.is_cuda and fla_backend.available() else "torch"
     if backend == "fla":
         return fla_backend.kda_core(q, k, v, g, beta, scale, state, batch)
+    q, k = l2norm(q), l2norm(k)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     nd = batch.num_decodes
     has_ctx = batch.context_lens > 0
