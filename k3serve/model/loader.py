@@ -28,17 +28,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 def load_model(model: str | Path | None = None, *, preset: str | None = None, load_format: str = "auto",
                dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = None,
-               seed: int = 0, verify_checksums: bool = False, progress: bool = True) -> K3ForCausalLM:
+               seed: int = 0, verify_checksums: bool = False, progress: bool = True,
+               mxfp4: bool | None = None) -> K3ForCausalLM:
     """Build the network and fill its weights.
 
     ``model`` is a checkpoint directory; ``preset`` names a built-in shape (random weights only).
     ``load_format``: ``safetensors`` (read files), ``dummy`` (random weights generated on the device,
-    no files), or ``auto`` (safetensors for a directory, dummy for a preset).
+    no files), or ``auto`` (safetensors for a directory, dummy for a preset). ``mxfp4`` forces a
+    preset's routed experts to MXFP4 (True) or bf16 (False).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if (model is None) == (preset is None):
         raise ValueError("give exactly one of a model directory or a preset")
-    cfg = ModelConfig.from_pretrained(model) if model is not None else ModelConfig.from_dict(preset_config(preset))
+    cfg = ModelConfig.from_pretrained(model) if model is not None else ModelConfig.from_dict(preset_config(preset, mxfp4))
     if load_format == "auto":
         load_format = "safetensors" if model is not None else "dummy"
     if load_format not in ("safetensors", "dummy"):
