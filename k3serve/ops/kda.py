@@ -7,6 +7,8 @@ slot pool [num_slots, H, K, V] fp32 and are read at, and written back to, each s
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..model.batch import ForwardBatch
@@ -15,10 +17,11 @@ from .kda_ref import kda_chunked_ref, kda_recurrent_ref, l2norm
 
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             scale: float, state: torch.Tensor, batch: ForwardBatch, backend: str = "auto") -> torch.Tensor:
+             scale: float, state: torch.Tensor, batch: ForwardBatch, backend: str | None = None) -> torch.Tensor:
     """q, k (post conv, L2-normalised here), g (log decay), all [T, H, K]; v [T, H, V]; beta [T, H].
     ``state`` [num_slots, H, K, V] is updated in place at ``batch.kda_slots``. Returns o [T, H, V]
     (fp32 from the reference, v's dtype from fla)."""
+    backend = backend or os.environ.get("K3SERVE_KDA_BACKEND", "auto")  # auto | torch | fla
     if backend == "auto":
         backend = "fla" if q.is_cuda and fla_backend.available() else "torch"
     if backend == "fla":
