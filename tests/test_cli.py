@@ -1,0 +1,20 @@
+"""The README's main command path: make-model then check, through the real CLI entry point."""
+
+import json
+
+from k3serve.cli import main
+
+
+def test_make_model_then_check(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert main(["make-model", "--preset", "tiny", "--out", str(out), "--mxfp4", "--seed", "2"]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert (out / "tiktoken.model").read_text().count("\n") == 256
+    specials = json.loads((out / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert specials[str(2048 - 256 + 2)]["content"] == "<|end_of_msg|>"  # K3's eos at its usual offset
+    capsys.readouterr()
+    assert main(["check", "--model", str(out), "--verify-checksums", "--prompt-len", "20", "--steps", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "experts mxfp4" in text and "greedy tokens" in text
+    assert main(["check", "--preset", "tiny", "--prompt-len", "8", "--steps", "2"]) == 0
