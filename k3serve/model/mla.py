@@ -68,7 +68,9 @@ class MLAMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         q, kv_rows = self.project(x)
-        cache.latent.view(-1, cache.latent.shape[-1])[batch.slot_mapping] = kv_rows.to(cache.latent.dtype)
+        # Index by (page, offset), not a flat view: the pool hands out strided per-layer views.
+        page, offset = batch.slot_mapping // batch.page_size, batch.slot_mapping % batch.page_size
+        cache.latent[page, offset] = kv_rows.to(cache.latent.dtype)
         o = self.attend(q, batch, cache.latent).reshape(x.shape[0], -1)
         if self.output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float())
