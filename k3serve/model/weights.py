@@ -22,7 +22,6 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
-from ..ops.mxfp4 import quantize_mxfp4  # noqa: F401  (re-exported for tools)
 
 log = logging.getLogger(__name__)
 
