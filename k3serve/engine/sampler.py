@@ -1,0 +1,191 @@
+"""Batched, vectorised token sampler with vLLM/OpenAI semantics.
+
+One call handles a whole decode step: every row of ``logits`` [B, V] is one sequence,
+each with its own :class:`SamplingParams`. All work is done on [B, V] tensors; the only
+per-row Python is building small parameter/id tensors and drawing the noise of seeded rows.
+
+Pipeline (the order matters and matches vLLM):
+
+1. raw logprobs (``log_softmax`` of the input logits) if any row asked for logprobs;
+2. penalties: repetition (prompt + output tokens), frequency and presence (output only);
+3. ``min_tokens``: EOS and stop token ids get ``-inf`` until enough tokens were generated;
+4. greedy rows (temperature 0): argmax;
+5. other rows: temperature, top-k, top-p, min-p, then an exponential race
+   ``argmax(probs / q)``, ``q ~ Exp(1)``. That is an exact draw from ``probs``, and it lets a
+   seeded request draw its noise row (shape [V]) from its own generator, so its tokens do
+   not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the engine hands over per sequence for one step."""
+
+    params: SamplingParams
+    prompt_ids: list[int]  # repetition_penalty sees prompt + output tokens
+    output_ids: list[int]  # presence/frequency penalties and min_tokens count these only
+    eos_ids: list[int]  # masked while len(output_ids) < min_tokens (even with ignore_eos)
+    generator: torch.Generator | None = None  # required when params.seed is set; on the logits' device
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] fp32, raw-logit logprob of the sampled token
+    top_ids: torch.Tensor | None = None  # [B, kmax] int64, kmax = max requested over the batch
+    top_logprobs: torch.Tensor | None = None  # [B, kmax] fp32, sorted descending
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator a seeded request should own (create once, keep across steps)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(id_lists), vocab] fp32 occurrence counts, via one scatter_add over padded ids.
+
+    Padding uses the id ``vocab`` so it lands in an extra column that is dropped.
+    """
+    width = max(1, max(len(ids) for ids in id_lists))
+    padded = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in id_lists], dtype=torch.long, device=device)
+    counts = torch.zeros(len(id_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Return penalised logits (out of place; ``logits`` itself is untouched).
+
+    repetition_penalty p (vLLM/CTRL): for tokens seen in prompt or output, logit/p if logit > 0
+    else logit*p. Then, for tokens seen in the output only (OpenAI):
+    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+    Only rows that use a penalty are touched; with none, no count tensor is built at all.
+    """
+    picked = [i for i, r in enumerate(rows) if _uses_penalties(r.params)]
+    if not picked:
+        return logits
+    vocab, dev = logits.shape[1], logits.device
+    sel = [rows[i] for i in picked]
+    idx = torch.tensor(picked, device=dev)
+    col = lambda xs: torch.tensor(xs, dtype=logits.dtype, device=dev).unsqueeze(1)  # noqa: E731
+    rep = col([r.params.repetition_penalty for r in sel])
+    freq = col([r.params.frequency_penalty for r in sel])
+    pres = col([r.params.presence_penalty for r in sel])
+
+    sub = logits[idx]
+    out_counts = _token_counts([r.output_ids for r in sel], vocab, dev)
+    if bool((rep != 1.0).any()):
+        seen = (out_counts + _token_counts([r.prompt_ids for r in sel], vocab, dev)) > 0
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
+    out = logits.clone()
+    out[idx] = sub
+    return out
+
+
+def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Forbid (-inf) EOS and stop_token_ids for rows with fewer than min_tokens outputs.
+
+    Out of place (returns ``logits`` itself when no row needs it). EOS is masked even with
+    ignore_eos, like vLLM: min_tokens means no stop of any kind before that many tokens.
+    """
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.output_ids) < r.params.min_tokens:
+            toks = [t for t in (*r.eos_ids, *r.params.stop_token_ids) if t < logits.shape[1]]
+            r_idx += [i] * len(toks)
+            t_idx += toks
+    if r_idx:
+        dev = logits.device
+        index = (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev))
+        logits = logits.index_put(index, torch.tensor(float("-inf"), device=dev))
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Apply top-k, then top-p, then min-p to temperature-scaled logits [S, V]; dropped -> -inf.
+
+    top_k [S] long (0 = off); top_p [S] (1 = off): keep the smallest prefix of the sorted
+    distribution (renormalised after top-k) whose mass reaches top_p, always the top token;
+    min_p [S] (0 = off): drop tokens with prob < min_p * max prob. min-p only compares ratios to
+    the max token, which top-k/top-p never remove, so it can run on the unsorted tensor.
+    """
+    vocab = logits.shape[1]
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        pos = torch.arange(vocab, device=logits.device)
+        k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(pos >= k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumsum: 0 for the top token
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Stateless apart from the generator used for unseeded rows (None: torch's global RNG)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "logits must be [B, V] with one row per request"
+        logits = logits.float()
+        dev = logits.device
+
+        # 1. logprobs come from the raw model logits (vLLM's default), before any processing.
+        ks = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        raw_logprobs = logits.log_softmax(dim=-1) if ks else None
+
+        # 2-3. penalties then min_tokens (both out of place: the caller's logits stay intact).
+        processed = mask_min_tokens(apply_penalties(logits, rows), rows)
+
+        # 4. greedy rows: argmax; also the default for every row, overwritten below for sampled ones.
+        token_ids = processed.argmax(dim=-1)
+
+        # 5. sampled rows.
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            ps = [rows[i].params for i in sampled]
+            s_idx = torch.tensor(sampled, device=dev)
+            temp = torch.tensor([p.temperature for p in ps], device=dev).unsqueeze(1)
+            top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
+            top_p = torch.tensor([p.top_p for p in ps], device=dev)
+            min_p = torch.tensor([p.min_p for p in ps], device=dev)
+            probs = filter_logits(processed[s_idx] / temp, top_k, top_p, min_p).softmax(dim=-1)
+
+            # Exponential race. Seeded rows overwrite their noise row from their own generator,
+            # a fixed-size [V] draw, so it depends only on that request's generator state.
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            for j, i in enumerate(sampled):
+                if rows[i].params.seed is not None:
+                    gen = rows[i].generator
+                    if gen is None:
+                        raise ValueError(f"row {i} has seed={rows[i].params.seed} but no generator")
+                    q[j].exponential_(generator=gen)
+            q.clamp_(min=torch.finfo(q.dtype).tiny)  # exponential_ may return exactly 0
+            token_ids[s_idx] = (probs / q).argmax(dim=-1)
+
+        out = SamplerOutput(token_ids=token_ids)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            out.top_logprobs, out.top_ids = raw_logprobs.topk(max(ks), dim=-1)
+        return out
