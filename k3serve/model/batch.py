@@ -12,6 +12,7 @@ part is one contiguous, batched slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Sequence
 
 import torch
@@ -96,31 +97,34 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], page_size: int = 64, device=None) -> "ForwardBatch":
+        """Host lists -> device tensors: C-level concatenation and vectorised index math, no
+        per-token Python loop (this runs every engine step)."""
         if not chunks:
             raise ValueError("a forward batch needs at least one sequence")
+        n = len(chunks)
         qlens = [len(c.token_ids) for c in chunks]
+        ctx = [c.context_len for c in chunks]
+        npages = [len(c.pages) for c in chunks]
         if min(qlens) < 1:
             raise ValueError("every sequence in a step needs at least one new token")
+        for c, q, p in zip(chunks, qlens, npages):
+            if p * page_size < c.context_len + q:
+                raise ValueError(f"sequence with {c.context_len}+{q} tokens needs "
+                                 f"{-(-(c.context_len + q) // page_size)} pages of {page_size}, got {p}")
         num_decodes = 0
-        while num_decodes < len(qlens) and qlens[num_decodes] == 1:
+        while num_decodes < n and qlens[num_decodes] == 1:
             num_decodes += 1
-        ctx = [c.context_len for c in chunks]
-        for c, q in zip(chunks, qlens):
-            need = -(-(c.context_len + q) // page_size)
-            if len(c.pages) < need:
-                raise ValueError(
-                    f"sequence with {c.context_len}+{q} tokens needs {need} pages of {page_size}, got {len(c.pages)}"
-                )
-        max_pages = max(len(c.pages) for c in chunks)
-        table = torch.full((len(chunks), max(max_pages, 1)), -1, dtype=torch.int64)
-        for i, c in enumerate(chunks):
-            table[i, : len(c.pages)] = torch.as_tensor(list(c.pages), dtype=torch.int64)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.int64)
+        npages_t = torch.tensor(npages, dtype=torch.int64)
+        table = torch.full((n, max(npages)), -1, dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(n), npages_t)
+        cols = torch.arange(int(npages_t.sum())) - torch.repeat_interleave(npages_t.cumsum(0) - npages_t, npages_t)
+        table[rows, cols] = torch.tensor(list(chain.from_iterable(c.pages for c in chunks)), dtype=torch.int64)
         qlen_t = torch.tensor(qlens, dtype=torch.int64)
         ctx_t = torch.tensor(ctx, dtype=torch.int64)
-        qstart = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+        qstart = torch.zeros(n + 1, dtype=torch.int64)
         qstart[1:] = qlen_t.cumsum(0)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), qlen_t)
+        seq_of_token = torch.repeat_interleave(torch.arange(n), qlen_t)
         pos = ctx_t[seq_of_token] + torch.arange(len(ids)) - qstart[seq_of_token]
         slot_mapping = table[seq_of_token, pos // page_size] * page_size + pos % page_size
         to = lambda t: t.to(device) if device is not None else t  # noqa: E731

@@ -1,0 +1,346 @@
+"""LLMEngine (one step: schedule -> run -> sample -> outputs) and the offline ``LLM`` API."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..cache.pool import ALIGN, PoolLayout, UnifiedPool, parse_bytes
+from ..model.k3 import K3ForCausalLM
+from ..model.loader import load_model
+from .request import Request, Sequence, Status, new_request
+from .runner import ModelRunner
+from .sampler import Sampler, SamplingRow
+from .sampling_params import SamplingParams
+from .scheduler import RequestRejected, ScheduledSeq, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's context length
+    page_size: int = 64
+    cache_memory: str | int | None = None  # pool bytes; default on CPU "1GiB"
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device for weights + activations + pool
+    unified_memory: bool = True
+    kda_fraction: float = 0.5  # static-split mode only
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list | None = None  # per token: (token_id, logprob, [(alt_id, alt_logprob), ...])
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, model: K3ForCausalLM, tokenizer=None, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = cfg = config or EngineConfig()
+        self.device = next(model.parameters()).device
+        mcfg = model.config
+        self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
+        self.eos_ids = list(getattr(tokenizer, "eos_token_ids", None) or mcfg.eos_token_ids)
+        self.pool = UnifiedPool(mcfg, self._pool_bytes(), model.dtype, self.device, cfg.page_size,
+                                kda_fraction=None if cfg.unified_memory else cfg.kda_fraction)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(model, self.pool)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.timings = {"schedule": 0.0, "sample": 0.0, "output": 0.0}
+        self.steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path | None = None, *, preset: str | None = None,
+                        config: EngineConfig | None = None, tokenizer=None, **load_kw) -> "LLMEngine":
+        net = load_model(model, preset=preset, **load_kw)
+        if tokenizer is None and model is not None:
+            from ..tokenizer import load_tokenizer
+
+            try:
+                tokenizer = load_tokenizer(model)
+            except (FileNotFoundError, ValueError) as exc:
+                log.warning("no tokenizer loaded (%s): prompts must be token ids", exc)
+        return cls(net, tokenizer, config)
+
+    # ---- memory ---------------------------------------------------------------------------
+    def _pool_bytes(self) -> int:
+        cfg = self.config
+        if cfg.cache_memory is not None:
+            return parse_bytes(cfg.cache_memory)
+        if self.device.type != "cuda":
+            return 1 << 30
+        return self._profile_gpu_pool_bytes()
+
+    def _profile_gpu_pool_bytes(self) -> int:
+        """Pool = utilisation x device memory - weights - the activation peak of the largest step,
+        measured by running that step once on a throwaway pool."""
+        from ..model.batch import ForwardBatch, SeqChunk
+
+        cfg, mcfg = self.config, self.model.config
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        pages = -(-tokens // cfg.page_size)
+        lay = PoolLayout.for_model(mcfg, self.model.dtype, cfg.page_size)
+        scratch_bytes = lay.slot_bytes + pages * lay.page_bytes + 2 * ALIGN
+        scratch = UnifiedPool(mcfg, scratch_bytes, self.model.dtype, self.device, cfg.page_size)
+        slot = scratch.alloc_slot()
+        page_ids = [scratch.alloc_page() for _ in range(pages)]
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        batch = ForwardBatch.build([SeqChunk([0] * tokens, 0, slot, page_ids)], cfg.page_size, self.device)
+        self.model.compute_logits(self.model(batch, scratch.handles)[batch.logits_indices])
+        torch.cuda.synchronize()
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, batch
+        torch.cuda.empty_cache()
+        used_by_others = total - free  # weights (and anything else resident) before profiling
+        budget = int(cfg.gpu_memory_utilization * total) - used_by_others - activation_peak
+        if budget <= 0:
+            raise RuntimeError(f"no memory left for the cache pool: {cfg.gpu_memory_utilization:.0%} of "
+                               f"{total / 2**30:.1f} GiB minus {used_by_others / 2**30:.1f} GiB in use and a "
+                               f"{activation_peak / 2**30:.1f} GiB activation peak; lower --max-num-batched-tokens "
+                               "or raise --gpu-memory-utilization")
+        log.info("cache pool %.2f GiB (activation peak %.2f GiB)", budget / 2**30, activation_peak / 2**30)
+        return budget
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+            prompt_ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            prompt_ids, text = list(prompt), None
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestRejected(f"prompt token ids must be in 0..{vocab - 1}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.check_admissible(len(prompt_ids))
+        req = new_request(request_id, prompt_ids, params, text, self.device)
+        for seq in req.seqs:
+            self._attach_text_state(seq)
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])  # siblings of n > 1 start from its prefill (fork)
+        return request_id
+
+    def _attach_text_state(self, seq: Sequence) -> None:
+        if self.tokenizer is None:
+            return
+        from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+        seq.stopper = StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output)
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends the request now; its slot and pages go back to the pool before this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for seq in self.scheduler.finished_by_scheduler:
+            self._finalize_text(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        self.scheduler.finished_by_scheduler.clear()
+        t1 = time.perf_counter()
+        if sched:
+            logits = self.runner.execute(sched)
+            t2 = time.perf_counter()
+            self._advance(sched, logits, touched)
+            self.timings["sample"] += time.perf_counter() - t2
+        self.timings["schedule"] += t1 - t0
+        self.steps += 1
+        t3 = time.perf_counter()
+        outs = [self._request_output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        self.timings["output"] += time.perf_counter() - t3
+        return outs
+
+    def _advance(self, sched: list[ScheduledSeq], logits: torch.Tensor, touched: dict[str, Request]) -> None:
+        sampling = [s for s in sched if s.samples]
+        rows_seqs: list[Sequence] = []
+        logit_rows: list[int] = []
+        forks: list[tuple[Sequence, Sequence]] = []
+        for i, s in enumerate(sampling):
+            rows_seqs.append(s.seq)
+            logit_rows.append(i)
+            req = self.requests[s.seq.request_id]
+            if s.seq.index == 0 and len(req.seqs) > 1 and not req.forked:
+                req.forked = True
+                for sib in req.seqs[1:]:
+                    rows_seqs.append(sib)
+                    logit_rows.append(i)
+                    forks.append((s.seq, sib))
+        for s in sched:
+            s.seq.num_computed += s.num_tokens
+        for parent, sib in forks:
+            self._fork(parent, sib)
+        if not rows_seqs:
+            return
+        rows = [self._sampling_row(q) for q in rows_seqs]
+        idx = torch.tensor(logit_rows, device=logits.device)
+        out = self.sampler(logits[idx], rows)
+        tokens = out.token_ids.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        now = time.monotonic()
+        for j, (seq, tok) in enumerate(zip(rows_seqs, tokens)):
+            if seq.finished:
+                continue
+            seq.token_ids.append(tok)
+            seq.first_token_time = seq.first_token_time or now
+            if seq.params.logprobs is not None and lps is not None:
+                k = seq.params.logprobs
+                seq.logprobs.append((tok, lps[j], list(zip(top_ids[j][:k], top_lps[j][:k]))))
+            self._check_stop(seq, tok)
+            touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _sampling_row(self, q: Sequence) -> SamplingRow:
+        """Token histories are copied only for the requests whose sampling reads them."""
+        p = q.params
+        rep = p.repetition_penalty != 1.0
+        needs_output = rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.min_tokens > 0
+        return SamplingRow(p, q.token_ids[:q.num_prompt] if rep else [], q.output_ids if needs_output else [],
+                           self.eos_ids, q.generator)
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """n > 1: the child starts from a copy of the parent's prompt state (no second prefill).
+        Without room for the copy it waits and recomputes the prompt instead."""
+        sch = self.scheduler
+        child.num_computed = 0
+        if sch._grow(child, parent.num_computed):
+            self.pool.copy_slot(parent.kda_slot, child.kda_slot)
+            for src, dst in zip(parent.pages, child.pages):
+                self.pool.copy_page(src, dst)
+            child.num_computed = parent.num_computed
+            child.status = Status.RUNNING
+            sch.running.append(child)
+        else:
+            sch.release(child)
+            child.status = Status.WAITING
+            sch.waiting.appendleft(child)
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        reason = None
+        if seq.num_output >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                reason, seq.stop_reason = "stop", tok
+            elif not p.ignore_eos and tok in self.eos_ids:
+                reason, seq.stop_reason = "stop", None
+        by_string = False
+        if reason is None and seq.detok is not None:
+            emit, by_string = seq.stopper.feed(seq.detok.push(tok))
+            seq.text += emit
+            if by_string:
+                reason, seq.stop_reason = "stop", seq.stopper.matched
+        if reason is None and p.max_tokens is not None and seq.num_output >= p.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            if not by_string:
+                self._finalize_text(seq)
+            self.scheduler.finish(seq, reason)
+
+    @staticmethod
+    def _finalize_text(seq: Sequence) -> None:
+        """Release text held back for a possible stop string (or an incomplete character)."""
+        if seq.detok is None:
+            return
+        emit, stopped = seq.stopper.feed(seq.detok.flush())
+        seq.text += emit
+        if stopped:
+            seq.stop_reason = seq.stopper.matched
+        else:
+            seq.text += seq.stopper.flush()
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            ids = seq.output_ids
+            delta_ids = ids[seq.emitted_tokens:]
+            delta_text = seq.text[seq.emitted_text:]
+            seq.emitted_tokens, seq.emitted_text = len(ids), len(seq.text)
+            outs.append(CompletionOutput(seq.index, seq.text, list(ids), seq.finish_reason, seq.stop_reason,
+                                         list(seq.logprobs) if seq.params.logprobs is not None else None,
+                                         delta_text, delta_ids))
+        return RequestOutput(req.request_id, req.prompt_text, req.prompt_ids, outs, req.finished)
+
+    def stats(self) -> dict:
+        return dict(steps=self.steps, preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
+                    waiting=len(self.scheduler.waiting), pool=self.pool.stats(),
+                    timings={**self.timings, **self.runner.timings})
+
+
+class LLM:
+    """Offline batched generation: ``LLM(path).generate(prompts, params)``."""
+
+    def __init__(self, model: str | Path | None = None, *, preset: str | None = None, tokenizer=None,
+                 config: EngineConfig | None = None, **kw):
+        engine_fields = set(EngineConfig.__dataclass_fields__)
+        ecfg = config or EngineConfig(**{k: kw.pop(k) for k in list(kw) if k in engine_fields})
+        self.engine = LLMEngine.from_pretrained(model, preset=preset, config=ecfg, tokenizer=tokenizer, **kw)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams or one per prompt")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        finals: dict[str, RequestOutput] = {}
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        bar.update(1)
+        return [finals[i] for i in ids]

@@ -1,0 +1,168 @@
+"""Continuous batching over the unified pool (design.md "Scheduling").
+
+Each step: running sequences first, in admission order (decode steps and continuing prefill
+chunks), then FCFS admission of waiting ones, all under a token budget and a sequence cap. A
+sequence holds one KDA slot and the MLA pages covering its computed tokens; pages are taken as
+tokens are scheduled. When the pool cannot grow, the most recently admitted running sequence is
+preempted by recompute (its cache freed, its tokens kept; on readmission it prefills them again
+and continues exactly where it was). The oldest running sequence is never preempted for a younger
+one, so the batch always makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..cache.pool import UnifiedPool
+from .request import Sequence, Status
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the model or for the whole pool)."""
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # new tokens computed this step, starting at seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so its logits give the next token."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, pool: UnifiedPool, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 max_model_len: int = 65536):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.pool = pool
+        self.page_size = pool.layout.page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.slot_owner: dict[int, Sequence] = {}
+        self.page_owner: dict[int, tuple[Sequence, int]] = {}
+        self.num_preemptions = 0
+        self.finished_by_scheduler: list[Sequence] = []  # ended inside schedule(); the engine reports them
+
+    # ---- admission control ----------------------------------------------------------------
+    def check_admissible(self, prompt_len: int) -> None:
+        if prompt_len < 1:
+            raise RequestRejected("the prompt is empty: at least one token is needed")
+        if prompt_len >= self.max_model_len:
+            raise RequestRejected(f"the prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} "
+                                  "(prompt plus at least one generated token must fit)")
+        pages = -(-(prompt_len + 1) // self.page_size)
+        if not self.pool.fits_alone(1, pages):
+            raise RequestRejected(f"the prompt needs {pages} MLA pages plus one KDA slot, more than the whole "
+                                  f"cache pool ({self.pool.total_bytes / 2**30:.2f} GiB) holds")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_admissible(seq.num_prompt)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- memory ---------------------------------------------------------------------------
+    def _pages_needed(self, seq: Sequence, upto: int) -> int:
+        return max(0, -(-upto // self.page_size) - len(seq.pages))
+
+    def _grow(self, seq: Sequence, upto: int) -> bool:
+        """Give ``seq`` the slot and pages covering tokens [0, upto); False if the pool is full."""
+        need_slot = int(seq.kda_slot is None)
+        need_pages = self._pages_needed(seq, upto)
+        if not self.pool.can_allocate(slots=need_slot, pages=need_pages):
+            return False
+        if need_slot:
+            seq.kda_slot = self.pool.alloc_slot()
+            self.slot_owner[seq.kda_slot] = seq
+        for _ in range(need_pages):
+            page = self.pool.alloc_page()
+            self.page_owner[page] = (seq, len(seq.pages))
+            seq.pages.append(page)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Return a sequence's slot and pages to the pool at once, rewriting the ids of units the
+        pool moved into the holes."""
+        if seq.kda_slot is not None:
+            self.slot_owner.pop(seq.kda_slot)
+            moved = self.pool.free_slot(seq.kda_slot)
+            if moved:
+                owner = self.slot_owner.pop(moved[0])
+                owner.kda_slot = moved[1]
+                self.slot_owner[moved[1]] = owner
+            seq.kda_slot = None
+        # Free from the newest page: pages are allocated from the region's edge, so this moves least.
+        for page in reversed(seq.pages):
+            self.page_owner.pop(page)
+            moved = self.pool.free_page(page)
+            if moved:
+                owner, idx = self.page_owner.pop(moved[0])
+                owner.pages[idx] = moved[1]
+                self.page_owner[moved[1]] = (owner, idx)
+        seq.pages = []
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.release(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out) < self.max_num_seqs:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                if victim is seq and i == 0:
+                    # Alone and still cannot grow: the cache cannot hold a longer sequence.
+                    self.finish(seq, "length")
+                    self.finished_by_scheduler.append(seq)
+                    seq = None
+                    break
+                self.preempt(victim)
+                if victim is seq:
+                    seq = None
+                    break
+            if seq is None:
+                continue  # the list shifted; index i now holds the next sequence (or nothing)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(out) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, n):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        # Decode steps (one token) first: the model batches them as one slice.
+        out.sort(key=lambda s: s.num_tokens != 1)
+        return out
