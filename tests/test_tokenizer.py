@@ -322,9 +322,17 @@ def test_detok_random_valid_streams(merged_tok, text, seed):
     rng = random.Random(seed)
     V = tok.vocab_size
     ids = tok.encode(text)
-    # sprinkle specials between tokens (never inside a token)
-    for _ in range(rng.randint(0, 3)):
-        ids.insert(rng.randint(0, len(ids)), rng.choice(list(tok.special_tokens.values())))
+    # sprinkle specials at character boundaries (a token may end inside a character)
+    def at_boundary(k):
+        try:
+            tok.decode_bytes(ids[:k]).decode()
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    boundaries = [k for k in range(len(ids) + 1) if at_boundary(k)]
+    for k in sorted(rng.choices(boundaries, k=rng.randint(0, 3)), reverse=True):
+        ids.insert(k, rng.choice(list(tok.special_tokens.values())))
     # also a raw byte-level rendering of the same text (every multi-byte char split)
     byte_ids = [tok.encoding.encode_single_token(bytes([b])) for b in text.encode()]
     for seq in (ids, byte_ids):

@@ -1,0 +1,228 @@
+"""Continuous batching end to end on the tiny model (fp32, CPU): batched == alone, preemption,
+aborts, n > 1 by state copy, rejection, streaming."""
+
+import random
+
+import pytest
+import torch
+
+from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.scheduler import RequestRejected
+from k3serve.model.loader import load_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(preset="tiny", dtype="float32", device="cpu", seed=4)
+
+
+def engine(model, **kw):
+    kw.setdefault("cache_memory", "64MiB")
+    kw.setdefault("page_size", 16)
+    return LLMEngine(model, None, EngineConfig(**kw))
+
+
+def run_alone(model, prompt, params, **kw):
+    eng = engine(model, **kw)
+    rid = eng.add_request(prompt, params)
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    return final
+
+
+def prompts(n, seed, lo=1, hi=60):
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 1700) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_continuous_batching_equals_alone(model):
+    """32 mixed-length requests arriving at different steps, small token budget (chunked
+    prefill mixed with decodes): each output equals the request run alone, token for token."""
+    ps = prompts(32, 0)
+    rng = random.Random(1)
+    params = [SamplingParams(max_tokens=rng.randrange(1, 9), **GREEDY) for _ in ps]
+    eng = engine(model, max_num_batched_tokens=48, max_num_seqs=12)
+    arrivals = sorted((rng.randrange(0, 25), i) for i in range(len(ps)))
+    finals, step = {}, 0
+    pending = list(arrivals)
+    while pending or eng.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            eng.add_request(ps[i], params[i], request_id=str(i))
+        for out in eng.step():
+            if out.finished:
+                finals[int(out.request_id)] = out.outputs[0].token_ids
+        step += 1
+    assert len(finals) == 32
+    for i, p in enumerate(ps):
+        alone = run_alone(model, p, params[i]).outputs[0].token_ids
+        assert finals[i] == alone, i
+        assert len(alone) == params[i].max_tokens
+    assert eng.pool.used_bytes == 0
+
+
+def test_preemption_and_resume_give_the_same_tokens(model):
+    """A pool too small for all requests at once forces preemption by recompute."""
+    ps = prompts(6, 2, lo=20, hi=40)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    probe = engine(model)
+    lay = probe.pool.layout
+    # three sequences are admitted, but their 64-token totals need 12 pages: growth must preempt
+    eng = engine(model, cache_memory=3 * lay.slot_bytes + 8 * lay.page_bytes, max_num_seqs=6)
+    for i, p in enumerate(ps):
+        eng.add_request(p, params, request_id=str(i))
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[int(out.request_id)] = out.outputs[0].token_ids
+    assert eng.scheduler.num_preemptions > 0
+    for i, p in enumerate(ps):
+        assert finals[i] == run_alone(model, p, params).outputs[0].token_ids
+    assert eng.pool.used_bytes == 0
+
+
+def test_seeded_sampling_survives_preemption(model):
+    ps = prompts(5, 3, lo=20, hi=40)
+    params = [SamplingParams(max_tokens=20, temperature=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+              for i in range(5)]
+    lay = engine(model).pool.layout
+    eng = engine(model, cache_memory=2 * lay.slot_bytes + 6 * lay.page_bytes)
+    for i, p in enumerate(ps):
+        eng.add_request(p, params[i], request_id=str(i))
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[int(out.request_id)] = out.outputs[0].token_ids
+    assert eng.scheduler.num_preemptions > 0
+    for i, p in enumerate(ps):
+        assert finals[i] == run_alone(model, p, params[i]).outputs[0].token_ids
+
+
+def test_n_samples_share_the_prompt_by_copy(model):
+    p = prompts(1, 4, lo=40, hi=41)[0]
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    eng = engine(model)
+    eng.add_request(p, params)
+    computed = 0
+    final = None
+    while eng.has_unfinished_requests():
+        sched_tokens = []
+        orig = eng.runner.execute
+
+        def spy(sched):
+            sched_tokens.extend(s.num_tokens for s in sched)
+            return orig(sched)
+        eng.runner.execute = spy
+        for out in eng.step():
+            final = out
+        eng.runner.execute = orig
+        computed += sum(sched_tokens)
+    # the prompt was prefilled once; every sample then decodes its own tokens (5 each after the first)
+    assert computed == len(p) + 3 * 5
+    samples = [o.token_ids for o in final.outputs]
+    assert len({tuple(s) for s in samples}) > 1
+    for i, s in enumerate(samples):  # sample i == a single request seeded seed + i
+        alone = run_alone(model, p, SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, ignore_eos=True))
+        assert s == alone.outputs[0].token_ids
+
+
+def test_random_requests_and_aborts_leak_nothing(model):
+    rng = random.Random(5)
+    lay = engine(model).pool.layout
+    eng = engine(model, cache_memory=6 * lay.slot_bytes + 16 * lay.page_bytes, max_num_seqs=16,
+                 max_num_batched_tokens=64)
+    live: list[str] = []
+    added = 0
+    while added < 1000 or eng.has_unfinished_requests():
+        for _ in range(rng.randrange(0, 40)):
+            if added >= 1000:
+                break
+            p = [rng.randrange(0, 1700) for _ in range(rng.randrange(1, 30))]
+            live.append(eng.add_request(p, SamplingParams(max_tokens=rng.randrange(1, 4), temperature=0.0)))
+            added += 1
+        for rid in rng.sample(live, k=min(len(live), rng.randrange(0, 6))):
+            used = eng.pool.used_bytes
+            eng.abort_request(rid)
+            live.remove(rid)
+            assert eng.pool.used_bytes <= used
+        for out in eng.step():
+            if out.finished:
+                live.remove(out.request_id)
+    assert added == 1000
+    assert eng.pool.used_bytes == 0 and eng.pool.num_slots == 0 and eng.pool.num_pages == 0
+    assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.requests
+
+
+def test_abort_returns_memory_at_once(model):
+    eng = engine(model)
+    rid = eng.add_request(prompts(1, 6, lo=50, hi=51)[0], SamplingParams(max_tokens=50, **GREEDY))
+    eng.step()
+    eng.step()
+    assert eng.pool.num_slots == 1 and eng.pool.num_pages > 0
+    eng.abort_request(rid)
+    assert eng.pool.used_bytes == 0 and not eng.has_unfinished_requests()
+
+
+def test_impossible_requests_are_rejected_at_once(model):
+    eng = engine(model, max_model_len=64)
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        eng.add_request(list(range(64)), SamplingParams())
+    lay = eng.pool.layout
+    small = engine(model, cache_memory=lay.slot_bytes + 2 * lay.page_bytes)
+    with pytest.raises(RequestRejected, match="whole cache pool"):
+        small.add_request(list(range(40)), SamplingParams())
+    with pytest.raises(RequestRejected, match="empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(RequestRejected, match="token ids"):
+        eng.add_request([10 ** 6], SamplingParams())
+    assert not eng.has_unfinished_requests()
+
+
+def test_streaming_deltas_add_up(model):
+    eng = engine(model)
+    rid = eng.add_request(prompts(1, 7)[0], SamplingParams(max_tokens=9, **GREEDY))
+    deltas, final = [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            deltas.extend(out.outputs[0].delta_token_ids)
+            final = out
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert deltas == final.outputs[0].token_ids and len(deltas) == 9
+
+
+def test_eos_and_stop_token_ids_end_the_output(model):
+    p = prompts(1, 8)[0]
+    ref = run_alone(model, p, SamplingParams(max_tokens=8, **GREEDY)).outputs[0].token_ids
+    marker = ref[3]
+    first = ref.index(marker)
+    eng = engine(model)
+    eng.eos_ids = [marker]  # pretend the 4th greedy token is EOS
+    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0))
+    assert got.finish_reason == "stop" and got.token_ids == ref[: first + 1]
+    # ignore_eos runs to the length limit instead
+    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert got.finish_reason == "length" and got.token_ids == ref
+    # min_tokens forbids the EOS until enough tokens exist, so the output changes after position `first`
+    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0, min_tokens=first + 2))
+    assert marker not in got.token_ids[: first + 2] and got.token_ids[:first] == ref[:first]
+    # stop_token_ids behave like EOS and report the token
+    got = run_with(engine(model), p, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[marker]))
+    assert got.finish_reason == "stop" and got.stop_reason == marker and got.token_ids == ref[: first + 1]
+
+
+def run_with(eng, prompt, params):
+    rid = eng.add_request(prompt, params)
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    return final.outputs[0]
