@@ -1,4 +1,4 @@
-"""``k3serve`` command line: make-model, check (serve / generate / bench / plan arrive with their issues)."""
+"""``k3serve`` command line: generate, make-model, check (serve / bench / plan arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,104 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that runs the engine (vLLM's names where the concept matches)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--preset", choices=list(PRESETS), help="built-in shape with random weights (token-id prompts)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of dummy / preset weights")
+    p.add_argument("--verify-checksums", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--cache-memory", default=None, help="cache pool size, e.g. 2GiB (default on CPU: 1GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-unified-memory", action="store_true", help="static split of the pool (baseline)")
+    p.add_argument("--kda-fraction", type=float, default=0.5, help="KDA share of the pool with --no-unified-memory")
+
+
+def engine_from_args(args: argparse.Namespace):
+    from .engine.engine import EngineConfig, LLMEngine
+
+    cfg = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                       max_model_len=args.max_model_len, page_size=args.page_size, cache_memory=args.cache_memory,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       unified_memory=not args.no_unified_memory, kda_fraction=args.kda_fraction)
+    return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
+                                     dtype=args.dtype, device=args.device, seed=args.weights_seed,
+                                     verify_checksums=args.verify_checksums)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine.engine import LLM
+    from .engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
+                                ignore_eos=args.ignore_eos)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("error: give a prompt (or --prompts-file)", file=sys.stderr)
+        return 2
+    engine = engine_from_args(args)
+    if args.token_ids:
+        prompts = [[int(t) for t in p.replace(",", " ").split()] for p in prompts]
+    elif engine.tokenizer is None:
+        print("error: this model has no tokenizer; pass --token-ids and space-separated ids", file=sys.stderr)
+        return 2
+    if len(prompts) == 1 and args.n == 1:  # stream to the terminal as tokens arrive
+        engine.add_request(prompts[0], params)
+        out = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                o = out.outputs[0]
+                sys.stdout.write(o.delta_text if engine.tokenizer else "".join(f"{t} " for t in o.delta_token_ids))
+                sys.stdout.flush()
+        print(f"\n[{out.outputs[0].finish_reason}, {len(out.outputs[0].token_ids)} tokens]", file=sys.stderr)
+        return 0
+    llm = LLM.from_engine(engine)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    for out in outs:
+        for o in out.outputs:
+            print(f"--- {out.request_id}[{o.index}] ({o.finish_reason}) ---")
+            print(o.text if engine.tokenizer else o.token_ids)
+    n_tok = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    print(f"{len(outs)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve", description="Serving engine for the Kimi K3 model family")
     sub = p.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from prompts (one prompt streams to the terminal)")
+    add_engine_args(gen)
+    gen.add_argument("prompts", nargs="*")
+    gen.add_argument("--prompts-file", help="one prompt per line")
+    gen.add_argument("--token-ids", action="store_true", help="prompts are space-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("-n", type=int, default=1)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_generate)
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint in the real layout")
     mk.add_argument("--preset", required=True, choices=list(PRESETS))

@@ -18,3 +18,18 @@ def test_make_model_then_check(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "experts mxfp4" in text and "greedy tokens" in text
     assert main(["check", "--preset", "tiny", "--prompt-len", "8", "--steps", "2"]) == 0
+
+
+def test_generate_streams_and_batches(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert main(["make-model", "--preset", "tiny", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--token-ids", "5 6 7", "--max-tokens", "4",
+                 "--ignore-eos"]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.split()) == 4 and "[length, 4 tokens]" in cap.err
+    assert main(["generate", "--model", str(out), "hello", "world", "--max-tokens", "3", "--ignore-eos",
+                 "--temperature", "0.7", "--seed", "3"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.count("--- req-") == 2 and "2 requests, 6 tokens" in cap.err
+    assert main(["generate", "--model", str(out), "x", "--temperature", "-1"]) == 2

@@ -226,3 +226,51 @@ def run_with(eng, prompt, params):
             if out.request_id == rid and out.finished:
                 final = out
     return final.outputs[0]
+
+
+@pytest.fixture(scope="module")
+def text_llm(tmp_path_factory):
+    from k3serve.engine.engine import LLM
+    from k3serve.make_model import make_model
+
+    path = tmp_path_factory.mktemp("tiny_text")
+    make_model("tiny", path, seed=4, progress=False)
+    return LLM(path, dtype="float32", device="cpu", cache_memory="64MiB", page_size=16, progress=False)
+
+
+def test_text_prompts_and_stop_strings(text_llm):
+    eng = text_llm.engine
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, skip_special_tokens=True)
+    [ref] = text_llm.generate(["def main():"], params, use_tqdm=False)
+    text = ref.outputs[0].text
+    assert ref.prompt_token_ids == eng.tokenizer.encode("def main():")
+    assert text == eng.tokenizer.decode(ref.outputs[0].token_ids, skip_special_tokens=True)
+    # a stop string taken from the middle of the reference text cuts it exactly there
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop and stop in text
+    cut = text.index(stop)
+    rid = eng.add_request("def main():", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                        skip_special_tokens=True, stop=[stop]))
+    streamed, final = "", None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            streamed += out.outputs[0].delta_text
+            final = out.outputs[0]
+    assert final.text == text[:cut] == streamed
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    # include_stop_str_in_output keeps it
+    [inc] = text_llm.generate("def main():", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                            skip_special_tokens=True, stop=[stop],
+                                                            include_stop_str_in_output=True), use_tqdm=False)
+    assert inc.outputs[0].text == text[:cut + len(stop)]
+
+
+def test_logprobs_through_the_engine(text_llm):
+    [out] = text_llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
+                                                            ignore_eos=True), use_tqdm=False)
+    lp = out.outputs[0].logprobs
+    assert len(lp) == 4
+    for (tok, logprob, alts), t in zip(lp, out.outputs[0].token_ids):
+        assert tok == t and len(alts) == 3
+        assert alts[0][0] == tok and abs(alts[0][1] - logprob) < 1e-6  # greedy picks the top alternative
+        assert alts[0][1] >= alts[1][1] >= alts[2][1]

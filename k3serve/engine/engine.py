@@ -326,6 +326,12 @@ class LLM:
         ecfg = config or EngineConfig(**{k: kw.pop(k) for k in list(kw) if k in engine_fields})
         self.engine = LLMEngine.from_pretrained(model, preset=preset, config=ecfg, tokenizer=tokenizer, **kw)
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
