@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--weights-seed", type=int, default=0, help="seed of dummy / preset weights")
     p.add_argument("--verify-checksums", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -81,7 +84,9 @@ def engine_from_args(args: argparse.Namespace):
     cfg = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, page_size=args.page_size, cache_memory=args.cache_memory,
                        gpu_memory_utilization=args.gpu_memory_utilization,
-                       unified_memory=not args.no_unified_memory, kda_fraction=args.kda_fraction)
+                       unified_memory=not args.no_unified_memory, kda_fraction=args.kda_fraction,
+                       tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
+                       decode_context_parallel_size=args.decode_context_parallel_size)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
                                      dtype=args.dtype, device=args.device, seed=args.weights_seed,
                                      verify_checksums=args.verify_checksums)
@@ -105,7 +110,13 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("error: give a prompt (or --prompts-file)", file=sys.stderr)
         return 2
-    engine = engine_from_args(args)
+    from .plan import LayoutError
+
+    try:
+        engine = engine_from_args(args)
+    except LayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.token_ids:
         prompts = [[int(t) for t in p.replace(",", " ").split()] for p in prompts]
     elif engine.tokenizer is None:
@@ -134,6 +145,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .config import ModelConfig
+    from .plan import LayoutError, format_plan, make_plan
+    from .presets import preset_config
+    from .cache.pool import parse_bytes
+
+    cfg = ModelConfig.from_pretrained(args.model) if args.model else ModelConfig.from_dict(preset_config(args.preset))
+    try:
+        plan = make_plan(cfg, args.gpus, parse_bytes(args.gpu_memory) / 2**30, nodes=args.nodes,
+                         context=_parse_tokens(args.context), concurrency=args.concurrency, reserve_gib=args.reserve_gib,
+                         hash_block=args.prefix_block_size, checkpoint_interval=args.kda_checkpoint_interval,
+                         name=args.model or args.preset)
+    except LayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
+    return 0
+
+
+def _parse_tokens(text: str) -> int:
+    """'1M' -> 1048576, '128K' -> 131072, '5000' -> 5000."""
+    t = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve", description="Serving engine for the Kimi K3 model family")
     sub = p.add_subparsers(dest="command", required=True)
@@ -153,6 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-n", type=int, default=1)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
+
+    pl = sub.add_parser("plan", help="legal parallel layouts, memory budget and cache capacity")
+    src = pl.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory (only config.json is read)")
+    src.add_argument("--preset", choices=list(PRESETS))
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpu-memory", required=True, help="usable memory per GPU, e.g. 80GiB or 80GB")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--context", default="128K", help="context length per request, e.g. 1M")
+    pl.add_argument("--concurrency", type=int, default=32)
+    pl.add_argument("--reserve-gib", type=float, default=8.0, help="runtime reserve (activations, graphs, framework)")
+    pl.add_argument("--prefix-block-size", type=int, default=512)
+    pl.add_argument("--kda-checkpoint-interval", type=int, default=4096)
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint in the real layout")
     mk.add_argument("--preset", required=True, choices=list(PRESETS))

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
     max_model_len: int | None = None  # default: the model's context length
     page_size: int = 64
     cache_memory: str | int | None = None  # pool bytes; default on CPU "1GiB"
@@ -77,6 +80,8 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, preset: str | None = None,
                         config: EngineConfig | None = None, tokenizer=None, **load_kw) -> "LLMEngine":
+        config = config or EngineConfig()
+        validate_startup(model, preset, config, load_kw.get("device"))  # before any weight loads
         net = load_model(model, preset=preset, **load_kw)
         if tokenizer is None and model is not None:
             from ..tokenizer import load_tokenizer
@@ -315,6 +320,19 @@ class LLMEngine:
         return dict(steps=self.steps, preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
                     waiting=len(self.scheduler.waiting), pool=self.pool.stats(),
                     timings={**self.timings, **self.runner.timings})
+
+
+def validate_startup(model, preset, config: EngineConfig, device=None) -> None:
+    """The planner's layout and memory checks, run before a single weight is read."""
+    from ..config import ModelConfig
+    from ..plan import validate_layout
+    from ..presets import preset_config
+
+    mcfg = ModelConfig.from_pretrained(model) if model is not None else ModelConfig.from_dict(preset_config(preset))
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    mem = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else None
+    validate_layout(mcfg, config.tensor_parallel_size, config.expert_parallel_size,
+                    config.decode_context_parallel_size, gpu_memory_gib=mem)
 
 
 class LLM:
