@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -55,9 +56,9 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     """Flags shared by every command that runs the engine (vLLM's names where the concept matches)."""
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group(required=model_required)
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--preset", choices=list(PRESETS), help="built-in shape with random weights (token-id prompts)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -173,6 +174,17 @@ def _parse_tokens(text: str) -> int:
     return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .plan import LayoutError
+    from .serve.server import serve
+
+    try:
+        return serve(args)
+    except LayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve", description="Serving engine for the Kimi K3 model family")
     sub = p.add_subparsers(dest="command", required=True)
@@ -207,6 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kda-checkpoint-interval", type=int, default=4096)
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled model)")
+    add_engine_args(sv, model_required=False)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=os.environ.get("K3SERVE_API_KEY"))
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-queue", type=int, default=None, help="waiting requests beyond this get HTTP 503")
+    sv.add_argument("--reasoning-parser", choices=["kimi_k3"], default=None)
+    sv.add_argument("--tool-call-parser", choices=["kimi_k3", "kimi_k2"], default=None)
+    sv.add_argument("--no-structured-output", action="store_true")
+    sv.add_argument("--log-level", default="info")
+    sv.set_defaults(func=_serve)
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint in the real layout")
     mk.add_argument("--preset", required=True, choices=list(PRESETS))

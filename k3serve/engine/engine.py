@@ -136,14 +136,15 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, prompt_text: str | None = None, grammar=None) -> str:
+        """``grammar``: a compiled grammar (serve/grammar.py) constraining every sample of the request."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as token ids")
             prompt_ids, text = self.tokenizer.encode(prompt), prompt
         else:
-            prompt_ids, text = list(prompt), None
+            prompt_ids, text = list(prompt), prompt_text
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestRejected(f"prompt token ids must be in 0..{vocab - 1}")
@@ -154,6 +155,7 @@ class LLMEngine:
         req = new_request(request_id, prompt_ids, params, text, self.device)
         for seq in req.seqs:
             self._attach_text_state(seq)
+            seq.grammar = grammar.new_state() if grammar is not None else None
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])  # siblings of n > 1 start from its prefill (fork)
         return request_id

@@ -44,6 +44,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     detok: object | None = None
     stopper: object | None = None
+    grammar: object | None = None  # per-sample grammar matcher state (structured output)
 
     @property
     def num_tokens(self) -> int:

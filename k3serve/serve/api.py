@@ -1,0 +1,400 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, tokenize, metrics.
+
+Every bad input is a 4xx with an OpenAI-style error body and the server keeps serving; a client
+that disconnects aborts its request and its cache memory returns at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..engine.async_engine import AsyncLLM, QueueFull
+from ..engine.engine import RequestOutput
+from ..engine.scheduler import RequestRejected
+from .metrics import Metrics
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       error_body)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    model_name: str
+    api_key: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    grammar_backend: Any = None
+
+    @property
+    def engine(self):
+        return self.llm.engine
+
+    @property
+    def tokenizer(self):
+        return self.llm.engine.tokenizer
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _parse(request: Request, model_cls):
+    try:
+        data = await request.json()
+    except Exception:
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        raise APIError(400, f"{loc}: {err.get('msg')}", param=loc or None) from None
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="k3serve", version="0.1.0")
+    metrics = Metrics(state.engine)
+    app.state.k3 = state
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        metrics.errors.labels(str(exc.status)).inc()
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        metrics.errors.labels("500").inc()
+        return JSONResponse(error_body(f"internal error: {exc!r}", "internal_error"), status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+                metrics.errors.labels("401").inc()
+                return JSONResponse(error_body("invalid or missing API key", "authentication_error",
+                                               code="invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                           "invalid_request_error", "model", "model_not_found")
+
+    @app.get("/health")
+    async def health():
+        if state.llm.errored is not None:
+            return JSONResponse(error_body("engine failed", "internal_error"), status_code=500)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "k3serve",
+            "max_model_len": state.engine.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _parse(request, TokenizeRequest)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+        ids = (encode_prompt(state, body.prompt) if body.prompt is not None
+               else render_chat(state, ChatCompletionRequest(messages=body.messages)))
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _parse(request, DetokenizeRequest)
+        check_model(body.model)
+        need_tokenizer(state)
+        vocab = state.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        check_model(body.model)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        prompt_ids = [encode_prompt(state, p) for p in prompts]
+        params = make_params(body, body.max_tokens, body.logprobs, 16)
+        grammar = compile_grammar(state, body)
+        if body.stream:
+            if len(prompt_ids) != 1:
+                raise APIError(400, "streaming supports one prompt per request", param="prompt")
+            gen = start(state, request, prompt_ids[0], params, grammar)
+            first = await _first(gen)
+            return StreamingResponse(stream_completion(state, body, prompt_ids[0], gen, first),
+                                     media_type="text/event-stream")
+        finals = []
+        for ids in prompt_ids:
+            finals.append(await collect(request, start(state, request, ids, params, grammar)))
+        return completion_response(state, body, prompt_ids, finals)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        ids = render_chat(state, body)
+        use_parsers = bool(state.reasoning_parser or (state.tool_call_parser and body.tools))
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = make_params(body, max_tokens, body.top_logprobs if body.logprobs else None,
+                             max(1, state.engine.max_model_len - len(ids)), keep_special=use_parsers)
+        grammar = compile_grammar(state, body)
+        gen = start(state, request, ids, params, grammar)
+        if body.stream:
+            first = await _first(gen)
+            return StreamingResponse(stream_chat(state, body, ids, gen, first), media_type="text/event-stream")
+        final = await collect(request, gen)
+        return chat_response(state, body, ids, final)
+
+    return app
+
+
+# ---- request plumbing ----------------------------------------------------------------------
+
+def need_tokenizer(state: ServerState) -> None:
+    if state.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send token ids")
+
+
+def encode_prompt(state: ServerState, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        need_tokenizer(state)
+        ids = state.tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        vocab = state.engine.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be integers in 0..{vocab - 1}", param="prompt")
+    check_length(state, ids)
+    return ids
+
+
+def check_length(state: ServerState, ids: list[int]) -> None:
+    try:
+        state.llm.check_admissible(ids)
+    except RequestRejected as exc:
+        raise APIError(400, str(exc), param="prompt" if ids else "messages") from None
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    need_tokenizer(state)
+    from .chat import apply_chat_template
+
+    kw = dict(body.chat_template_kwargs or {})
+    try:
+        ids = apply_chat_template(
+            state.tokenizer, state.engine.model.config.model_type,
+            [m.model_dump(exclude_none=True) for m in body.messages], tools=body.tools, tool_choice=body.tool_choice,
+            response_format=body.response_format, reasoning_effort=body.reasoning_effort,
+            add_generation_prompt=body.add_generation_prompt, **kw)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from None
+    check_length(state, ids)
+    return ids
+
+
+def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool = False):
+    try:
+        params = body.sampling_params(max_tokens, logprobs, default_max)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    if keep_special:
+        params.skip_special_tokens = False  # the reasoning / tool parsers read the markers
+    return params
+
+
+def compile_grammar(state: ServerState, body):
+    if state.grammar_backend is None:
+        if body.response_format not in (None, {"type": "text"}) or body.guided_json or body.guided_regex \
+                or body.guided_choice:
+            raise APIError(400, "structured output is not available on this server", param="response_format")
+        return None
+    from .grammar import GrammarError, GrammarSpec
+
+    try:
+        spec = GrammarSpec.from_openai(response_format=body.response_format, guided_json=body.guided_json,
+                                       guided_regex=body.guided_regex, guided_choice=body.guided_choice)
+        return None if spec is None else state.grammar_backend.compile(spec)
+    except (GrammarError, ValueError) as exc:
+        raise APIError(400, f"invalid structured-output request: {exc}", param="response_format") from None
+
+
+def start(state: ServerState, request: Request, ids, params, grammar) -> AsyncIterator[RequestOutput]:
+    rid = f"{'chatcmpl' if 'chat' in request.url.path else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    return state.llm.generate(ids, params, rid, grammar=grammar)
+
+
+async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """First output before the 200 is sent, so queue-full and engine rejections are real 4xx/5xx."""
+    try:
+        return await gen.__anext__()
+    except QueueFull as exc:
+        raise APIError(503, str(exc), "server_overloaded") from None
+    except RequestRejected as exc:
+        raise APIError(400, str(exc)) from None
+
+
+async def collect(request: Request, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    import asyncio
+
+    final = await _first(gen)
+    task = None
+    try:
+        while not final.finished:
+            task = asyncio.ensure_future(gen.__anext__())
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    await gen.aclose()  # aborts the request: its memory returns now
+                    raise APIError(499, "client disconnected")
+            final = task.result()
+        return final
+    finally:
+        if not final.finished:
+            await gen.aclose()
+
+
+def _usage(prompt_len: int, outs: list[RequestOutput]) -> dict:
+    completion = sum(len(o.token_ids) for r in outs for o in r.outputs)
+    prompt = prompt_len
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion_logprobs(state: ServerState, lps) -> dict | None:
+    if lps is None:
+        return None
+    tok = state.tokenizer
+    name = (lambda t: tok.decode([t])) if tok else str
+    return {"tokens": [name(t) for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
+            "top_logprobs": [{name(a): alp for a, alp in alts} for _, _, alts in lps], "text_offset": []}
+
+
+def completion_response(state: ServerState, body, prompt_ids, finals) -> dict:
+    choices = []
+    for i, (ids, out) in enumerate(zip(prompt_ids, finals)):
+        for o in out.outputs:
+            text = o.text if state.tokenizer else " ".join(map(str, o.token_ids))
+            if body.echo:
+                text = (state.tokenizer.decode(ids) if state.tokenizer else "") + text
+            choices.append({"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
+                            "stop_reason": o.stop_reason, "logprobs": _completion_logprobs(state, o.logprobs)})
+    usage = _usage(sum(len(p) for p in prompt_ids), finals)
+    return {"id": finals[0].request_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices, "usage": usage}
+
+
+async def stream_completion(state: ServerState, body, prompt_ids, gen, first) -> AsyncIterator[str]:
+    created, rid = int(time.time()), first.request_id
+    out = first
+    reported: set[int] = set()
+    while True:
+        for o in out.outputs:
+            if o.index in reported or not (o.delta_text or o.delta_token_ids or o.finish_reason):
+                continue
+            text = o.delta_text if state.tokenizer else " ".join(map(str, o.delta_token_ids))
+            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                        "choices": [{"index": o.index, "text": text, "logprobs": None,
+                                     "finish_reason": o.finish_reason}]})
+            if o.finish_reason:
+                reported.add(o.index)
+        if out.finished:
+            break
+        out = await gen.__anext__()
+    if body.stream_options and body.stream_options.include_usage:
+        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                    "choices": [], "usage": _usage(len(prompt_ids), [out])})
+    yield _sse("[DONE]")
+
+
+def _chat_message(state: ServerState, body, text: str) -> tuple[dict, bool]:
+    from .chat_output import parse_chat_output
+
+    msg = {"role": "assistant", "content": text}
+    if state.reasoning_parser or (state.tool_call_parser and body.tools):
+        msg = parse_chat_output(text, state.engine.model.config.model_type,
+                                reasoning=bool(state.reasoning_parser),
+                                tools=bool(state.tool_call_parser and body.tools and body.tool_choice != "none"))
+    return msg, bool(msg.get("tool_calls"))
+
+
+def chat_response(state: ServerState, body, prompt_ids, final: RequestOutput) -> dict:
+    choices = []
+    for o in final.outputs:
+        msg, has_tools = _chat_message(state, body, o.text)
+        choice = {"index": o.index, "message": msg, "finish_reason": "tool_calls" if has_tools else o.finish_reason}
+        if body.logprobs and o.logprobs is not None:
+            tok = state.tokenizer
+            choice["logprobs"] = {"content": [
+                {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.token_bytes(t)),
+                 "top_logprobs": [{"token": tok.decode([a]), "logprob": alp} for a, alp in alts]}
+                for t, lp, alts in o.logprobs]}
+        choices.append(choice)
+    return {"id": final.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices, "usage": _usage(len(prompt_ids), [final])}
+
+
+async def stream_chat(state: ServerState, body, prompt_ids, gen, first) -> AsyncIterator[str]:
+    from .chat_output import ChatStreamParser
+
+    created, rid = int(time.time()), first.request_id
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+    use_parsers = state.reasoning_parser or (state.tool_call_parser and body.tools)
+    parsers = {}
+    reported: set[int] = set()
+    for o in first.outputs:
+        yield _sse({**head, "choices": [{"index": o.index, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None}]})
+    out = first
+    while True:
+        for o in out.outputs:
+            if o.index in reported:
+                continue
+            if use_parsers:
+                p = parsers.setdefault(o.index, ChatStreamParser(
+                    state.engine.model.config.model_type, reasoning=bool(state.reasoning_parser),
+                    tools=bool(state.tool_call_parser and body.tools and body.tool_choice != "none")))
+                deltas = p.feed(o.delta_text) + (p.finish() if o.finish_reason else [])
+            else:
+                deltas = [{"content": o.delta_text}] if o.delta_text else []
+            for d in deltas:
+                yield _sse({**head, "choices": [{"index": o.index, "delta": d, "finish_reason": None}]})
+            if o.finish_reason and o.index not in reported:
+                reason = "tool_calls" if use_parsers and parsers[o.index].saw_tool_calls else o.finish_reason
+                yield _sse({**head, "choices": [{"index": o.index, "delta": {}, "finish_reason": reason}]})
+                reported.add(o.index)
+        if out.finished:
+            break
+        out = await gen.__anext__()
+    if body.stream_options and body.stream_options.include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(len(prompt_ids), [out])})
+    yield _sse("[DONE]")

@@ -1,0 +1,43 @@
+"""Prometheus metrics (/metrics): requests, tokens, latency histograms, queue, pool occupancy."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.engine = engine
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("k3serve_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.errors = Counter("k3serve_request_errors", "Requests answered with an error", ["status"], registry=r)
+        self.prompt_tokens = Counter("k3serve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("k3serve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("k3serve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("k3serve_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("k3serve_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.running = Gauge("k3serve_num_requests_running", "Sequences running", registry=r)
+        self.waiting = Gauge("k3serve_num_requests_waiting", "Sequences waiting", registry=r)
+        self.pool_bytes = Gauge("k3serve_cache_pool_used_bytes", "Pool bytes in use", ["kind"], registry=r)
+        self.pool_usage = Gauge("k3serve_cache_pool_usage", "Fraction of the pool in use", registry=r)
+        self.preemptions = Gauge("k3serve_preemptions", "Preemptions so far", registry=r)
+        self.prefix_hit_rate = Gauge("k3serve_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)", registry=r)
+
+    def render(self) -> bytes:
+        eng = self.engine
+        st = eng.pool.stats()
+        self.running.set(len(eng.scheduler.running))
+        self.waiting.set(len(eng.scheduler.waiting))
+        self.pool_bytes.labels("kda").set(st["kda_bytes"])
+        self.pool_bytes.labels("mla").set(st["mla_bytes"])
+        self.pool_usage.set(st["used_bytes"] / st["total_bytes"])
+        self.preemptions.set(eng.scheduler.num_preemptions)
+        stats = getattr(eng, "prefix_stats", None)
+        if stats:
+            self.prefix_hit_rate.set(stats().get("hit_rate", 0.0))
+        return generate_latest(self.registry)

@@ -1,0 +1,59 @@
+"""``k3serve serve``: build the engine (layout checked before weights load), the app, and run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def default_model_dir() -> Path:
+    """The bundled default model. Until the trained one ships ([tiny-model]), a tiny random K3
+    checkpoint is written on first start into the user's cache directory."""
+    cache = Path(os.environ.get("K3SERVE_CACHE", Path.home() / ".cache" / "k3serve")) / "tiny-random"
+    if not (cache / "config.json").exists():
+        from ..make_model import make_model
+
+        log.warning("no --model given: writing a tiny random K3-architecture model to %s", cache)
+        make_model("tiny", cache, seed=0, progress=False)
+    return cache
+
+
+def build_state(args: argparse.Namespace):
+    from ..cli import engine_from_args
+    from ..engine.async_engine import AsyncLLM
+    from .api import ServerState
+
+    if args.model is None and args.preset is None:
+        args.model = str(default_model_dir())
+    engine = engine_from_args(args)
+    grammar = None
+    if engine.tokenizer is not None and not args.no_structured_output:
+        try:
+            from .grammar import GrammarBackend
+        except ImportError as exc:  # xgrammar missing: serve without structured output
+            log.warning("structured output disabled: %s", exc)
+        else:
+            grammar = GrammarBackend(engine.tokenizer, engine.model.config.vocab_size)
+    name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
+    return ServerState(AsyncLLM(engine, args.max_queue), name, args.api_key, args.reasoning_parser,
+                       args.tool_call_parser, grammar)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .api import build_app
+
+    state = build_state(args)
+    app = build_app(state)
+
+    @app.on_event("shutdown")
+    def _stop() -> None:  # SIGTERM: uvicorn stops accepting, then in-flight requests are aborted cleanly
+        state.llm.shutdown()
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

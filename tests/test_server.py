@@ -1,0 +1,187 @@
+"""A live `k3serve serve` on the tiny model, driven by the official openai client and raw HTTP."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from k3serve.make_model import make_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir, *extra):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "k3serve.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--device", "cpu", "--cache-memory", "64MiB", "--page-size", "16",
+           "--max-model-len", "512", "--served-model-name", "tiny", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("served")
+    make_model("tiny", path, seed=6, progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, url = _start(model_dir, "--max-queue", "64")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def _pool_used(url) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(v) for v in re.findall(r'k3serve_cache_pool_used_bytes\{kind="\w+"\} (\S+)', text))
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_completion_usage_matches_tokens(client, server):
+    out = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    prompt_ids = httpx.post(server + "/tokenize", json={"prompt": "def f(x):"}).json()["tokens"]
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.usage.completion_tokens == 7 and out.usage.total_tokens == len(prompt_ids) + 7
+
+
+def test_completion_streaming_equals_non_streaming(client):
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    usage = [c.usage for c in chunks if c.usage]
+    assert usage and usage[-1].completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_chat_streaming_and_not(client):
+    msgs = [{"role": "user", "content": "Write a haiku about state."}]
+    kw = dict(model="tiny", messages=msgs, max_tokens=10, temperature=0, seed=1, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == (full.choices[0].message.content or "")
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_sampling_extras_and_n(client):
+    out = client.completions.create(model="tiny", prompt="x = ", max_tokens=5, n=3, temperature=0.9, seed=5,
+                                    extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.2,
+                                                "ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert out.usage.completion_tokens == 15
+    again = client.completions.create(model="tiny", prompt="x = ", max_tokens=5, n=3, temperature=0.9, seed=5,
+                                      extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.2,
+                                                  "ignore_eos": True})
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]  # seeded: reproducible
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ("{not json", 400, "not valid JSON"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 7}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "hi", "n": 0}, 400, "n must be"),
+    ({"model": "other", "prompt": "hi"}, 404, "does not exist"),
+    ({"model": "tiny", "prompt": "word " * 600}, 400, "max_model_len"),
+    ({"model": "tiny", "prompt": [999999]}, 400, "token ids"),
+    ({"model": "tiny"}, 400, "prompt"),
+])
+def test_bad_completion_requests(server, body, status, needle):
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server + "/v1/completions", content=data, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert httpx.get(server + "/health").status_code == 200  # and the server keeps serving
+
+
+def test_bad_chat_requests(client):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert client.models.list().data
+
+
+def test_tokenize_detokenize(server):
+    ids = httpx.post(server + "/tokenize", json={"prompt": "héllo wörld"}).json()["tokens"]
+    assert httpx.post(server + "/detokenize", json={"tokens": ids}).json()["prompt"] == "héllo wörld"
+    r = httpx.post(server + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["count"] > 3
+
+
+def test_disconnect_mid_stream_returns_memory(server):
+    assert _pool_used(server) == 0
+    body = {"model": "tiny", "prompt": "a" * 100, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 3:
+                assert _pool_used(server) > 0
+                break
+    for _ in range(100):
+        if _pool_used(server) == 0:
+            break
+        time.sleep(0.05)
+    assert _pool_used(server) == 0
+    metrics = httpx.get(server + "/metrics").text
+    assert "k3serve_time_to_first_token_seconds" in metrics and "k3serve_num_requests_waiting" in metrics
+
+
+def test_api_key_and_queue_limit_and_sigterm(model_dir):
+    proc, url = _start(model_dir, "--api-key", "sekret", "--max-queue", "0")
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as exc:
+            ok.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert exc.value.status_code == 503
+        assert ok.models.list().data[0].id == "tiny"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        # graceful: uvicorn drains, our shutdown hook aborts in-flight work, then it re-raises SIGTERM
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
