@@ -233,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info")
     sv.set_defaults(func=_serve)
 
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bs = bsub.add_parser("serve", help="load a running server (TTFT / TPOT / ITL / E2E, throughput)")
+    from .bench_serve import add_args as _bench_args, main as _bench_main
+
+    _bench_args(bs)
+    bs.set_defaults(func=_bench_main)
+
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint in the real layout")
     mk.add_argument("--preset", required=True, choices=list(PRESETS))
     mk.add_argument("--out", required=True)

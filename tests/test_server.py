@@ -185,3 +185,40 @@ def test_api_key_and_queue_limit_and_sigterm(model_dir):
         proc.send_signal(signal.SIGTERM)
         # graceful: uvicorn drains, our shutdown hook aborts in-flight work, then it re-raises SIGTERM
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_sigterm_with_a_request_in_flight(model_dir):
+    import threading
+
+    proc, url = _start(model_dir)
+    result = {}
+
+    def consume():
+        body = {"model": "tiny", "prompt": "z" * 50, "max_tokens": 450, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                result["lines"] = sum(1 for _ in r.iter_lines())
+        except httpx.HTTPError as exc:  # the server may close the connection while stopping
+            result["error"] = repr(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    t.join(timeout=30)
+    assert not t.is_alive() and result  # the client was not left hanging
+
+
+def test_bench_serve_against_the_live_server(server, capsys):
+    from k3serve.cli import main
+
+    assert main(["bench", "serve", "--url", server, "--dataset", "random", "--num-prompts", "6",
+                 "--concurrency", "3", "--input-len", "40", "--output-len", "6", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["completed"] == 6 and rep["failed"] == 0 and rep["output_token_throughput"] > 0
+    assert 0 < rep["ttft_ms"]["median"] <= rep["e2e_ms"]["median"] and rep["itl_ms"]["p99"] >= rep["itl_ms"]["median"]
+    assert main(["bench", "serve", "--url", server, "--dataset", "agentic", "--num-prompts", "2", "--turns", "3",
+                 "--system-len", "64", "--input-len", "30", "--output-len", "4", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["requests"] == 6 and rep["completed"] == 6
