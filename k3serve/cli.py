@@ -76,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--cache-memory", default=None, help="cache pool size, e.g. 2GiB (default on CPU: 1GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-unified-memory", action="store_true", help="static split of the pool (baseline)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prefix-block-size", type=int, default=512, help="tokens per prefix hash block")
+    p.add_argument("--kda-checkpoint-interval", type=int, default=4096,
+                   help="KDA checkpoint every N tokens inside long prefills (multiple of the block size)")
     p.add_argument("--kda-fraction", type=float, default=0.5, help="KDA share of the pool with --no-unified-memory")
 
 
@@ -86,6 +90,8 @@ def engine_from_args(args: argparse.Namespace):
                        max_model_len=args.max_model_len, page_size=args.page_size, cache_memory=args.cache_memory,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        unified_memory=not args.no_unified_memory, kda_fraction=args.kda_fraction,
+                       enable_prefix_caching=args.enable_prefix_caching, prefix_block_size=args.prefix_block_size,
+                       kda_checkpoint_interval=args.kda_checkpoint_interval,
                        tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
                        decode_context_parallel_size=args.decode_context_parallel_size)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,

@@ -63,8 +63,9 @@ def client(server):
 
 
 def _pool_used(url) -> float:
+    """Pool bytes held by live requests (cached prefix checkpoints excluded)."""
     text = httpx.get(url + "/metrics").text
-    return sum(float(v) for v in re.findall(r'k3serve_cache_pool_used_bytes\{kind="\w+"\} (\S+)', text))
+    return float(re.search(r"^k3serve_request_cache_bytes (\S+)", text, re.M).group(1))
 
 
 def test_models_and_health(client, server):

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from ..cache.owners import PoolOwners
 from ..cache.pool import ALIGN, PoolLayout, UnifiedPool, parse_bytes
+from ..cache.prefix import PrefixCache
 from ..model.k3 import K3ForCausalLM
 from ..model.loader import load_model
 from .request import Request, Sequence, Status, new_request
@@ -35,6 +37,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device for weights + activations + pool
     unified_memory: bool = True
     kda_fraction: float = 0.5  # static-split mode only
+    enable_prefix_caching: bool = True
+    prefix_block_size: int = 512
+    kda_checkpoint_interval: int = 4096
 
 
 @dataclass
@@ -69,7 +74,11 @@ class LLMEngine:
         self.eos_ids = list(getattr(tokenizer, "eos_token_ids", None) or mcfg.eos_token_ids)
         self.pool = UnifiedPool(mcfg, self._pool_bytes(), model.dtype, self.device, cfg.page_size,
                                 kda_fraction=None if cfg.unified_memory else cfg.kda_fraction)
-        self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
+        owners = PoolOwners(self.pool)
+        self.prefix = (PrefixCache(owners, cfg.prefix_block_size, cfg.kda_checkpoint_interval)
+                       if cfg.enable_prefix_caching else None)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len,
+                                   self.prefix, owners)
         self.runner = ModelRunner(model, self.pool)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -222,13 +231,20 @@ class LLMEngine:
                     forks.append((s.seq, sib))
         for s in sched:
             s.seq.num_computed += s.num_tokens
+            self.scheduler.after_step(s.seq, s.num_tokens)
         for parent, sib in forks:
             self._fork(parent, sib)
         if not rows_seqs:
             return
         rows = [self._sampling_row(q) for q in rows_seqs]
         idx = torch.tensor(logit_rows, device=logits.device)
-        out = self.sampler(logits[idx], rows)
+        step_logits = logits[idx]
+        grammars = [q.grammar for q in rows_seqs]
+        if any(g is not None for g in grammars):
+            from ..serve.grammar import apply_masks
+
+            step_logits = apply_masks(step_logits, grammars)
+        out = self.sampler(step_logits, rows)
         tokens = out.token_ids.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
@@ -242,6 +258,8 @@ class LLMEngine:
             if seq.params.logprobs is not None and lps is not None:
                 k = seq.params.logprobs
                 seq.logprobs.append((tok, lps[j], list(zip(top_ids[j][:k], top_lps[j][:k]))))
+            if seq.grammar is not None:
+                seq.grammar.accept(tok)
             self._check_stop(seq, tok)
             touched[seq.request_id] = self.requests[seq.request_id]
 
@@ -254,14 +272,19 @@ class LLMEngine:
                            self.eos_ids, q.generator)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
-        """n > 1: the child starts from a copy of the parent's prompt state (no second prefill).
+        """n > 1: the child starts from a copy of the parent's prompt state (no second prefill):
+        full pages shared by reference, the partly filled last page and the KDA slot copied.
         Without room for the copy it waits and recomputes the prompt instead."""
         sch = self.scheduler
         child.num_computed = 0
-        if sch._grow(child, parent.num_computed):
+        n_full = parent.num_computed // self.pool.layout.page_size
+        if sch.owners.can_allocate(slots=1, pages=len(parent.pages) - n_full):
+            sch.owners.alloc_slot(child)
             self.pool.copy_slot(parent.kda_slot, child.kda_slot)
-            for src, dst in zip(parent.pages, child.pages):
-                self.pool.copy_page(src, dst)
+            for p in parent.pages[:n_full]:
+                sch.owners.share_page(child, p)
+            for p in parent.pages[n_full:]:
+                self.pool.copy_page(p, sch.owners.alloc_page(child))
             child.num_computed = parent.num_computed
             child.status = Status.RUNNING
             sch.running.append(child)
@@ -284,6 +307,8 @@ class LLMEngine:
             seq.text += emit
             if by_string:
                 reason, seq.stop_reason = "stop", seq.stopper.matched
+        if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+            reason = "stop"  # the structured output is complete (also under ignore_eos)
         if reason is None and p.max_tokens is not None and seq.num_output >= p.max_tokens:
             reason = "length"
         if reason is None and seq.num_tokens >= self.max_model_len:
@@ -318,8 +343,11 @@ class LLMEngine:
                                          delta_text, delta_ids))
         return RequestOutput(req.request_id, req.prompt_text, req.prompt_ids, outs, req.finished)
 
+    def prefix_stats(self) -> dict:
+        return self.prefix.stats_dict() if self.prefix is not None else {}
+
     def stats(self) -> dict:
-        return dict(steps=self.steps, preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
+        return dict(steps=self.steps, prefix=self.prefix_stats(), preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
                     waiting=len(self.scheduler.waiting), pool=self.pool.stats(),
                     timings={**self.timings, **self.runner.timings})
 

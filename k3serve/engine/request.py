@@ -37,6 +37,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    pending_checkpoint: bool = False  # prefix cache: prompt-end state not yet snapshotted
     # Filled by the engine's output processing
     text: str = ""
     emitted_tokens: int = 0

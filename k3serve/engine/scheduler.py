@@ -6,7 +6,9 @@ sequence holds one KDA slot and the MLA pages covering its computed tokens; page
 tokens are scheduled. When the pool cannot grow, the most recently admitted running sequence is
 preempted by recompute (its cache freed, its tokens kept; on readmission it prefills them again
 and continues exactly where it was). The oldest running sequence is never preempted for a younger
-one, so the batch always makes progress.
+one, so the batch always makes progress. With prefix caching, admission first restores the best
+checkpoint (cache/prefix.py), prefill chunks end on checkpoint boundaries, and cached checkpoints
+are evicted before any running sequence is preempted.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ..cache.owners import PoolOwners
 from ..cache.pool import UnifiedPool
+from ..cache.prefix import PrefixCache
 from .request import Sequence, Status
 
 
@@ -35,18 +39,18 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, pool: UnifiedPool, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 max_model_len: int = 65536):
+                 max_model_len: int = 65536, prefix: PrefixCache | None = None, owners: PoolOwners | None = None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.pool = pool
+        self.owners = owners or PoolOwners(pool)
+        self.prefix = prefix
         self.page_size = pool.layout.page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.slot_owner: dict[int, Sequence] = {}
-        self.page_owner: dict[int, tuple[Sequence, int]] = {}
         self.num_preemptions = 0
         self.finished_by_scheduler: list[Sequence] = []  # ended inside schedule(); the engine reports them
 
@@ -75,43 +79,26 @@ class Scheduler:
         return max(0, -(-upto // self.page_size) - len(seq.pages))
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
-        """Give ``seq`` the slot and pages covering tokens [0, upto); False if the pool is full."""
+        """Give ``seq`` the slot and pages covering tokens [0, upto), evicting cached checkpoints
+        if needed; False if the pool is still full."""
         need_slot = int(seq.kda_slot is None)
         need_pages = self._pages_needed(seq, upto)
-        if not self.pool.can_allocate(slots=need_slot, pages=need_pages):
-            return False
+        if not self.owners.can_allocate(slots=need_slot, pages=need_pages):
+            if self.prefix is None or not self.prefix.make_room(need_slot, need_pages):
+                return False
         if need_slot:
-            seq.kda_slot = self.pool.alloc_slot()
-            self.slot_owner[seq.kda_slot] = seq
+            self.owners.alloc_slot(seq)
         for _ in range(need_pages):
-            page = self.pool.alloc_page()
-            self.page_owner[page] = (seq, len(seq.pages))
-            seq.pages.append(page)
+            self.owners.alloc_page(seq)
         return True
 
     def release(self, seq: Sequence) -> None:
-        """Return a sequence's slot and pages to the pool at once, rewriting the ids of units the
-        pool moved into the holes."""
-        if seq.kda_slot is not None:
-            self.slot_owner.pop(seq.kda_slot)
-            moved = self.pool.free_slot(seq.kda_slot)
-            if moved:
-                owner = self.slot_owner.pop(moved[0])
-                owner.kda_slot = moved[1]
-                self.slot_owner[moved[1]] = owner
-            seq.kda_slot = None
-        # Free from the newest page: pages are allocated from the region's edge, so this moves least.
-        for page in reversed(seq.pages):
-            self.page_owner.pop(page)
-            moved = self.pool.free_page(page)
-            if moved:
-                owner, idx = self.page_owner.pop(moved[0])
-                owner.pages[idx] = moved[1]
-                self.page_owner[moved[1]] = (owner, idx)
-        seq.pages = []
+        """Return a sequence's slot and page references to the pool at once."""
+        self.owners.release(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.pending_checkpoint = False  # its state is about to be lost; recompute takes it again
         self.release(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
@@ -124,18 +111,33 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.release(seq)
+        if self.prefix is None or not self.prefix.on_finish(seq):
+            self.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = seq.finish_reason or reason
 
+    def after_step(self, seq: Sequence, computed: int) -> None:
+        if self.prefix is not None:
+            self.prefix.after_step(seq, computed)
+
     # ---- one step -------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        if self.prefix is not None:
+            boundary = self.prefix.next_boundary(seq)
+            if boundary is not None:
+                n = min(n, boundary - seq.num_computed)
+        return n
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         i = 0
         while i < len(self.running) and budget > 0 and len(out) < self.max_num_seqs:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self.prefix is not None:
+                self.prefix.before_step(seq)  # a pending turn checkpoint is copied before it is overwritten
+            n = self._chunk(seq, budget)
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 if victim is seq and i == 0:
@@ -155,9 +157,13 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(out) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, n):
-                break  # FCFS: nobody overtakes the head of the queue
+            if seq.num_computed == 0 and seq.kda_slot is None and self.prefix is not None:
+                self.prefix.restore(seq)
+            n = self._chunk(seq, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                self.release(seq)  # give back what the restore took; FCFS: nobody overtakes the head
+                seq.num_computed = 0
+                break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -121,7 +121,7 @@ def build_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         ids = (encode_prompt(state, body.prompt) if body.prompt is not None
-               else render_chat(state, ChatCompletionRequest(messages=body.messages)))
+               else render_chat(state, ChatCompletionRequest(messages=body.messages)).token_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
 
     @app.post("/detokenize")
@@ -145,7 +145,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "the prompt is empty", param="prompt")
         prompt_ids = [encode_prompt(state, p) for p in prompts]
         params = make_params(body, body.max_tokens, body.logprobs, 16)
-        grammar = compile_grammar(state, body)
+        grammar = await compile_grammar(state, body)
         if body.stream:
             if len(prompt_ids) != 1:
                 raise APIError(400, "streaming supports one prompt per request", param="prompt")
@@ -162,18 +162,19 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(request: Request):
         body = await _parse(request, ChatCompletionRequest)
         check_model(body.model)
-        ids = render_chat(state, body)
+        prompt = render_chat(state, body)
+        ids = prompt.token_ids
         use_parsers = bool(state.reasoning_parser or (state.tool_call_parser and body.tools))
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = make_params(body, max_tokens, body.top_logprobs if body.logprobs else None,
                              max(1, state.engine.max_model_len - len(ids)), keep_special=use_parsers)
-        grammar = compile_grammar(state, body)
+        grammar = await compile_grammar(state, body)
         gen = start(state, request, ids, params, grammar)
         if body.stream:
             first = await _first(gen)
-            return StreamingResponse(stream_chat(state, body, ids, gen, first), media_type="text/event-stream")
+            return StreamingResponse(stream_chat(state, body, prompt, gen, first), media_type="text/event-stream")
         final = await collect(request, gen)
-        return chat_response(state, body, ids, final)
+        return chat_response(state, body, prompt, final)
 
     return app
 
@@ -205,21 +206,21 @@ def check_length(state: ServerState, ids: list[int]) -> None:
         raise APIError(400, str(exc), param="prompt" if ids else "messages") from None
 
 
-def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def render_chat(state: ServerState, body: ChatCompletionRequest):
+    """The chat prompt (ids + where it left the model: think / response channel, tool-call index)."""
     need_tokenizer(state)
-    from .chat import apply_chat_template
+    from .chat import build_chat_prompt
 
-    kw = dict(body.chat_template_kwargs or {})
     try:
-        ids = apply_chat_template(
+        prompt = build_chat_prompt(
             state.tokenizer, state.engine.model.config.model_type,
             [m.model_dump(exclude_none=True) for m in body.messages], tools=body.tools, tool_choice=body.tool_choice,
             response_format=body.response_format, reasoning_effort=body.reasoning_effort,
-            add_generation_prompt=body.add_generation_prompt, **kw)
+            add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs)
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from None
-    check_length(state, ids)
-    return ids
+    check_length(state, prompt.token_ids)
+    return prompt
 
 
 def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool = False):
@@ -232,7 +233,8 @@ def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool
     return params
 
 
-def compile_grammar(state: ServerState, body):
+async def compile_grammar(state: ServerState, body):
+    """Compiled on the backend's thread pool, off the event loop and the engine's hot path."""
     if state.grammar_backend is None:
         if body.response_format not in (None, {"type": "text"}) or body.guided_json or body.guided_regex \
                 or body.guided_choice:
@@ -243,7 +245,11 @@ def compile_grammar(state: ServerState, body):
     try:
         spec = GrammarSpec.from_openai(response_format=body.response_format, guided_json=body.guided_json,
                                        guided_regex=body.guided_regex, guided_choice=body.guided_choice)
-        return None if spec is None else state.grammar_backend.compile(spec)
+        if spec is None:
+            return None
+        import asyncio
+
+        return await asyncio.wrap_future(state.grammar_backend.compile_async(spec))
     except (GrammarError, ValueError) as exc:
         raise APIError(400, f"invalid structured-output request: {exc}", param="response_format") from None
 
@@ -336,21 +342,27 @@ async def stream_completion(state: ServerState, body, prompt_ids, gen, first) ->
     yield _sse("[DONE]")
 
 
-def _chat_message(state: ServerState, body, text: str) -> tuple[dict, bool]:
+def _parser_args(state: ServerState, body, prompt) -> dict:
+    return dict(model_type=state.engine.model.config.model_type, reasoning=bool(state.reasoning_parser),
+                tools=bool(state.tool_call_parser and body.tools and body.tool_choice != "none"),
+                prompt_ends_in_think=bool(getattr(prompt, "prompt_ends_in_think", False)),
+                tool_call_start_index=getattr(prompt, "tool_call_start_index", 0))
+
+
+def _chat_message(state: ServerState, body, prompt, text: str) -> tuple[dict, bool]:
     from .chat_output import parse_chat_output
 
     msg = {"role": "assistant", "content": text}
     if state.reasoning_parser or (state.tool_call_parser and body.tools):
-        msg = parse_chat_output(text, state.engine.model.config.model_type,
-                                reasoning=bool(state.reasoning_parser),
-                                tools=bool(state.tool_call_parser and body.tools and body.tool_choice != "none"))
+        msg = parse_chat_output(text, **_parser_args(state, body, prompt))
     return msg, bool(msg.get("tool_calls"))
 
 
-def chat_response(state: ServerState, body, prompt_ids, final: RequestOutput) -> dict:
+def chat_response(state: ServerState, body, prompt, final: RequestOutput) -> dict:
+    prompt_ids = prompt.token_ids
     choices = []
     for o in final.outputs:
-        msg, has_tools = _chat_message(state, body, o.text)
+        msg, has_tools = _chat_message(state, body, prompt, o.text)
         choice = {"index": o.index, "message": msg, "finish_reason": "tool_calls" if has_tools else o.finish_reason}
         if body.logprobs and o.logprobs is not None:
             tok = state.tokenizer
@@ -363,9 +375,10 @@ def chat_response(state: ServerState, body, prompt_ids, final: RequestOutput) ->
             "model": state.model_name, "choices": choices, "usage": _usage(len(prompt_ids), [final])}
 
 
-async def stream_chat(state: ServerState, body, prompt_ids, gen, first) -> AsyncIterator[str]:
+async def stream_chat(state: ServerState, body, prompt, gen, first) -> AsyncIterator[str]:
     from .chat_output import ChatStreamParser
 
+    prompt_ids = prompt.token_ids
     created, rid = int(time.time()), first.request_id
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
     use_parsers = state.reasoning_parser or (state.tool_call_parser and body.tools)
@@ -380,9 +393,7 @@ async def stream_chat(state: ServerState, body, prompt_ids, gen, first) -> Async
             if o.index in reported:
                 continue
             if use_parsers:
-                p = parsers.setdefault(o.index, ChatStreamParser(
-                    state.engine.model.config.model_type, reasoning=bool(state.reasoning_parser),
-                    tools=bool(state.tool_call_parser and body.tools and body.tool_choice != "none")))
+                p = parsers.setdefault(o.index, ChatStreamParser(**_parser_args(state, body, prompt)))
                 deltas = p.feed(o.delta_text) + (p.finish() if o.finish_reason else [])
             else:
                 deltas = [{"content": o.delta_text}] if o.delta_text else []

@@ -63,7 +63,8 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> "GrammarSpec":
-        """Schema (dict or JSON text) in canonical form, so equal schemas share a cache entry."""
+        """Schema (dict or JSON text) re-serialised compactly, so equal schemas share a cache
+        entry. Key order is kept: it is the order the properties are generated in."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -71,7 +72,7 @@ class GrammarSpec:
                 raise ValueError(f"JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("JSON schema must be a JSON object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> "GrammarSpec":
@@ -121,6 +122,29 @@ class GrammarSpec:
 
 # ---- compilation --------------------------------------------------------------------------------
 
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")
+
+
+def _fix_string_lengths(node: Any) -> Any:
+    """Work around xgrammar <= 0.2.9 (mlc-ai/xgrammar#800): a string with minLength/maxLength
+    compiles to a character class that admits raw control characters (U+0000-U+001F but CR/LF),
+    i.e. invalid JSON. An equivalent ``pattern`` goes through xgrammar's JSON-string-aware regex
+    path instead, which only emits valid JSON. Schemas with their own pattern/format are kept."""
+    if isinstance(node, list):
+        return [_fix_string_lengths(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in _NOT_SCHEMAS else _fix_string_lengths(v)) for k, v in node.items()}
+    lo, hi = out.get("minLength"), out.get("maxLength")
+    if out.get("type") == "string" and (lo is not None or hi is not None) \
+            and "pattern" not in out and "format" not in out \
+            and all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0) for v in (lo, hi)):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = "^[\\s\\S]{%d,%s}$" % (lo or 0, "" if hi is None else hi)
+    return out
+
+
 class CompiledGrammar:
     """A compiled grammar bound to one vocabulary; ``new_state()`` per sequence."""
 
@@ -146,12 +170,13 @@ class GrammarBackend:
     """One per served model: the tokenizer's vocabulary as xgrammar sees it, plus a compiler.
 
     ``vocab_size`` is the model's logits width (may exceed ``tokenizer.vocab_size``).
-    ``any_whitespace=False`` makes JSON output compact (", " / ": " separators, no other
-    whitespace), which keeps weak models out of endless-whitespace loops.
+    JSON whitespace: ``any_whitespace=True`` allows any JSON whitespace between tokens, at most
+    ``max_whitespace`` characters in a row (None: unbounded); ``False`` forces compact output
+    (", " / ": " separators). Both bounds keep weak models out of endless-whitespace loops.
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_threads: int = 4, cache_size: int = 256,
-                 any_whitespace: bool = True) -> None:
+                 any_whitespace: bool = True, max_whitespace: int | None = None) -> None:
         n = min(tokenizer.vocab_size, vocab_size)
         specials = set(tokenizer.special_tokens.values())
         # Special / added tokens get b"": xgrammar never lets a grammar produce an empty token,
@@ -162,7 +187,9 @@ class GrammarBackend:
         if not self.eos_ids:
             raise ValueError("structured output needs at least one EOS token id inside the vocabulary")
         self.vocab_size = vocab_size
-        self.any_whitespace = any_whitespace
+        self._json_kw = {"any_whitespace": any_whitespace}
+        if any_whitespace and max_whitespace is not None:
+            self._json_kw["max_whitespace_cnt"] = max_whitespace
         self.tokenizer_info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size,
                                                 stop_token_ids=self.eos_ids)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
@@ -170,21 +197,22 @@ class GrammarBackend:
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._pending: dict[GrammarSpec, Future] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a done future runs its callback inline, under the lock
 
     def _compile_uncached(self, spec: GrammarSpec) -> CompiledGrammar:
         c = self.compiler
         try:
             if spec.kind == "json_object":
-                g = c.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
+                g = c.compile_json_schema('{"type": "object"}', **self._json_kw)
             elif spec.kind == "json_schema":
-                g = c.compile_json_schema(spec.value, any_whitespace=self.any_whitespace)
+                schema = _fix_string_lengths(json.loads(spec.value))
+                g = c.compile_json_schema(json.dumps(schema), **self._json_kw)
             elif spec.kind == "regex":
                 g = c.compile_regex(spec.value)
             else:  # choice: the exact text of one alternative (EBNF literals take JSON escapes)
                 alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
                 g = c.compile_grammar(f"root ::= {alts}")
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             what = {"json_object": "JSON", "json_schema": "JSON schema", "regex": "regex",
                     "choice": "guided_choice"}[spec.kind]
             raise GrammarError(f"invalid {what}: {_clean_xgr_error(e)}") from None

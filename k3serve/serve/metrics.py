@@ -24,9 +24,14 @@ class Metrics:
         self.running = Gauge("k3serve_num_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("k3serve_num_requests_waiting", "Sequences waiting", registry=r)
         self.pool_bytes = Gauge("k3serve_cache_pool_used_bytes", "Pool bytes in use", ["kind"], registry=r)
+        self.request_bytes = Gauge("k3serve_request_cache_bytes", "Pool bytes held by live requests", registry=r)
         self.pool_usage = Gauge("k3serve_cache_pool_usage", "Fraction of the pool in use", registry=r)
         self.preemptions = Gauge("k3serve_preemptions", "Preemptions so far", registry=r)
         self.prefix_hit_rate = Gauge("k3serve_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)", registry=r)
+        self.prefix_tokens = Gauge("k3serve_prefix_cache_tokens", "Prompt tokens reused / prefilled", ["kind"],
+                                   registry=r)
+        self.checkpoints = Gauge("k3serve_prefix_cache_checkpoints", "KDA checkpoints held / evicted", ["kind"],
+                                 registry=r)
 
     def render(self) -> bytes:
         eng = self.engine
@@ -37,7 +42,14 @@ class Metrics:
         self.pool_bytes.labels("mla").set(st["mla_bytes"])
         self.pool_usage.set(st["used_bytes"] / st["total_bytes"])
         self.preemptions.set(eng.scheduler.num_preemptions)
-        stats = getattr(eng, "prefix_stats", None)
-        if stats:
-            self.prefix_hit_rate.set(stats().get("hit_rate", 0.0))
+        from ..engine.request import Sequence
+
+        self.request_bytes.set(eng.scheduler.owners.bytes_held(lambda h: isinstance(h, Sequence)))
+        ps = eng.prefix_stats()
+        if ps:
+            self.prefix_hit_rate.set(ps["hit_rate"])
+            self.prefix_tokens.labels("reused").set(ps["tokens_reused"])
+            self.prefix_tokens.labels("prefilled").set(ps["tokens_prefilled"])
+            self.checkpoints.labels("held").set(ps["checkpoints_held"])
+            self.checkpoints.labels("evicted").set(ps["checkpoints_evicted"])
         return generate_latest(self.registry)
