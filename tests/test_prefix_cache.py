@@ -1,0 +1,189 @@
+"""Prefix caching across MLA pages and KDA checkpoints: the hit rule, exactness against no-cache
+runs, multi-turn counters, copy-on-write, and memory pressure."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3serve.cache.prefix import Checkpoint, PrefixIndex
+from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.model.loader import load_model
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+# ---- the hit rule on the index ------------------------------------------------------------------
+
+def _index_with(tokens, positions, block=512, turn_end=()):
+    idx = PrefixIndex(block)
+    for p in positions:
+        idx.add(Checkpoint(p, p in turn_end), tokens)
+    return idx
+
+
+def test_seed_003_worked_example():
+    toks = list(range(5000))
+    idx = _index_with(toks, [1024, 2560])
+    prompt = toks[:2800] + [9, 9, 9]  # 2800 tokens match, then the prompt diverges
+    assert idx.match(prompt).pos == 2560
+    assert _index_with(toks, []).match(prompt) is None  # no checkpoint: nothing reusable
+    assert idx.match(toks[:1000] + [7]) is None  # the match (1000) is below the first checkpoint
+
+
+def test_hit_is_bounded_by_the_token_match_and_leaves_one_token():
+    toks = list(range(3000))
+    idx = _index_with(toks, [512, 1024, 1536])
+    assert idx.match(toks[:1536] + [1]).pos == 1536
+    assert idx.match(toks[:1536]).pos == 1024  # at least one prompt token is always computed
+    changed = toks[:1100] + [-1] + toks[1101:2000]
+    assert idx.match(changed).pos == 1024  # a difference inside block 3 invalidates 1536
+
+
+def test_turn_end_checkpoints_are_keyed_by_their_tail():
+    toks = list(range(2000))
+    idx = _index_with(toks, [512, 700], turn_end=(700,))
+    assert idx.match(toks[:700] + [5, 6]).pos == 700
+    assert idx.match(toks[:699] + [-5, 6]).pos == 512  # the tail differs: fall back to the aligned one
+    assert idx.contains(toks, 700) and not idx.contains(toks, 701)
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(preset="tiny", dtype="float32", device="cpu", seed=8)
+
+
+def engine(model, cache=True, **kw):
+    cfg = dict(cache_memory="64MiB", page_size=8, enable_prefix_caching=cache, prefix_block_size=16,
+               kda_checkpoint_interval=32, max_num_batched_tokens=64)
+    cfg.update(kw)
+    return LLMEngine(model, None, EngineConfig(**cfg))
+
+
+def run(eng, prompts, params=GREEDY):
+    ids = [eng.add_request(p, params) for p in prompts]
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+        eng.scheduler.owners.check()
+    return [finals[i] for i in ids]
+
+
+def test_multi_turn_reuses_up_to_the_previous_prompt_end(model):
+    rng = random.Random(0)
+    cached, plain = engine(model), engine(model, cache=False)
+    prompt = [rng.randrange(1700) for _ in range(37)]
+    prev_len = 0
+    for turn in range(4):
+        before = cached.prefix_stats()
+        out_c = run(cached, [prompt])[0]
+        out_p = run(plain, [prompt])[0]
+        assert out_c == out_p, turn  # identical token for token
+        after = cached.prefix_stats()
+        reused = after["tokens_reused"] - before["tokens_reused"]
+        prefilled = after["tokens_prefilled"] - before["tokens_prefilled"]
+        assert reused == prev_len  # turn k+1 resumes exactly at turn k's prompt end
+        assert prefilled == len(prompt) - prev_len
+        prev_len = len(prompt)
+        prompt = prompt + out_c + [rng.randrange(1700) for _ in range(rng.randrange(3, 30))]
+    assert cached.prefix_stats()["hit_rate"] > 0.5
+
+
+def test_randomized_conversations_and_shared_prefix_batches_equal_no_cache(model):
+    rng = random.Random(1)
+    system = [rng.randrange(1700) for _ in range(45)]
+    cached, plain = engine(model), engine(model, cache=False)
+    convs = [list(system) + [rng.randrange(1700) for _ in range(rng.randrange(1, 20))] for _ in range(5)]
+    for _ in range(3):
+        batch = [c for c in convs if rng.random() < 0.8] or convs[:1]
+        outs_c = run(cached, batch)
+        outs_p = run(plain, batch)
+        assert outs_c == outs_p
+        for c, o in zip(batch, outs_c):
+            c.extend(o + [rng.randrange(1700) for _ in range(rng.randrange(1, 12))])
+    st_ = cached.prefix_stats()
+    assert st_["hits"] > 0 and st_["checkpoints_held"] > 0
+
+
+def test_copy_on_write_branches_leave_the_checkpoint_untouched(model):
+    rng = random.Random(2)
+    base = [rng.randrange(1700) for _ in range(41)]  # not page- or block-aligned: partial pages
+    eng = engine(model)
+    run(eng, [base])
+    ckpts = [c for c in eng.prefix.index.checkpoints() if c.pos == len(base)]
+    assert len(ckpts) == 1
+    ck = ckpts[0]
+    snap = (eng.pool.slot_bytes_of(ck.kda_slot).clone(), [eng.pool.page_bytes_of(p).clone() for p in ck.pages])
+    branches = [base + [rng.randrange(1700) for _ in range(rng.randrange(1, 9))] for _ in range(3)]
+    outs = run(eng, branches)  # all three hit the same checkpoint in one batch
+    assert eng.prefix_stats()["hits"] >= 3
+    plain = engine(model, cache=False)
+    assert outs == run(plain, branches)
+    ck_now = next(c for c in eng.prefix.index.checkpoints() if c is ck)
+    assert torch.equal(eng.pool.slot_bytes_of(ck_now.kda_slot), snap[0])
+    for p, b in zip(ck_now.pages, snap[1]):
+        assert torch.equal(eng.pool.page_bytes_of(p), b)
+
+
+def test_long_prefill_takes_interval_checkpoints(model):
+    rng = random.Random(3)
+    prompt = [rng.randrange(1700) for _ in range(100)]
+    eng = engine(model)
+    run(eng, [prompt])
+    positions = sorted(c.pos for c in eng.prefix.index.checkpoints())
+    assert positions == [32, 64, 96, 100]  # every 32 tokens inside the prefill, and the prompt end
+    turn_end = [c for c in eng.prefix.index.checkpoints() if c.turn_end]
+    assert [c.pos for c in turn_end] == [100]
+    # a different continuation after token 70 resumes from the 64-token checkpoint
+    before = eng.prefix_stats()["tokens_reused"]
+    run(eng, [prompt[:70] + [1, 2, 3]])
+    assert eng.prefix_stats()["tokens_reused"] - before == 64
+
+
+def test_eviction_makes_room_for_running_requests_before_preemption(model):
+    probe = engine(model)
+    lay = probe.pool.layout
+    eng = engine(model, cache_memory=4 * lay.slot_bytes + 24 * lay.page_bytes)
+    rng = random.Random(4)
+    for _ in range(6):  # each request leaves checkpoints behind
+        run(eng, [[rng.randrange(1700) for _ in range(60)]])
+    assert eng.prefix_stats()["checkpoints_evicted"] > 0
+    assert eng.scheduler.num_preemptions == 0
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 10 ** 6))
+def test_memory_pressure_interleavings(model, seed):
+    """Small pool, several conversations, random aborts: no corruption (completed outputs equal
+    the no-cache run), no leak (dropping the cache empties the pool)."""
+    rng = random.Random(seed)
+    probe = engine(model)
+    lay = probe.pool.layout
+    eng = engine(model, cache_memory=5 * lay.slot_bytes + 30 * lay.page_bytes, max_num_seqs=4)
+    plain = engine(model, cache=False)
+    convs = [[rng.randrange(1700) for _ in range(rng.randrange(5, 50))] for _ in range(4)]
+    for _ in range(3):
+        ids = {eng.add_request(c, GREEDY): i for i, c in enumerate(convs)}
+        done = {}
+        while eng.has_unfinished_requests():
+            if rng.random() < 0.15:
+                live = [r for r in ids if r in eng.requests]
+                if live:
+                    eng.abort_request(rng.choice(live))
+            for out in eng.step():
+                if out.finished:
+                    done[ids[out.request_id]] = out.outputs[0].token_ids
+            eng.scheduler.owners.check()
+        for i, toks in done.items():
+            assert toks == run(plain, [convs[i]])[0]
+            convs[i] = convs[i] + toks + [rng.randrange(1700) for _ in range(rng.randrange(1, 15))]
+    eng.prefix.clear()
+    eng.scheduler.owners.check()
+    assert eng.pool.used_bytes == 0
