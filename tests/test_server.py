@@ -223,3 +223,77 @@ def test_bench_serve_against_the_live_server(server, capsys):
                  "--system-len", "64", "--input-len", "30", "--output-len", "4", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["requests"] == 6 and rep["completed"] == 6
+
+
+def test_structured_output_json_schema_and_choice(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a person"}], max_tokens=200, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        extra_body={"max_whitespace": 1})
+    text = out.choices[0].message.content
+    if out.choices[0].finish_reason == "stop":  # a random model may run out of tokens mid-object
+        jsonschema.validate(json.loads(text), schema)
+    else:
+        assert out.choices[0].finish_reason == "length" and text.lstrip().startswith("{")
+    out = client.completions.create(model="tiny", prompt="answer:", max_tokens=10, temperature=0.8, seed=3,
+                                    extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert out.choices[0].text in ("yes", "no", "maybe") and out.choices[0].finish_reason == "stop"
+    out = client.completions.create(model="tiny", prompt="code:", max_tokens=10, temperature=0,
+                                    extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", out.choices[0].text)
+
+
+def test_invalid_schema_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="structured-output"):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"guided_regex": "(unclosed"})
+    assert client.models.list().data
+
+
+def test_k3_chat_rendering_reaches_the_model(server):
+    """The chat prompt is K3 XTML: /tokenize of a one-turn conversation ends in the assistant's
+    open think channel (thinking on by default)."""
+    msgs = [{"role": "user", "content": "hi <|open|>"}]
+    ids = httpx.post(server + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    r = httpx.post(server + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert r.startswith("<|open|>message role=\"user\"<|sep|>hi <|open|><|close|>message<|sep|><|end_of_msg|>")
+    assert r.endswith("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>")
+    # three structural opens (user message, assistant message, think); the user's "<|open|>" is text
+    assert ids.count(2048 - 256 + 3) == 3
+
+
+def test_reasoning_parser_splits_the_think_channel(model_dir):
+    """With --reasoning-parser kimi_k3 and thinking on, a (random) model that never closes its
+    think channel produces only reasoning_content; with reasoning_effort none only content."""
+    proc, url = _start(model_dir, "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "think about it"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        m = r.choices[0].message
+        assert m.reasoning_content and not m.content  # everything generated sits in the open think channel
+        chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        streamed = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or ""
+                           for ch in chunks if ch.choices)
+        assert streamed == m.reasoning_content
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                      reasoning_effort="none", extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content is not None and not r.choices[0].message.reasoning_content
+        tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        with pytest.raises(openai.BadRequestError, match="thinking_effort|effort"):
+            c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, reasoning_effort="medium")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
