@@ -82,6 +82,68 @@ def throughput(args) -> dict:
                 truncated=bool(eng.has_unfinished_requests()))
 
 
+def agentic(args) -> dict:
+    """Sessions of several turns over one shared system prompt, growing context, short outputs;
+    run with prefix caching on and off. Reports the token hit rate against the theoretical
+    maximum (every token of the shared system prompt after its first use, plus every earlier
+    turn's prompt), prefill tokens saved, and mean / p90 time to first token."""
+    from k3serve.model.loader import load_model
+
+    results = {}
+    model = load_model(preset=args.preset, device=args.device, dtype=args.dtype)
+    for cache in (True, False):
+        cfg = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                           gpu_memory_utilization=args.gpu_memory_utilization, cache_memory=args.cache_memory,
+                           enable_prefix_caching=cache)
+        eng = LLMEngine(model, None, cfg)
+        rng = random.Random(0)
+        vocab = eng.model.config.vocab_size - 256
+        system = [rng.randrange(vocab) for _ in range(args.system_len)]
+        sessions = [list(system) for _ in range(args.sessions)]
+        eng.add_request(system + [1], SamplingParams(max_tokens=1))  # warm-up (kernel autotuning), not timed
+        while eng.has_unfinished_requests():
+            eng.step()
+        if eng.prefix is not None:
+            eng.prefix.clear()
+            eng.prefix.stats = type(eng.prefix.stats)()
+        ttft, prompt_tokens, max_reusable = [], 0, 0
+        start = time.perf_counter()
+        for turn in range(args.turns):
+            arrive = {}
+            for s in sessions:
+                before = len(s) if turn else (args.system_len if s is not sessions[0] else 0)
+                s += [rng.randrange(vocab) for _ in range(rng.randint(args.min_input, args.max_input))]
+                max_reusable += before
+                prompt_tokens += len(s)
+                rid = eng.add_request(list(s), SamplingParams(max_tokens=rng.randint(args.min_output, args.max_output),
+                                                              temperature=0.0, ignore_eos=True))
+                arrive[rid] = (time.perf_counter(), s)
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    t, s = arrive[out.request_id]
+                    if out.outputs[0].token_ids and out.request_id not in [r for r, _ in ttft]:
+                        ttft.append((out.request_id, time.perf_counter() - t))
+                    if out.finished:
+                        s += out.outputs[0].token_ids
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        ts = sorted(t for _, t in ttft)
+        ps = eng.prefix_stats()
+        results["cache_on" if cache else "cache_off"] = dict(
+            seconds=round(wall, 2), requests=len(ts), prompt_tokens=prompt_tokens,
+            theoretical_max_hit_rate=round(max_reusable / prompt_tokens, 4),
+            hit_rate=round(ps.get("tokens_reused", 0) / prompt_tokens, 4),
+            prefill_tokens_saved=ps.get("tokens_reused", 0), checkpoints_held=ps.get("checkpoints_held", 0),
+            checkpoints_evicted=ps.get("checkpoints_evicted", 0),
+            ttft_mean_ms=round(1000 * sum(ts) / len(ts), 1), ttft_p90_ms=round(1000 * ts[int(0.9 * (len(ts) - 1))], 1))
+        print(json.dumps(results, indent=1), flush=True)  # partial results survive a cut-off run
+        del eng
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return dict(preset=args.preset, sessions=args.sessions, turns=args.turns, system_len=args.system_len, **results)
+
+
 def admission(args) -> dict:
     """Skewed workload: many short requests, then a few long ones, at equal pool bytes."""
     mcfg = ModelConfig.from_dict(preset_config(args.preset))
@@ -117,6 +179,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--admission", action="store_true")
+    ap.add_argument("--agentic", action="store_true")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-len", type=int, default=2048)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -135,7 +201,7 @@ def main() -> None:
     ap.add_argument("--kda-fractions", type=float, nargs="*", default=[0.25, 0.5, 0.75])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    res = admission(args) if args.admission else throughput(args)
+    res = admission(args) if args.admission else agentic(args) if args.agentic else throughput(args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.json:
