@@ -297,3 +297,41 @@ def test_reasoning_parser_splits_the_think_channel(model_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_fifty_concurrent_streams_are_independent(server):
+    """50 streaming requests at once: all complete, and each equals the same request made alone."""
+    import asyncio
+
+    prompts = [[(7 * i + j) % 1500 + 3 for j in range(5 + i % 17)] for i in range(50)]
+
+    async def one(client, p):
+        body = {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0, "stream": True, "ignore_eos": True}
+        text = []
+        async with client.stream("POST", server + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += [c["text"] for c in json.loads(line[6:])["choices"]]
+        return "".join(text)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    streamed = asyncio.run(main())
+    assert len(streamed) == 50
+    for i in (0, 13, 27, 49):  # spot-check against requests made alone
+        alone = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": prompts[i], "max_tokens": 6,
+                                                             "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert alone.json()["choices"][0]["text"] == streamed[i]
+    assert _pool_used(server) == 0
+
+
+def test_serve_refuses_an_illegal_layout_before_loading(model_dir, capsys, monkeypatch):
+    import k3serve.model.loader as loader
+    from k3serve.cli import main
+
+    monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: pytest.fail("weights were loaded"))
+    assert main(["serve", "--model", str(model_dir), "-tp", "3", "--port", "1"]) == 2
+    assert "TP=3 does not divide" in capsys.readouterr().err
