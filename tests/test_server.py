@@ -335,3 +335,54 @@ def test_serve_refuses_an_illegal_layout_before_loading(model_dir, capsys, monke
     monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: pytest.fail("weights were loaded"))
     assert main(["serve", "--model", str(model_dir), "-tp", "3", "--port", "1"]) == 2
     assert "TP=3 does not divide" in capsys.readouterr().err
+
+
+def test_tool_call_round_trip(model_dir):
+    """Named tool_choice constrains the (random) model's output to a K3 tool call: the call is
+    parsed into OpenAI tool_calls, the tool result goes back, and the final answer is plain text."""
+    proc, url = _start(model_dir, "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3",
+                       "--max-model-len", "4096")  # the byte-level tiny tokenizer needs room for the call
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "weather by city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                           "required": ["city"]}}}]
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=800, temperature=0,
+                                      reasoning_effort="none",
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and call.id == "functions.get_weather:0"
+        args = json.loads(call.function.arguments)
+        assert isinstance(args["city"], str) and set(args) <= {"city", "days"}
+        if "days" in args:
+            assert isinstance(args["days"], (int, float))
+        # streaming gives the same call
+        chunks = list(c.chat.completions.create(
+            model="tiny", messages=msgs, tools=tools, max_tokens=800, temperature=0, reasoning_effort="none",
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+        deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert [d.function.name for d in deltas] == ["get_weather"]
+        assert json.loads(deltas[0].function.arguments) == args
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # send the tool result back and get a final answer
+        msgs += [{"role": "assistant", "content": choice.message.content or "", "tool_calls": [
+                     {"id": call.id, "type": "function",
+                      "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
+        final = c.chat.completions.create(model="tiny", messages=msgs, tools=tools, tool_choice="none",
+                                          max_tokens=8, temperature=0, reasoning_effort="none")
+        assert final.choices[0].message.tool_calls is None and isinstance(final.choices[0].message.content, str)
+        # required: some declared tool is called
+        r = c.chat.completions.create(model="tiny", messages=msgs[:1], tools=tools, tool_choice="required",
+                                      max_tokens=800, temperature=0)
+        assert r.choices[0].message.tool_calls and r.choices[0].message.tool_calls[0].function.name == "get_weather"
+        with pytest.raises(openai.BadRequestError, match="not among the declared tools"):
+            c.chat.completions.create(model="tiny", messages=msgs[:1], tools=tools, max_tokens=5,
+                                      tool_choice={"type": "function", "function": {"name": "nope"}})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -168,7 +168,7 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = make_params(body, max_tokens, body.top_logprobs if body.logprobs else None,
                              max(1, state.engine.max_model_len - len(ids)), keep_special=use_parsers)
-        grammar = await compile_grammar(state, body)
+        grammar = await compile_grammar(state, body, prompt)
         gen = start(state, request, ids, params, grammar)
         if body.stream:
             first = await _first(gen)
@@ -233,7 +233,14 @@ def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool
     return params
 
 
-async def compile_grammar(state: ServerState, body):
+def _forced_tool_call(state: ServerState, body) -> bool:
+    """tool_choice required / named on K3 with the tool parser on: the output is constrained."""
+    choice = getattr(body, "tool_choice", None)
+    return bool(getattr(body, "tools", None) and state.tool_call_parser and (choice == "required" or isinstance(choice, dict))
+                and state.engine.model.config.model_type == "kimi_k3")
+
+
+async def compile_grammar(state: ServerState, body, prompt=None):
     """Compiled on the backend's thread pool, off the event loop and the engine's hot path."""
     if state.grammar_backend is None:
         if body.response_format not in (None, {"type": "text"}) or body.guided_json or body.guided_regex \
@@ -245,6 +252,13 @@ async def compile_grammar(state: ServerState, body):
     try:
         spec = GrammarSpec.from_openai(response_format=body.response_format, guided_json=body.guided_json,
                                        guided_regex=body.guided_regex, guided_choice=body.guided_choice)
+        if _forced_tool_call(state, body):
+            if spec is not None:
+                raise ValueError("tool_choice required/named cannot be combined with another output constraint")
+            from .tool_grammar import tool_call_grammar
+
+            spec = GrammarSpec("ebnf", tool_call_grammar(body.tools, body.tool_choice,
+                                                         bool(getattr(prompt, "prompt_ends_in_think", False))))
         if spec is None:
             return None
         import asyncio

@@ -29,7 +29,7 @@ import xgrammar as xgr
 __all__ = ["GrammarError", "GrammarSpec", "GrammarBackend", "CompiledGrammar", "GrammarState",
            "allocate_bitmask", "fill_bitmask", "apply_bitmask", "apply_masks"]
 
-KINDS = ("json_object", "json_schema", "regex", "choice")
+KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf")
 
 
 class GrammarError(ValueError):
@@ -51,7 +51,7 @@ class GrammarSpec:
     """What to constrain to. ``value``: None for json_object, the schema as a JSON string for
     json_schema, the pattern for regex, a JSON list of strings for choice."""
 
-    kind: str  # "json_object" | "json_schema" | "regex" | "choice"
+    kind: str  # "json_object" | "json_schema" | "regex" | "choice" | "ebnf" (server-built, e.g. tool calls)
     value: str | None = None
 
     def __post_init__(self) -> None:
@@ -176,12 +176,16 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_threads: int = 4, cache_size: int = 256,
-                 any_whitespace: bool = True, max_whitespace: int | None = None) -> None:
+                 any_whitespace: bool = True, max_whitespace: int | None = None,
+                 marker_ids: tuple[int, ...] = ()) -> None:
         n = min(tokenizer.vocab_size, vocab_size)
         specials = set(tokenizer.special_tokens.values())
         # Special / added tokens get b"": xgrammar never lets a grammar produce an empty token,
-        # so their literal text ("<|im_end|>") can't leak into structured output.
-        encoded = [b"" if (i in specials or tokenizer.is_special(i)) else tokenizer.token_bytes(i)
+        # so their literal text ("<|im_end|>") can't leak into structured output. ``marker_ids``
+        # (K3's XTML markers) keep their text, so server-built grammars (tool calls) can emit them.
+        markers = set(marker_ids)
+        encoded = [tokenizer.token_bytes(i) if i in markers
+                   else b"" if (i in specials or tokenizer.is_special(i)) else tokenizer.token_bytes(i)
                    for i in range(n)]
         self.eos_ids = [i for i in tokenizer.eos_token_ids if 0 <= i < vocab_size]
         if not self.eos_ids:
@@ -209,12 +213,14 @@ class GrammarBackend:
                 g = c.compile_json_schema(json.dumps(schema), **self._json_kw)
             elif spec.kind == "regex":
                 g = c.compile_regex(spec.value)
+            elif spec.kind == "ebnf":
+                g = c.compile_grammar(spec.value)
             else:  # choice: the exact text of one alternative (EBNF literals take JSON escapes)
                 alts = " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec.value))
                 g = c.compile_grammar(f"root ::= {alts}")
         except (RuntimeError, ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             what = {"json_object": "JSON", "json_schema": "JSON schema", "regex": "regex",
-                    "choice": "guided_choice"}[spec.kind]
+                    "choice": "guided_choice", "ebnf": "grammar"}[spec.kind]
             raise GrammarError(f"invalid {what}: {_clean_xgr_error(e)}") from None
         return CompiledGrammar(spec, g, self.vocab_size, self.eos_ids)
 

@@ -37,7 +37,10 @@ def build_state(args: argparse.Namespace):
         except ImportError as exc:  # xgrammar missing: serve without structured output
             log.warning("structured output disabled: %s", exc)
         else:
-            grammar = GrammarBackend(engine.tokenizer, engine.model.config.vocab_size)
+            from .tool_grammar import K3_MARKERS
+
+            markers = tuple(i for m in K3_MARKERS if (i := engine.tokenizer.special_tokens.get(m)) is not None)
+            grammar = GrammarBackend(engine.tokenizer, engine.model.config.vocab_size, marker_ids=markers)
     name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
     return ServerState(AsyncLLM(engine, args.max_queue), name, args.api_key, args.reasoning_parser,
                        args.tool_call_parser, grammar)
