@@ -226,7 +226,9 @@ def test_from_openai():
         with pytest.raises(ValueError):
             f(**bad)
     with pytest.raises(ValueError):
-        GrammarSpec("ebnf", "x")
+        GrammarSpec("xml", "x")
+    with pytest.raises(ValueError):
+        GrammarSpec("ebnf")  # server-built grammars (tool calls) carry their EBNF text
 
 
 # ---- compilation cache / async -----------------------------------------------------------------
