@@ -270,7 +270,32 @@ async def compile_grammar(state: ServerState, body, prompt=None):
 
 def start(state: ServerState, request: Request, ids, params, grammar) -> AsyncIterator[RequestOutput]:
     rid = f"{'chatcmpl' if 'chat' in request.url.path else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    return state.llm.generate(ids, params, rid, grammar=grammar)
+    return _observed(request.app.state.metrics, len(ids), state.llm.generate(ids, params, rid, grammar=grammar))
+
+
+async def _observed(metrics: Metrics, prompt_len: int, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Prometheus timings and counters around one request's output stream."""
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async for out in gen:
+            now = time.perf_counter()
+            new = sum(len(o.delta_token_ids) for o in out.outputs)
+            if new:
+                if last is None:
+                    metrics.ttft.observe(now - t0)
+                else:
+                    metrics.itl.observe((now - last) / new)
+                last = now
+                metrics.generation_tokens.inc(new)
+            if out.finished:
+                metrics.prompt_tokens.inc(prompt_len)
+                metrics.e2e.observe(now - t0)
+                for o in out.outputs:
+                    metrics.requests.labels(o.finish_reason or "unknown").inc()
+            yield out
+    finally:
+        await gen.aclose()
 
 
 async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -315,8 +340,10 @@ def _completion_logprobs(state: ServerState, lps) -> dict | None:
         return None
     tok = state.tokenizer
     name = (lambda t: tok.decode([t])) if tok else str
-    return {"tokens": [name(t) for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
-            "top_logprobs": [{name(a): alp for a, alp in alts} for _, _, alts in lps], "text_offset": []}
+    tokens = [name(t) for t, _, _ in lps]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in lps],
+            "top_logprobs": [{name(a): alp for a, alp in alts} for _, _, alts in lps], "text_offset": offsets}
 
 
 def completion_response(state: ServerState, body, prompt_ids, finals) -> dict:
