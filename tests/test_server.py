@@ -399,7 +399,9 @@ def test_logprobs(client):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
-    assert all(max(alts.values()) == pytest.approx(v) for alts, v in zip(lp.top_logprobs, lp.token_logprobs))
+    # greedy: the sampled token is the top alternative (several byte tokens may decode to the same
+    # text key, so the dict can hold fewer entries, never a higher one)
+    assert all(alts and max(alts.values()) <= v + 1e-5 for alts, v in zip(lp.top_logprobs, lp.token_logprobs))
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
