@@ -34,6 +34,16 @@ def assert_no_leak(eng):
     assert eng.pool.used_bytes == 0 and eng.pool.num_slots == 0 and eng.pool.num_pages == 0
 
 
+def drain(eng):
+    """Step until idle; {int(request id): generated token ids}."""
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[int(out.request_id)] = out.outputs[0].token_ids
+    return finals
+
+
 def run_alone(model, prompt, params, **kw):
     eng = engine(model, **kw)
     rid = eng.add_request(prompt, params)
@@ -86,11 +96,7 @@ def test_preemption_and_resume_give_the_same_tokens(model):
     eng = engine(model, cache_memory=3 * lay.slot_bytes + 8 * lay.page_bytes, max_num_seqs=6)
     for i, p in enumerate(ps):
         eng.add_request(p, params, request_id=str(i))
-    finals = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                finals[int(out.request_id)] = out.outputs[0].token_ids
+    finals = drain(eng)
     assert eng.scheduler.num_preemptions > 0
     for i, p in enumerate(ps):
         assert finals[i] == run_alone(model, p, params).outputs[0].token_ids
@@ -105,11 +111,7 @@ def test_seeded_sampling_survives_preemption(model):
     eng = engine(model, cache_memory=2 * lay.slot_bytes + 6 * lay.page_bytes)
     for i, p in enumerate(ps):
         eng.add_request(p, params[i], request_id=str(i))
-    finals = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                finals[int(out.request_id)] = out.outputs[0].token_ids
+    finals = drain(eng)
     assert eng.scheduler.num_preemptions > 0
     for i, p in enumerate(ps):
         assert finals[i] == run_alone(model, p, params[i]).outputs[0].token_ids

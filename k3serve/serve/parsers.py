@@ -22,6 +22,8 @@ each call whole (id, name and the complete arguments) once its block is complete
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import re
 from typing import Any
@@ -229,7 +231,38 @@ def parse_k3_call(attrs: str, body: str) -> tuple[str, str] | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
-class K3ToolCallParser:
+class _ToolCallStream(ABC):
+    """Shared driver of the tool-call parsers: text deltas in, (content, tool-call deltas) out;
+    the non-streaming ``extract`` runs the same state machine over the whole text."""
+
+    start_index: int
+    _buf: str
+    _n_calls: int
+
+    @property
+    def saw_tool_calls(self) -> bool:
+        return self._n_calls > 0
+
+    def extract(self, text: str) -> tuple[str, list[dict]]:
+        """Non-streaming: (content, [{"id", "type", "function": {"name", "arguments"}}])."""
+        p = type(self)(self.start_index)
+        c1, t1 = p.feed(text)
+        c2, t2 = p.finish()
+        return c1 + c2, [{k: v for k, v in d.items() if k != "index"} for d in t1 + t2]
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        self._buf += delta
+        return self._step(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        return self._step(final=True)
+
+    @abstractmethod
+    def _step(self, final: bool) -> tuple[str, list[dict]]:
+        """The format's state machine over ``self._buf``."""
+
+
+class K3ToolCallParser(_ToolCallStream):
     """K3 response / tools channels -> (content, tool calls) (§4.5).
 
     Input is the text after the think channel (or the whole completion in non-thinking mode):
@@ -258,23 +291,6 @@ class K3ToolCallParser:
         self._call_body = 0
         self._n_calls = 0
 
-    @property
-    def saw_tool_calls(self) -> bool:
-        return self._n_calls > 0
-
-    def extract(self, text: str) -> tuple[str, list[dict]]:
-        """Non-streaming: (content, [{"id", "type", "function": {"name", "arguments"}}])."""
-        p = K3ToolCallParser(self.start_index)
-        c1, t1 = p.feed(text)
-        c2, t2 = p.finish()
-        return c1 + c2, [{k: v for k, v in d.items() if k != "index"} for d in t1 + t2]
-
-    def feed(self, delta: str) -> tuple[str, list[dict]]:
-        self._buf += delta
-        return self._step(final=False)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        return self._step(final=True)
 
     def _emit_call(self, attrs: str, body: str, out: list[dict]) -> None:
         parsed = parse_k3_call(attrs, body)
@@ -386,7 +402,7 @@ def _k2_name(call_id: str) -> str:
     return head[len("functions."):] if head.startswith("functions.") else head
 
 
-class KimiToolCallParser:
+class KimiToolCallParser(_ToolCallStream):
     """K2-family tool calls (§4.3): ``content <|tool_calls_section_begin|> (<|tool_call_begin|> id
     <|tool_call_argument_begin|> {json} <|tool_call_end|>)* <|tool_calls_section_end|>``.
 
@@ -411,22 +427,6 @@ class KimiToolCallParser:
         self._call_body = 0
         self._n_calls = 0
 
-    @property
-    def saw_tool_calls(self) -> bool:
-        return self._n_calls > 0
-
-    def extract(self, text: str) -> tuple[str, list[dict]]:
-        p = KimiToolCallParser(self.start_index)
-        c1, t1 = p.feed(text)
-        c2, t2 = p.finish()
-        return c1 + c2, [{k: v for k, v in d.items() if k != "index"} for d in t1 + t2]
-
-    def feed(self, delta: str) -> tuple[str, list[dict]]:
-        self._buf += delta
-        return self._step(final=False)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        return self._step(final=True)
 
     def _step(self, final: bool) -> tuple[str, list[dict]]:
         buf, content, calls = self._buf, "", []
