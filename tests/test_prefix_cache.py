@@ -90,6 +90,7 @@ def test_multi_turn_reuses_up_to_the_previous_prompt_end(model):
         reused = after["tokens_reused"] - before["tokens_reused"]
         prefilled = after["tokens_prefilled"] - before["tokens_prefilled"]
         assert reused == prev_len  # turn k+1 resumes exactly at turn k's prompt end
+        assert after["lookups"] - before["lookups"] == 1 and after["hits"] - before["hits"] == int(turn > 0)
         assert prefilled == len(prompt) - prev_len
         prev_len = len(prompt)
         prompt = prompt + out_c + [rng.randrange(1700) for _ in range(rng.randrange(3, 30))]
@@ -156,6 +157,7 @@ def test_eviction_makes_room_for_running_requests_before_preemption(model):
         run(eng, [[rng.randrange(1700) for _ in range(60)]])
     assert eng.prefix_stats()["checkpoints_evicted"] > 0
     assert eng.scheduler.num_preemptions == 0
+    assert eng.prefix_stats()["lookups"] == 6  # one per admitted request, however often the head retried
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

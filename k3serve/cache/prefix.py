@@ -149,8 +149,8 @@ class PrefixCache:
     # ---- requests ---------------------------------------------------------------------------
     def restore(self, seq) -> int:
         """On admission: copy the best checkpoint into the sequence's private slot and pages.
-        Returns the tokens skipped (0 on a miss or when there is no room)."""
-        self.stats.lookups += 1
+        Returns the tokens skipped (0 on a miss or when there is no room). Counted by
+        ``admitted`` only once the sequence is really admitted (a head that must wait retries)."""
         ck = self.index.match(seq.token_ids)
         if ck is None:
             return 0
@@ -165,9 +165,13 @@ class PrefixCache:
             self.pool.copy_page(ck.pages[n_full], self.owners.alloc_page(seq))
         seq.num_computed = ck.pos
         ck.touch()
-        self.stats.hits += 1
-        self.stats.tokens_reused += ck.pos
         return ck.pos
+
+    def admitted(self, reused: int) -> None:
+        self.stats.lookups += 1
+        if reused:
+            self.stats.hits += 1
+            self.stats.tokens_reused += reused
 
     def next_boundary(self, seq) -> int | None:
         """Where the current prefill chunk must end so its final state can be checkpointed."""

@@ -157,13 +157,16 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(out) < self.max_num_seqs:
             seq = self.waiting[0]
+            reused = 0
             if seq.num_computed == 0 and seq.kda_slot is None and self.prefix is not None:
-                self.prefix.restore(seq)
+                reused = self.prefix.restore(seq)
             n = self._chunk(seq, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self.release(seq)  # give back what the restore took; FCFS: nobody overtakes the head
                 seq.num_computed = 0
                 break
+            if self.prefix is not None:
+                self.prefix.admitted(reused)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
