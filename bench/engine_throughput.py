@@ -91,7 +91,8 @@ def agentic(args) -> dict:
 
     results = {}
     model = load_model(preset=args.preset, device=args.device, dtype=args.dtype)
-    for cache in (True, False):
+    modes = [("warmup", False)] * args.warmup_runs + [("cache_off", False), ("cache_on", True)]
+    for label, cache in modes:
         cfg = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                            gpu_memory_utilization=args.gpu_memory_utilization, cache_memory=args.cache_memory,
                            enable_prefix_caching=cache)
@@ -130,7 +131,10 @@ def agentic(args) -> dict:
         wall = time.perf_counter() - start
         ts = sorted(t for _, t in ttft)
         ps = eng.prefix_stats()
-        results["cache_on" if cache else "cache_off"] = dict(
+        if label == "warmup":
+            del eng
+            continue
+        results[label] = dict(
             seconds=round(wall, 2), requests=len(ts), prompt_tokens=prompt_tokens,
             theoretical_max_hit_rate=round(max_reusable / prompt_tokens, 4),
             hit_rate=round(ps.get("tokens_reused", 0) / prompt_tokens, 4),
@@ -183,6 +187,8 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-len", type=int, default=2048)
+    ap.add_argument("--warmup-runs", type=int, default=1,
+                    help="untimed passes over the whole workload first (kernel autotuning per length)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-prompts", type=int, default=256)
