@@ -70,8 +70,9 @@ class K3ForCausalLM(nn.Module):
             self.cache_index.append(kda_i if is_kda else mla_i)
             kda_i, mla_i = kda_i + is_kda, mla_i + (not is_kda)
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: CacheHandles) -> torch.Tensor:
+        """Serving callers run under inference_mode (the runner does); parameters are loaded with
+        requires_grad=False, so no graph is built unless a trainer turns gradients on."""
         h = self.model.embed_tokens(batch.input_ids)
         B = self.config.attn_res_block_size
         res = AttnResState(h, B) if B else None
@@ -91,7 +92,6 @@ class K3ForCausalLM(nn.Module):
             return self.model.output_attn_res(res.final_sources(m)).to(self.dtype)
         return h
 
-    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.model.norm(hidden, out_dtype=self.dtype)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -45,6 +45,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # fp32 router, as HF / the original code
+        if self.training:  # the trainer's bias update (quantile balancing) reads the batch's scores
+            self.last_logits = logits.detach()
         return route(logits, self.e_score_correction_bias, **self.args)
 
 

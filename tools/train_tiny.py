@@ -1,0 +1,293 @@
+"""Train the small K3-architecture model k3serve ships as its default (issue [tiny-model]).
+
+Every K3 feature is in the network: KDA with the lower-bounded gate and full-rank gates, gated NoPE
+MLA, a dense first layer, Stable LatentMoE with SiTU-GLU and a shared expert, Block AttnRes with
+two blocks. The router bias is set by Quantile Balancing (seed 002; aux-loss free): after every
+step, each expert's bias moves so that exactly q = m*k/n of the batch's m tokens would have cleared
+their cutoff (the (k+1)-th best biased score), i.e. the bias is minus the (q+1)-th largest margin.
+
+Corpus: Python source files found offline (the standard library and site-packages), split into
+train / held-out by file. Tokenizer: byte-level BPE trained with `tokenizers`, plus the K3
+special tokens in the top 256 ids. Output: a checkpoint directory in the normal layout (bf16) and
+an MXFP4-experts variant, with held-out perplexity for both.
+
+    python tools/train_tiny.py --out k3serve/data/tiny --minutes 15          # on the H200
+    python tools/train_tiny.py --out /tmp/t --steps 3 --device cpu --small   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from k3serve.config import ModelConfig  # noqa: E402
+from k3serve.make_model import special_tokens  # noqa: E402
+from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk  # noqa: E402
+from k3serve.model.k3 import K3ForCausalLM  # noqa: E402
+from k3serve.model.weights import _full_shape, checkpoint_dtype, checkpoint_targets, load_dummy  # noqa: E402
+from k3serve.ops.mxfp4 import quantize_mxfp4  # noqa: E402
+from k3serve.presets import MXFP4_QUANT  # noqa: E402
+
+
+# ---- corpus and tokenizer -------------------------------------------------------------------
+
+def collect_corpus(max_files: int, max_bytes: int = 200_000) -> list[tuple[str, str]]:
+    roots = {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]}
+    files = []
+    for root in sorted(roots):
+        for path in sorted(Path(root).rglob("*.py")):
+            try:
+                if path.stat().st_size > max_bytes:
+                    continue
+                files.append((str(path.relative_to(root)), path.read_text(encoding="utf-8")))
+            except (OSError, UnicodeDecodeError, ValueError):
+                continue
+            if len(files) >= max_files:
+                return files
+    return files
+
+
+def split_by_file(files: list[tuple[str, str]], heldout_percent: int = 5):
+    """Held-out files chosen by a hash of their path: stable across runs and machines."""
+    train, held = [], []
+    for name, text in files:
+        h = int(hashlib.sha1(name.encode()).hexdigest(), 16) % 100
+        (held if h < heldout_percent else train).append(text)
+    return train, held
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, cfg: ModelConfig):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    specials = special_tokens(cfg)
+    tok.add_special_tokens([AddedToken(specials[i], special=True, normalized=False) for i in sorted(specials)])
+    for i, s in specials.items():
+        if tok.token_to_id(s) != i:
+            raise RuntimeError(f"special token {s} landed on id {tok.token_to_id(s)}, expected {i}")
+    return tok
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+def tiny_config(vocab: int, small: bool = False) -> dict:
+    h = 64 if small else 192
+    text = {
+        "model_type": "kimi_linear", "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": 8,
+        "intermediate_size": 4 * h, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+        "rms_norm_eps": 1e-5, "model_max_length": 8192, "tie_word_embeddings": False,
+        "bos_token_id": vocab - 256, "eos_token_id": vocab - 254, "pad_token_id": vocab - 1,
+        "q_lora_rank": h // 2, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+        "v_head_dim": 32 if small else 48, "mla_use_nope": True, "mla_use_output_gate": True,
+        "num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 64, "num_shared_experts": 1,
+        "routed_scaling_factor": 1.0, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "routed_expert_hidden_size": 32 if small else 96,
+        "latent_moe_use_norm": True, "attn_res_block_size": 4, "num_nextn_predict_layers": 0,
+        "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8],
+                               "num_heads": 4, "head_dim": 32 if small else 48, "short_conv_kernel_size": 4,
+                               "use_full_rank_gate": True, "gate_lower_bound": -5.0},
+        "dtype": "bfloat16",
+    }
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
+            "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
+            "pad_token_id": text["pad_token_id"]}
+
+
+def sequence_logits(model: K3ForCausalLM, x: torch.Tensor) -> torch.Tensor:
+    """Full-sequence forward of a [B, T] batch through the serving model (fresh caches)."""
+    B, T = x.shape
+    page = 64
+    n_pages = -(-T // page)
+    caches = CacheHandles.allocate(model.config, B, B * n_pages, page, device=x.device, dtype=model.dtype)
+    rows = x.tolist()
+    batch = ForwardBatch.build([SeqChunk(r, 0, i, list(range(i * n_pages, (i + 1) * n_pages)))
+                                for i, r in enumerate(rows)], page, x.device)
+    return model.compute_logits(model(batch, caches)).view(B, T, -1)
+
+
+@torch.no_grad()
+def quantile_balance(model: K3ForCausalLM) -> float:
+    """QB bias update for every MoE layer from the last batch's router logits; returns the mean
+    |update| (it shrinks as the load evens out)."""
+    total, n = 0.0, 0
+    for layer in model.model.layers:
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is None or getattr(moe.gate, "last_logits", None) is None:
+            continue
+        gate = moe.gate
+        k = gate.args["top_k"]
+        scores = torch.sigmoid(gate.last_logits)  # [m, n]
+        m, E = scores.shape
+        biased = scores + gate.e_score_correction_bias
+        cutoff = biased.topk(k + 1, dim=-1).values[:, k:k + 1]  # (k+1)-th best per token
+        margins = (biased - cutoff).sort(dim=0, descending=True).values  # per expert, over tokens
+        q = min(m - 1, (m * k) // E)
+        delta = -margins[q]  # the (q+1)-th largest margin moves to zero: q tokens stay above
+        gate.e_score_correction_bias.add_(delta)
+        total += delta.abs().mean().item()
+        n += 1
+        gate.last_logits = None
+    return total / max(n, 1)
+
+
+def token_stream(texts: list[str], tok, eos: int, seed: int):
+    rng = random.Random(seed)
+    order = list(range(len(texts)))
+    while True:
+        rng.shuffle(order)
+        for i in order:
+            yield from tok.encode(texts[i]).ids
+            yield eos
+
+
+def batches(stream, batch: int, seq_len: int, device):
+    while True:
+        buf = [next(stream) for _ in range(batch * (seq_len + 1))]
+        t = torch.tensor(buf, dtype=torch.long, device=device).view(batch, seq_len + 1)
+        yield t[:, :-1], t[:, 1:]
+
+
+@torch.no_grad()
+def perplexity(model: K3ForCausalLM, ids: list[int], seq_len: int, device, batch: int = 16) -> float:
+    """exp(mean next-token NLL) over consecutive seq_len windows of ``ids``, ``batch`` windows a pass."""
+    n = (len(ids) - 1) // seq_len
+    if n == 0:
+        raise ValueError(f"need more than {seq_len} held-out tokens, got {len(ids)}")
+    windows = torch.tensor([ids[i * seq_len: (i + 1) * seq_len + 1] for i in range(n)], device=device)
+    nll = 0.0
+    for s in range(0, n, batch):
+        w = windows[s:s + batch]
+        logits = sequence_logits(model, w[:, :-1])
+        nll += F.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
+    return math.exp(nll / (n * seq_len))
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+def export(model: K3ForCausalLM, raw: dict, tok, out: Path, mxfp4: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    raw = copy.deepcopy(raw)
+    if mxfp4:
+        raw["text_config"]["quantization_config"] = copy.deepcopy(MXFP4_QUANT)
+    cfg = ModelConfig.from_dict(raw)
+    tensors = {}
+    for name, target in checkpoint_targets(model).items():
+        t = target.param.data if target.expert is None else target.param.data[target.expert]
+        t = t.detach().reshape(_full_shape(name, target, cfg)).cpu()
+        if mxfp4 and ".experts." in name:
+            packed, scale = quantize_mxfp4(t.float())
+            tensors[name[: -len("weight")] + "weight_packed"] = packed
+            tensors[name[: -len("weight")] + "weight_scale"] = scale
+        else:
+            tensors[name] = t.to(checkpoint_dtype(name, cfg)).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: time budget)")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--max-files", type=int, default=20000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small", action="store_true", help="smoke-test shapes")
+    ap.add_argument("--eval-tokens", type=int, default=200_000)
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    t_start = time.perf_counter()
+    files = collect_corpus(args.max_files)
+    train_texts, held_texts = split_by_file(files)
+    raw = tiny_config(args.vocab, args.small)
+    cfg = ModelConfig.from_dict(raw)
+    tok = train_tokenizer(train_texts, args.vocab, cfg)
+    eos = cfg.eos_token_ids[0]
+    device = torch.device(args.device)
+    model = K3ForCausalLM(cfg, torch.float32, device)
+    load_dummy(model, seed=args.seed)  # fan-in-scaled random init, valid gates
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.endswith("e_score_correction_bias"))  # the bias is set by QB, not by SGD
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    data = batches(token_stream(train_texts, tok, eos, args.seed), args.batch, args.seq_len, device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    budget = args.minutes * 60
+    log, step, t0 = [], 0, time.perf_counter()
+    while (args.steps is None and time.perf_counter() - t0 < budget) or (args.steps is not None and step < args.steps):
+        x, y = next(data)
+        lr = args.lr * min(1.0, (step + 1) / 100)  # warm-up
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with autocast:
+            logits = sequence_logits(model, x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        qb = quantile_balance(model)
+        log.append({"step": step, "loss": round(loss.item(), 4), "qb_update": round(qb, 5)})
+        if step % 50 == 0:
+            print(json.dumps(log[-1]), flush=True)
+        step += 1
+    train_s = time.perf_counter() - t0
+    model.eval()
+    held_ids = []
+    for text in held_texts:
+        held_ids += tok.encode(text).ids + [eos]
+        if len(held_ids) >= args.eval_tokens:
+            break
+    held_ids = held_ids[: args.eval_tokens + 1]
+    result = {"steps": step, "train_seconds": round(train_s, 1), "final_loss": log[-1]["loss"] if log else None,
+              "files_train": len(train_texts), "files_heldout": len(held_texts), "params": sum(
+                  p.numel() for p in model.parameters())}
+    for variant, mx in (("bf16", False), ("mxfp4", True)):
+        d = out if not mx else out.with_name(out.name + "-mxfp4")
+        export(model, raw, tok, d, mx)
+        from k3serve.model.loader import load_model
+
+        loaded = load_model(d, dtype="float32", device=args.device, progress=False)
+        result[f"heldout_ppl_{variant}"] = round(perplexity(loaded, held_ids, args.seq_len, device), 3)
+        result[f"bytes_{variant}"] = (d / "model.safetensors").stat().st_size
+    result["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "training_log.json").write_text(json.dumps({"result": result, "log": log}, indent=1))
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
