@@ -406,3 +406,15 @@ def test_logprobs(client):
                                           temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_disconnect_during_non_streaming_request_returns_memory(server):
+    body = {"model": "tiny", "prompt": "b" * 80, "max_tokens": 450, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, timeout=1.0)  # the client gives up mid-generation
+    for _ in range(100):
+        if _pool_used(server) == 0:
+            break
+        time.sleep(0.05)
+    assert _pool_used(server) == 0
+    assert httpx.get(server + "/health").status_code == 200
