@@ -128,7 +128,8 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         batch = ForwardBatch.build([SeqChunk([0] * tokens, 0, slot, page_ids)], cfg.page_size, self.device)
-        self.model.compute_logits(self.model(batch, scratch.handles)[batch.logits_indices])
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(batch, scratch.handles)[batch.logits_indices])
         torch.cuda.synchronize()
         activation_peak = torch.cuda.max_memory_allocated(self.device) - base
         del scratch, batch
