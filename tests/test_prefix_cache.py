@@ -189,3 +189,18 @@ def test_memory_pressure_interleavings(model, seed):
     eng.prefix.clear()
     eng.scheduler.owners.check()
     assert eng.pool.used_bytes == 0
+
+
+def test_a_finished_prompt_hands_its_slot_over(model):
+    """A request that ends right after its prefill (here max_tokens=1) gives its slot and pages to
+    the turn checkpoint instead of copying them; the next turn hits it."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(1700) for _ in range(30)]
+    eng = engine(model)
+    run(eng, [prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    st = eng.prefix_stats()
+    assert st["checkpoints_handed_over"] == 1 and st["checkpoints_taken"] == 0
+    assert eng.pool.num_slots == 1  # the checkpoint's, no copy was made
+    follow = prompt + [1, 2, 3]
+    assert run(eng, [follow])[0] == run(engine(model, cache=False), [follow])[0]
+    assert eng.prefix_stats()["tokens_reused"] == 30
