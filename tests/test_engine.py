@@ -45,14 +45,7 @@ def drain(eng):
 
 
 def run_alone(model, prompt, params, **kw):
-    eng = engine(model, **kw)
-    rid = eng.add_request(prompt, params)
-    final = None
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.request_id == rid and out.finished:
-                final = out
-    return final
+    return run_with(engine(model, **kw), prompt, params)
 
 
 def prompts(n, seed, lo=1, hi=60):
@@ -222,27 +215,29 @@ def test_eos_and_stop_token_ids_end_the_output(model):
     first = ref.index(marker)
     eng = engine(model)
     eng.eos_ids = [marker]  # pretend the 4th greedy token is EOS
-    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0))
+    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0)).outputs[0]
     assert got.finish_reason == "stop" and got.token_ids == ref[: first + 1]
     # ignore_eos runs to the length limit instead
-    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)).outputs[0]
     assert got.finish_reason == "length" and got.token_ids == ref
     # min_tokens forbids the EOS until enough tokens exist, so the output changes after position `first`
-    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0, min_tokens=first + 2))
+    got = run_with(eng, p, SamplingParams(max_tokens=8, temperature=0.0, min_tokens=first + 2)).outputs[0]
     assert marker not in got.token_ids[: first + 2] and got.token_ids[:first] == ref[:first]
     # stop_token_ids behave like EOS and report the token
-    got = run_with(engine(model), p, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[marker]))
+    got = run_with(engine(model), p, SamplingParams(max_tokens=8, temperature=0.0,
+                                                    stop_token_ids=[marker])).outputs[0]
     assert got.finish_reason == "stop" and got.stop_reason == marker and got.token_ids == ref[: first + 1]
 
 
 def run_with(eng, prompt, params):
+    """Run one request to the end on ``eng``; its final RequestOutput."""
     rid = eng.add_request(prompt, params)
     final = None
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.request_id == rid and out.finished:
                 final = out
-    return final.outputs[0]
+    return final
 
 
 @pytest.fixture(scope="module")
