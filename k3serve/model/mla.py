@@ -6,6 +6,8 @@ per-head K/V); prefill chunks use the expanded form. No rotary embedding anywher
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -51,7 +53,14 @@ class MLAMixer(nn.Module):
         out = torch.empty(T, self.num_heads, self.dv, dtype=torch.float32, device=q.device)
         nd = batch.num_decodes
         w = self.kv_b_proj.weight
-        if nd:
+        if nd and q.is_cuda and os.environ.get("K3SERVE_MLA_BACKEND", "torch") == "triton":
+            # Opt-in until verified on the GPU (bench/kernels_mla.py): split-KV Triton decode.
+            from ..ops.mla_decode_triton import mla_decode
+
+            q_abs = mla_ref.absorb_query(q[:nd], w, self.rkv, self.nope)
+            o_lat = mla_decode(q_abs, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale)
+            out[:nd] = mla_ref.unabsorb_output(o_lat, w, self.rkv, self.nope)
+        elif nd:
             max_len = max(batch.context_lens_host[:nd]) + 1
             table = batch.block_table[:nd, : -(-max_len // batch.page_size)].clamp_min(0)
             lat = latent_pages[table].flatten(1, 2)[:, :max_len]  # [nd, S, 576]
