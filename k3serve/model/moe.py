@@ -7,6 +7,8 @@ use in the reference path.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,6 +59,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, din: int, dtype: torch.dtype, device=None):
         super().__init__()
         E, inter = cfg.num_experts, cfg.moe_intermediate_size
+        self.num_experts, self.intermediate, self.out_features = E, inter, din
         self.mxfp4 = cfg.expert_format == "mxfp4"
         self.dtype = dtype
         self.act = (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
@@ -81,6 +84,11 @@ class RoutedExperts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and os.environ.get("K3SERVE_MOE_BACKEND", "torch") == "triton":
+            # Opt-in until verified and timed on the GPU (bench/kernels_moe.py).
+            from ..ops.moe_triton import experts_triton
+
+            return experts_triton(x, weights, ids, self)
         return experts_ref(x, weights, ids, self.expert, *self.act)
 
 
