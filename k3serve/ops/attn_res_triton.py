@@ -1,0 +1,51 @@
+"""Block AttnRes mixer in one Triton pass per token: scores of every source (w . RMSNorm(v_i)),
+softmax over the sources, the weighted sum of the un-normalised sources, and the following
+RMSNorm (model-spec §2.7). Sources are read once; nothing intermediate goes to memory.
+
+Reference: ``model.attn_res.AttnResMixer`` + ``model.layers.rms_norm``. Checked on CPU with
+``TRITON_INTERPRET=1`` (tests/test_attn_res_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attn_res_kernel(SRC, QW, OUTW, OUT, stride_src_m, stride_src_t, stride_out_t, M, D, eps,
+                     HAS_OUT_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    t = tl.program_id(0)
+    dm = tl.arange(0, BLOCK_D)
+    mm = tl.arange(0, BLOCK_M)
+    dmask = dm < D
+    mmask = mm < M
+    v = tl.load(SRC + mm[:, None] * stride_src_m + t * stride_src_t + dm[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [M, D]
+    qw = tl.load(QW + dm, mask=dmask, other=0.0)  # pseudo-query with the key-norm weight folded in
+    ms = tl.sum(v * v, 1) / D
+    score = tl.sum(v * qw[None, :], 1) / tl.sqrt(ms + eps)
+    score = tl.where(mmask, score, float("-inf"))
+    p = tl.exp(score - tl.max(score, 0))
+    p = p / tl.sum(p, 0)
+    mix = tl.sum(p[:, None] * v, 0)  # [D]
+    if HAS_OUT_NORM:
+        mix = mix / tl.sqrt(tl.sum(mix * mix, 0) / D + eps) * tl.load(OUTW + dm, mask=dmask, other=0.0)
+    tl.store(OUT + t * stride_out_t + dm, mix, mask=dmask)
+
+
+def attn_res_mix(sources: torch.Tensor, proj: torch.Tensor, norm: torch.Tensor, eps: float,
+                 out_norm: torch.Tensor | None = None, out_dtype=torch.float32) -> torch.Tensor:
+    """sources [M, T, d] (M <= 16); proj [1, d] or [d]; norm [d] (key-norm weight); out_norm [d]:
+    the RMSNorm applied to the mix (None for the final mixer). Returns [T, d] in ``out_dtype``."""
+    M, T, D = sources.shape
+    if sources.stride(2) != 1:
+        sources = sources.contiguous()
+    qw = (proj.reshape(-1).float() * norm.float()).contiguous()
+    out = torch.empty(T, D, dtype=torch.float32, device=sources.device)
+    ow = out_norm.float().contiguous() if out_norm is not None else qw
+    _attn_res_kernel[(T,)](sources, qw, ow, out, sources.stride(0), sources.stride(1), out.stride(0), M, D, eps,
+                           HAS_OUT_NORM=out_norm is not None, BLOCK_D=triton.next_power_of_2(D),
+                           BLOCK_M=max(2, triton.next_power_of_2(M)))
+    return out.to(out_dtype)
