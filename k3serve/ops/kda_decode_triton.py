@@ -74,3 +74,99 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         D=D, BV=bv, USE_LOWER_BOUND=lower_bound is not None,
     )
     return o
+
+
+@triton.jit
+def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, P, W: tl.constexpr):
+    """Causal depthwise conv of channels ``ch`` over [conv state ; new input], SiLU, and the conv
+    state shifted by one (this program owns these channels, so read-then-write is race free)."""
+    wi = tl.arange(0, W)
+    col = wi[None, :] + 0 * ch[:, None]  # [D, W] column index (masks must match the pointer shape)
+    x_new = tl.load(X + n * 3 * P + ch).to(tl.float32)
+    cs_ptr = CONV_STATE + slot * stride_conv_slot + ch[:, None] * (W - 1) + wi[None, :]
+    old = tl.where(has > 0, tl.load(cs_ptr, mask=col < W - 1, other=0.0).to(tl.float32), 0.0)  # fresh: zeros
+    window = tl.where(col == W - 1, x_new[:, None], old)  # oldest ... newest
+    u = tl.sum(window * tl.load(CONV_W + ch[:, None] * W + wi[None, :]), 1)
+    shifted = tl.where(has > 0, tl.load(cs_ptr + 1, mask=col < W - 2, other=0.0).to(tl.float32), 0.0)
+    new_state = tl.where(col == W - 2, x_new[:, None], shifted)
+    tl.store(cs_ptr, new_state.to(CONV_STATE.dtype.element_ty), mask=col < W - 1)
+    return u / (1.0 + tl.exp(-u))
+
+
+@triton.jit
+def _kda_decode_fused_kernel(
+    X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, Y,
+    stride_conv_slot, stride_state_slot, scale, lower_bound, eps, H,
+    D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+):
+    """One program per (sequence, head): conv update of the head's q/k/v channels, SiLU, gates,
+    L2 norms, the state update over all value blocks, and the gated RMSNorm of the output."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    P = H * D
+    dk = tl.arange(0, D)
+    slot = tl.load(SLOTS + n).to(tl.int64)
+    has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
+    # ---- short causal conv with state, for the q, k and v channels of this head ----------
+    q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, P, W)
+    k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, P, W)
+    v_all = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dk, stride_conv_slot, P, W)
+    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    f = tl.load(F + n * P + h * D + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
+    a = tl.exp(tl.load(A_LOG + h))
+    if USE_LOWER_BOUND:
+        g = lower_bound * tl.sigmoid(a * f)
+    else:
+        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
+    decay = tl.exp(g)
+    beta = tl.sigmoid(tl.load(BETA + n * H + h).to(tl.float32))
+    # ---- delta rule over the value blocks (v picked per block from the conv output) -----
+    sumsq = 0.0
+    for vb in tl.static_range(D // BV):
+        dv = vb * BV + tl.arange(0, BV)
+        v = tl.sum(tl.where(dk[:, None] == dv[None, :], v_all[:, None], 0.0), 0)  # v[dv]
+        s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
+        s = tl.where(has > 0, tl.load(s_ptr), 0.0)  # a fresh sequence starts from zeros, whatever the slot holds
+        s = s * decay[:, None]
+        r = v - tl.sum(s * k[:, None], 0)
+        s = s + beta * k[:, None] * r[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(s_ptr, s)
+        tl.store(O_SCRATCH + (n * H + h) * D + dv, o)
+        sumsq += tl.sum(o * o)
+    # ---- gated RMSNorm: y = RMSNorm(o; w) * sigmoid(gate) --------------------------------
+    tl.debug_barrier()  # the value blocks' outputs, written by other threads of this program
+    o = tl.load(O_SCRATCH + (n * H + h) * D + dk)
+    gate = tl.load(GATE + n * P + h * D + dk).to(tl.float32)
+    y = o / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * tl.sigmoid(gate)
+    tl.store(Y + n * P + h * D + dk, y)
+
+
+def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, has_ctx: torch.Tensor,
+                     f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
+                     state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 32) -> torch.Tensor:
+    """The whole KDA token mixer between the input projections and o_proj, for one decode token
+    per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
+    [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
+    context start from zeros); f, gate [N, P]; beta_logits [N, H]. Returns y [N, P] fp32, the
+    gated-RMSNorm output ready for o_proj."""
+    N, P3 = x_qkv.shape
+    H = num_heads
+    D = P3 // (3 * H)
+    W = conv_w.shape[-1]
+    if W & (W - 1):
+        raise ValueError(f"the fused kernel needs a power-of-two conv width, got {W}")
+    if conv_state[0].stride() != (W - 1, 1) or state[0].stride() != (D * D, D, 1):
+        raise ValueError("conv state slots must be contiguous [3P, W-1], recurrent slots contiguous [H, D, D]")
+    o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
+    y = torch.empty(N, H * D, dtype=torch.float32, device=x_qkv.device)
+    _kda_decode_fused_kernel[(N, H)](
+        x_qkv.contiguous(), conv_w.float().contiguous(), conv_state, has_ctx.to(torch.int32).contiguous(),
+        f.contiguous(), beta_logits.contiguous(), A_log.float().contiguous(), dt_bias.float().contiguous(),
+        gate.contiguous(), o_norm_w.float().contiguous(), state, slots, o_scratch, y,
+        conv_state.stride(0), state.stride(0), D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
+        eps, H, D=D, W=W, BV=min(block_v, D), USE_LOWER_BOUND=lower_bound is not None,
+    )
+    return y
