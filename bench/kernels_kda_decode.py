@@ -12,7 +12,7 @@ Usage: python bench/kernels_kda_decode.py
 import torch
 import triton
 
-from k3serve.ops.kda_decode_triton import kda_decode
+from k3serve.ops.kda_decode_triton import kda_decode, kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate, kda_recurrent_ref, l2norm
 
 
@@ -48,6 +48,17 @@ def timing(N, H, D, lb=-5.0):
     q, k, v, f, b, A_log, dt_bias, state, slots = inputs(N, H, D, max(N, 8), 7)
     ours = lambda: kda_decode(q, k, v, f, b, A_log, dt_bias, lb, D ** -0.5, state, slots)  # noqa: E731
     row = {"ours_ms": triton.testing.do_bench(ours, warmup=25, rep=200, return_mode="median")}
+    # the fully fused mixer step (conv update + gates + norms + delta rule + gated RMSNorm)
+    P = H * D
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(N, 3 * P, device="cuda", generator=g).bfloat16()
+    conv_w = torch.randn(3 * P, 4, device="cuda", generator=g)
+    conv_state = torch.randn(state.shape[0], 3 * P, 3, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(N, P, device="cuda", generator=g).bfloat16()
+    has = torch.ones(N, dtype=torch.bool, device="cuda")
+    fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
+                                     torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
+    row["fused_ms"] = triton.testing.do_bench(fused, warmup=25, rep=200, return_mode="median")
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -68,14 +79,15 @@ def main():
     print(f"copy ceiling {ceil:.2f} TB/s")
     for shape in ((4, 2, 32, -5.0), (64, 96, 128, -5.0), (3, 32, 128, None)):
         print("check", shape, "rel err out/state: %.2e / %.2e" % check(*shape))
-    print("| N | H | D | ours ms | ours TB/s | % copy | fla ms | fla TB/s | % copy |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| N | H | D | ours ms | ours TB/s | % copy | fused mixer ms | fla ms | fla TB/s | % copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for N in (1, 64, 256):
         r = timing(N, 96, 128)
         tb = lambda ms: r["bytes"] / (ms * 1e-3) / 1e12  # noqa: E731
         fla = (f"{r['fla_ms']:.3f} | {tb(r['fla_ms']):.2f} | {100 * tb(r['fla_ms']) / ceil:.0f} %" if "fla_ms" in r
                else f"{r.get('fla_error')} | | ")
-        print(f"| {N} | 96 | 128 | {r['ours_ms']:.3f} | {tb(r['ours_ms']):.2f} | {100 * tb(r['ours_ms']) / ceil:.0f} % | {fla} |")
+        print(f"| {N} | 96 | 128 | {r['ours_ms']:.3f} | {tb(r['ours_ms']):.2f} | {100 * tb(r['ours_ms']) / ceil:.0f} % | "
+              f"{r['fused_ms']:.3f} | {fla} |")
 
 
 if __name__ == "__main__":
