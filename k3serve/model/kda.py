@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +50,16 @@ class KDAMixer(nn.Module):
         P = H * D
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_w = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d], dim=0)
+        if (x.is_cuda and batch.num_decodes == batch.num_seqs
+                and os.environ.get("K3SERVE_KDA_BACKEND") == "triton"):
+            # Opt-in until timed on the GPU: the whole mixer step in one fused kernel.
+            from ..ops.kda_decode_triton import kda_decode_fused
+
+            gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+            y = kda_decode_fused(qkv, conv_w, cache.conv, batch.context_lens > 0, self.f_b_proj(self.f_a_proj(x)),
+                                 self.b_proj(x), self.A_log, self.dt_bias, gate, self.o_norm, self.eps,
+                                 self.lower_bound, cache.recurrent, batch.kda_slots, H)
+            return self.o_proj(y.to(x.dtype))
         qkv = F.silu(short_conv_ref(qkv, conv_w, cache.conv, batch).float()).to(x.dtype)
         q, k, v = (t.reshape(T, H, D) for t in qkv.split(P, dim=-1))
         # Gates and beta come from the layer input x, not from the conv output.
