@@ -21,8 +21,8 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     """q, k (post conv, L2-normalised here), g (log decay), all [T, H, K]; v [T, H, V]; beta [T, H].
     ``state`` [num_slots, H, K, V] is updated in place at ``batch.kda_slots``. Returns o [T, H, V]
     (fp32 from the reference, v's dtype from fla)."""
-    backend = backend or os.environ.get("K3SERVE_KDA_BACKEND", "auto")  # auto | torch | fla
-    if backend == "auto":
+    backend = backend or os.environ.get("K3SERVE_KDA_BACKEND", "auto")  # auto | torch | fla | triton
+    if backend in ("auto", "triton"):  # "triton" fuses decode-only steps in the mixer; the rest is auto
         backend = "fla" if q.is_cuda and fla_backend.available() else "torch"
     if backend == "fla":
         return fla_backend.kda_core(q, k, v, g, beta, scale, state, batch)
