@@ -72,7 +72,12 @@ class MLAMixer(nn.Module):
             s, e = batch.token_range(i)
             ctx = batch.context_lens_host[i]
             lat = mla_ref.gather_latent(latent_pages, batch.block_table[i], ctx + e - s)
-            out[s:e] = mla_ref.mla_expanded_ref(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)
+            if q.is_cuda and os.environ.get("K3SERVE_MLA_BACKEND", "torch") == "triton":
+                from ..ops.mla_prefill_triton import mla_prefill  # flash-style, no T x S scores
+
+                out[s:e] = mla_prefill(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)
+            else:
+                out[s:e] = mla_ref.mla_expanded_ref(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)
         return out
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""Flash-style MLA prefill in Triton (expanded form): causal attention of a chunk of new tokens
+over the sequence's cached + new keys, with the chunk starting at ``context_len``, without ever
+materialising the T x S score matrix (online softmax over key blocks).
+
+Keys are [k_nope (per head) ; k_pe (shared by all heads, NoPE: not rotated)], scale 1/sqrt(192);
+values are per head. Reference: ``mla_ref.mla_expanded_ref``. Checked on CPU with
+``TRITON_INTERPRET=1`` (tests/test_mla_prefill_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    Q, KN, KP, V, O, context_len, Tq, S, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot, stride_oh,
+    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < Tq
+    dn = tl.arange(0, DN)
+    dr = tl.arange(0, DR)
+    dv = tl.arange(0, DV)
+    q_n = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + dn[None, :], mask=rmask[:, None], other=0.0)
+    q_p = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + DN + dr[None, :], mask=rmask[:, None], other=0.0)
+    qpos = context_len + rows  # absolute position of each query token
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    hi = tl.minimum(S, context_len + (mb + 1) * BLOCK_M)  # causal: later keys are never visible
+    for n0 in range(0, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < S
+        k_n = tl.load(KN + cols[:, None] * stride_kt + h * stride_kh + dn[None, :], mask=cmask[:, None], other=0.0)
+        k_p = tl.load(KP + cols[:, None] * stride_pt + dr[None, :], mask=cmask[:, None], other=0.0)
+        s = tl.dot(q_n, tl.trans(k_n)).to(tl.float32) + tl.dot(q_p, tl.trans(k_p)).to(tl.float32)
+        visible = (cols[None, :] <= qpos[:, None]) & cmask[None, :]
+        s = tl.where(visible, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + cols[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=cmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out, mask=rmask[:, None])
+
+
+def mla_prefill(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, context_len: int, kv_lora_rank: int,
+                nope_dim: int, scale: float, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+    """Same contract as ``mla_ref.mla_expanded_ref``: q [Tq, Ha, dn+dr]; latent [S, rkv+dr] with
+    S = context_len + Tq; w_kv_b [Ha*(dn+dv), rkv]. Returns o [Tq, Ha, dv] fp32."""
+    Tq, Ha, _ = q.shape
+    S = latent.shape[0]
+    c, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
+    kv = (c.to(w_kv_b.dtype) @ w_kv_b.t()).view(S, Ha, -1)  # expanded keys / values: O(S * Ha), no T x S
+    dv = kv.shape[-1] - nope_dim
+    k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
+    dt = kv.dtype
+    q = q.to(dt).contiguous()
+    k_pe = k_pe.to(dt).contiguous()
+    out = torch.empty(Tq, Ha, dv, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(Tq, block_m), Ha)
+    _mla_prefill_kernel[grid](
+        q, k_nope, k_pe, v, out, context_len, Tq, S, scale,
+        q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        DN=nope_dim, DR=q.shape[-1] - nope_dim, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    return out
