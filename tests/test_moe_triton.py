@@ -17,9 +17,11 @@ SCRIPT = textwrap.dedent('''
     from k3serve.model.loader import load_model
     from k3serve.ops.moe_ref import experts_ref
     from k3serve.ops.moe_triton import experts_triton, sort_by_expert
-    mx = sys.argv[1] == "mxfp4"
+    mx = sys.argv[1].startswith("mxfp4")
     model = load_model(preset="tiny", dtype="float32", device="cpu", seed=3, mxfp4=mx)
     moe = model.model.layers[1].block_sparse_moe
+    if sys.argv[1].endswith("silu"):  # Kimi-Linear's SiLU-GLU instead of K3's SiTU-GLU
+        moe.experts.act = ("silu", 1.0, None)
     gen = torch.Generator().manual_seed(1)
     worst = 0.0
     for T in (1, 5, 23):
@@ -40,7 +42,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "bf16-silu"])
 def test_grouped_gemm_matches_reference(fmt):
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", SCRIPT, fmt], capture_output=True, text=True, env=env, timeout=600)

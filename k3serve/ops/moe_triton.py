@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.layers import glu_activation
 
 
 @triton.jit
@@ -31,12 +30,34 @@ def _e2m1(code):
 
 
 @triton.jit
+def _weight_tile(W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn,
+                 MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] fp32 tile of expert e's weight (MXFP4 decoded in registers)."""
+    if MXFP4:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(W + e * stride_we + cols[:, None] * stride_wn + kb[None, :], mask=cmask[:, None], other=0)
+        packed = packed.to(tl.int32)
+        vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), [BLOCK_N, BLOCK_K])
+        ksc = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        sc = tl.load(S + e * stride_se + cols[:, None] * stride_sn + ksc[None, :], mask=cmask[:, None], other=127)
+        factor = tl.exp2(sc.to(tl.float32) - 127.0)  # [BLOCK_N, BLOCK_K // 32]
+        return tl.reshape(tl.reshape(vals, [BLOCK_N, BLOCK_K // 32, 32]) * factor[:, :, None], [BLOCK_N, BLOCK_K])
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(W + e * stride_we + cols[:, None] * stride_wn + ks[None, :], mask=cmask[:, None],
+                       other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
-    X, W, S, OUT, ROWS, EXPERTS,
+    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS,
     num_assign, top_k, N, K,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
-    MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
+    MXFP4: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
+    epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
@@ -46,22 +67,26 @@ def _grouped_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(X + tok[:, None] * stride_xt + ks[None, :], mask=valid[:, None], other=0.0)
-        if MXFP4:
-            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(W + e * stride_we + cols[:, None] * stride_wn + kb[None, :], mask=cmask[:, None], other=0)
-            packed = packed.to(tl.int32)
-            vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), [BLOCK_N, BLOCK_K])
-            ksc = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            sc = tl.load(S + e * stride_se + cols[:, None] * stride_sn + ksc[None, :], mask=cmask[:, None], other=127)
-            factor = tl.exp2(sc.to(tl.float32) - 127.0)  # [BLOCK_N, BLOCK_K // 32]
-            vals = tl.reshape(tl.reshape(vals, [BLOCK_N, BLOCK_K // 32, 32]) * factor[:, :, None], [BLOCK_N, BLOCK_K])
-            w = vals.to(a.dtype)
+        w = _weight_tile(W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, MXFP4, BLOCK_N, BLOCK_K)
+        acc += tl.dot(a, tl.trans(w.to(a.dtype))).to(tl.float32)
+        if GLU:
+            wu = _weight_tile(W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
+                              BLOCK_N, BLOCK_K)
+            acc_up += tl.dot(a, tl.trans(wu.to(a.dtype))).to(tl.float32)
+    if GLU:
+        sig = tl.sigmoid(acc)
+        if SITU:
+            gate = beta * (2.0 * tl.sigmoid(2.0 * acc / beta) - 1.0) * sig  # beta * tanh(a / beta) * sigmoid(a)
+            up = acc_up
+            if LINEAR_CLIP:
+                up = linear_beta * (2.0 * tl.sigmoid(2.0 * acc_up / linear_beta) - 1.0)
+            acc = gate * up
         else:
-            w = tl.load(W + e * stride_we + cols[:, None] * stride_wn + ks[None, :], mask=cmask[:, None], other=0.0)
-        acc += tl.dot(a, tl.trans(w)).to(tl.float32)
+            acc = acc * sig * acc_up
     tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc, mask=valid[:, None] & cmask[None, :])
 
 
@@ -89,20 +114,27 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
-                 block_n: int = 32, block_k: int = 64) -> torch.Tensor:
+                 block_n: int = 32, block_k: int = 64, up: tuple | None = None,
+                 act: tuple = ("silu", 1.0, None)) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a; fp32 [num_assign, n_out].
-    ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale`` [E, N, K/32]."""
+    ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale`` [E, N, K/32].
+    ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the epilogue."""
     mx = scale is not None
     K = x.shape[1]
     if K % block_k or (mx and block_k % 64):
         raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and 64 for MXFP4)")
     out = torch.empty(num_assign, n_out, dtype=torch.float32, device=x.device)
     s = scale if mx else weight
+    w_up, s_up = up if up is not None else (weight, s)
+    s_up = s_up if mx else w_up
+    kind, beta, linear_beta = act
     grid = (rows.numel() // block_m, triton.cdiv(n_out, block_n))
     _grouped_gemm_kernel[grid](
-        x, weight, s, out, rows, block_expert, num_assign, top_k, n_out, K,
+        x, weight, s, w_up, s_up, out, rows, block_expert, num_assign, top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
-        MXFP4=mx, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        float(beta), float(linear_beta or 1.0),
+        MXFP4=mx, GLU=up is not None, SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out
 
@@ -117,17 +149,17 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
 
-    def gemm(inp, name, n_out, top):
+    def stored(name):
         if experts.mxfp4:
-            w, s = getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
-        else:
-            w, s = getattr(experts, name), None
-        return grouped_gemm(inp, rows, block_expert, num_assign, top, w, s, n_out, block_m, **blocks)
+            return getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
+        return getattr(experts, name), None
 
-    inter = experts.intermediate
-    gate = gemm(x, "w1", inter, top_k)
-    up = gemm(x, "w3", inter, top_k)
-    h = glu_activation(gate.to(experts.dtype), up.to(experts.dtype), *experts.act).contiguous()
-    y = gemm(h, "w2", experts.out_features, 1)  # rows of h are assignments already
+    w1, s1 = stored("w1")
+    # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
+    h = grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, experts.intermediate, block_m,
+                     up=stored("w3"), act=experts.act, **blocks).to(experts.dtype)
+    w2, s2 = stored("w2")
+    y = grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m,
+                     **blocks)  # rows of h are assignments already
     y = y.view(T, top_k, -1) * weights.unsqueeze(-1)
     return y.sum(1)
