@@ -12,15 +12,10 @@ Usage: python bench/kernels_kda_decode.py
 import torch
 import triton
 
+from bench.ceilings import copy_tbs
+
 from k3serve.ops.kda_decode_triton import kda_decode, kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate, kda_recurrent_ref, l2norm
-
-
-def copy_ceiling_tbs() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-    return 2 * x.numel() / (ms * 1e-3) / 1e12
 
 
 def inputs(N, H, D, slots_total, seed):
@@ -75,7 +70,7 @@ def timing(N, H, D, lb=-5.0):
 
 
 def main():
-    ceil = copy_ceiling_tbs()
+    ceil = copy_tbs()
     print(f"copy ceiling {ceil:.2f} TB/s")
     for shape in ((4, 2, 32, -5.0), (64, 96, 128, -5.0), (3, 32, 128, None)):
         print("check", shape, "rel err out/state: %.2e / %.2e" % check(*shape))

@@ -11,15 +11,10 @@ Usage: python bench/kernels_mla.py
 import torch
 import triton
 
+from bench.ceilings import copy_tbs
+
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_ref import mla_absorbed_ref
-
-
-def copy_ceiling_tbs() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-    return 2 * x.numel() / (ms * 1e-3) / 1e12
 
 
 def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True):
@@ -46,7 +41,7 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True):
 
 
 def main():
-    ceil = copy_ceiling_tbs()
+    ceil = copy_tbs()
     print(f"copy ceiling {ceil:.2f} TB/s")
     rows = [case(2, 16, 300, check=True), case(3, 96, 1000, check=True), case(16, 96, 4096, check=True)]
     rows += [case(B, 96, 32768, check=False) for B in (16, 32, 64)]

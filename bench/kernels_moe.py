@@ -12,22 +12,15 @@ Usage: python bench/kernels_moe.py
 import torch
 import triton
 
+from bench.ceilings import copy_tbs, matmul_tflops
+
 from k3serve.model.loader import load_model
 from k3serve.ops.moe_ref import experts_ref
 from k3serve.ops.moe_triton import experts_triton
 
 
-def ceilings():
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    copy = 2 * x.numel() / (triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3) / 1e12
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = 2 * 8192 ** 3 / (triton.testing.do_bench(lambda: a @ a, return_mode="median") * 1e-3) / 1e12
-    return copy, mm
-
-
 def main():
-    copy, mm = ceilings()
+    copy, mm = copy_tbs(), matmul_tflops()
     print(f"copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
     model = load_model(preset="k3-slice", device="cuda", dtype="bfloat16", seed=0)
     moe = model.model.layers[1].block_sparse_moe
