@@ -52,7 +52,7 @@ def test_smoke_run_trains_exports_and_reloads(tmp_path):
     res = train_tiny.main(["--out", str(tmp_path / "tiny"), "--device", "cpu", "--small", "--steps", "3",
                            "--max-files", "25", "--batch", "2", "--seq-len", "32", "--vocab", "512",
                            "--eval-tokens", "200"])
-    assert res["steps"] == 3 and res["files_train"] > 0
+    assert res["steps"] == 3 and res["files_train"] > 0 and res["files_heldout"] > 0
     log = json.loads((tmp_path / "tiny" / "training_log.json").read_text())["log"]
     assert len(log) == 3 and all(r["loss"] == r["loss"] for r in log)  # finite
     for d in (tmp_path / "tiny", tmp_path / "tiny-mxfp4"):
@@ -60,3 +60,12 @@ def test_smoke_run_trains_exports_and_reloads(tmp_path):
         assert (m.config.expert_format == "mxfp4") == d.name.endswith("mxfp4")
     assert res["bytes_mxfp4"] < res["bytes_bf16"]
     assert res["heldout_ppl_bf16"] > 1 and abs(res["heldout_ppl_mxfp4"] / res["heldout_ppl_bf16"] - 1) < 0.1
+
+
+def test_heldout_split_is_by_file_stable_and_never_empty():
+    files = [(f"pkg/mod{i}.py", f"x = {i}\n") for i in range(30)]
+    train, held = train_tiny.split_by_file(files)
+    assert len(held) >= 1 and len(train) >= 1 and len(train) + len(held) == 30
+    assert not set(train) & set(held)
+    assert train_tiny.split_by_file(list(reversed(files))) == (train, held)  # order-independent
+    assert len(train_tiny.split_by_file(files, heldout_percent=50)[1]) == 15

@@ -45,13 +45,14 @@ from k3serve.presets import MXFP4_QUANT  # noqa: E402
 
 # ---- corpus and tokenizer -------------------------------------------------------------------
 
-def collect_corpus(max_files: int, max_bytes: int = 200_000) -> list[tuple[str, str]]:
+def collect_corpus(max_files: int, max_bytes: int = 200_000, min_bytes: int = 512) -> list[tuple[str, str]]:
+    """Python files from the stdlib and site-packages; empty stubs (most __init__.py) are skipped."""
     roots = {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]}
     files = []
     for root in sorted(roots):
         for path in sorted(Path(root).rglob("*.py")):
             try:
-                if path.stat().st_size > max_bytes:
+                if not min_bytes <= path.stat().st_size <= max_bytes:
                     continue
                 files.append((str(path.relative_to(root)), path.read_text(encoding="utf-8")))
             except (OSError, UnicodeDecodeError, ValueError):
@@ -62,12 +63,13 @@ def collect_corpus(max_files: int, max_bytes: int = 200_000) -> list[tuple[str, 
 
 
 def split_by_file(files: list[tuple[str, str]], heldout_percent: int = 5):
-    """Held-out files chosen by a hash of their path: stable across runs and machines."""
-    train, held = [], []
-    for name, text in files:
-        h = int(hashlib.sha1(name.encode()).hexdigest(), 16) % 100
-        (held if h < heldout_percent else train).append(text)
-    return train, held
+    """Held-out files chosen by a hash of their path (stable across runs and machines): the
+    ``heldout_percent`` of files with the smallest hashes, at least one, and never all of them."""
+    if len(files) < 2:
+        raise ValueError(f"need at least 2 corpus files to split, got {len(files)}")
+    ranked = sorted(files, key=lambda f: hashlib.sha1(f[0].encode()).hexdigest())
+    n_held = min(len(files) - 1, max(1, round(len(files) * heldout_percent / 100)))
+    return [text for _, text in ranked[n_held:]], [text for _, text in ranked[:n_held]]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, cfg: ModelConfig):
