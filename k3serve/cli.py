@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from .bundled import BUNDLED_MODELS, DEFAULT_MODEL
 from .presets import PRESETS
 
 
@@ -59,7 +60,8 @@ def _check(args: argparse.Namespace) -> int:
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     """Flags shared by every command that runs the engine (vLLM's names where the concept matches)."""
     src = p.add_mutually_exclusive_group(required=model_required)
-    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--model", help=f"checkpoint directory or a bundled model ({', '.join(BUNDLED_MODELS)}); "
+                                     f"default: the bundled {DEFAULT_MODEL!r}")
     src.add_argument("--preset", choices=list(PRESETS), help="built-in shape with random weights (token-id prompts)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--dtype", default="auto")
@@ -81,6 +83,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--kda-checkpoint-interval", type=int, default=4096,
                    help="KDA checkpoint every N tokens inside long prefills (multiple of the block size)")
     p.add_argument("--kda-fraction", type=float, default=0.5, help="KDA share of the pool with --no-unified-memory")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured as a CUDA graph")
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -93,7 +97,8 @@ def engine_from_args(args: argparse.Namespace):
                        enable_prefix_caching=args.enable_prefix_caching, prefix_block_size=args.prefix_block_size,
                        kda_checkpoint_interval=args.kda_checkpoint_interval,
                        tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
-                       decode_context_parallel_size=args.decode_context_parallel_size)
+                       decode_context_parallel_size=args.decode_context_parallel_size,
+                       decode_graphs="off" if args.enforce_eager else "auto", max_graph_batch=args.max_graph_batch)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
                                      dtype=args.dtype, device=args.device, seed=args.weights_seed,
                                      verify_checksums=args.verify_checksums)
@@ -121,7 +126,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         engine = engine_from_args(args)
-    except LayoutError as exc:
+    except (LayoutError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.token_ids:
@@ -186,7 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         return serve(args)
-    except LayoutError as exc:
+    except (LayoutError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -196,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate from prompts (one prompt streams to the terminal)")
-    add_engine_args(gen)
+    add_engine_args(gen, model_required=False)
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--prompts-file", help="one prompt per line")
     gen.add_argument("--token-ids", action="store_true", help="prompts are space-separated token ids")

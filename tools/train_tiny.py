@@ -38,6 +38,7 @@ from k3serve.config import ModelConfig  # noqa: E402
 from k3serve.make_model import special_tokens  # noqa: E402
 from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk  # noqa: E402
 from k3serve.model.k3 import K3ForCausalLM  # noqa: E402
+from k3serve.ops import kda as kda_ops  # noqa: E402
 from k3serve.model.weights import _full_shape, checkpoint_dtype, checkpoint_targets, load_dummy  # noqa: E402
 from k3serve.ops.mxfp4 import quantize_mxfp4  # noqa: E402
 from k3serve.presets import MXFP4_QUANT  # noqa: E402
@@ -93,7 +94,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, cfg: ModelConfig):
 # ---- model ----------------------------------------------------------------------------------
 
 def tiny_config(vocab: int, small: bool = False) -> dict:
-    h = 64 if small else 192
+    h = 64 if small else 160  # 160: bf16 + MXFP4 checkpoints together stay under 20 MB
     text = {
         "model_type": "kimi_linear", "vocab_size": vocab, "hidden_size": h, "num_hidden_layers": 8,
         "intermediate_size": 4 * h, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -211,6 +212,114 @@ def export(model: K3ForCausalLM, raw: dict, tok, out: Path, mxfp4: bool) -> None
     tok.save(str(out / "tokenizer.json"))
 
 
+# ---- evaluation and model card -----------------------------------------------------------------
+
+# Fixed prompts for the golden continuations, the bracket checks and the model card's examples.
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(",
+    "class Config:\n    def __init__(self, name, value):\n        self.",
+    "def read_file(path):\n    with open(path",
+    "for i in range(len(items)):\n    if ",
+    "    def __repr__(self):\n        return ",
+    "try:\n    import json\nexcept ImportError:\n",
+]
+GOLDEN_TOKENS = 32
+SAMPLE_CHARS = 16_000
+
+
+def heldout_sample(held_texts: list[str], chars: int = SAMPLE_CHARS) -> str:
+    """The first ``chars`` characters of the held-out files (whole lines), shipped for the CI check."""
+    text = "\n\n".join(held_texts)[:chars]
+    return text[: text.rfind("\n") + 1]
+
+
+def sample_perplexity(model: K3ForCausalLM, tok, text: str, seq_len: int) -> float:
+    """Perplexity of ``text`` as the engine tokenizes it (k3serve's Tokenizer)."""
+    return perplexity(model, tok.encode(text), seq_len, next(model.parameters()).device)
+
+
+def greedy_completions(model_dir: Path, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Greedy continuations through the serving engine (CPU, fp32), each with the smallest top-1
+    margin over its steps from one uncached full-sequence forward (the golden test's robustness)."""
+    from k3serve.engine.engine import LLM
+    from k3serve.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", device="cpu")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    rows = []
+    for prompt, out in zip(prompts, outs):
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = sequence_logits(llm.engine.model, torch.tensor([ids[:-1]]))[0, len(out.prompt_token_ids) - 1:]
+        top2 = logits.float().topk(2, dim=-1).values
+        rows.append({"prompt": prompt, "token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
+                     "min_margin": round((top2[:, 0] - top2[:, 1]).min().item(), 4),
+                     "uncached_argmax_equal": logits.argmax(-1).tolist() == list(out.outputs[0].token_ids)})
+    return rows
+
+
+def finalize(out: Path, held_texts: list[str], seq_len: int) -> dict:
+    """Evaluate the exported checkpoints the way users load them and write what ships with them:
+    heldout_sample.txt, eval.json (sample perplexities, golden continuations) and the model card."""
+    from k3serve.model.loader import load_model
+    from k3serve.tokenizer import load_tokenizer
+
+    sample = heldout_sample(held_texts)
+    (out / "heldout_sample.txt").write_text(sample)
+    tok = load_tokenizer(out)
+    ev = {"sample_seq_len": seq_len, "sample_tokens": len(tok.encode(sample))}
+    for variant, d in (("bf16", out), ("mxfp4", out.with_name(out.name + "-mxfp4"))):
+        model = load_model(d, dtype="float32", device="cpu", progress=False)
+        ev[f"sample_ppl_{variant}"] = round(sample_perplexity(model, tok, sample, seq_len), 4)
+    ev["golden"] = greedy_completions(out, PROMPTS, GOLDEN_TOKENS)
+    (out / "eval.json").write_text(json.dumps(ev, indent=1) + "\n")
+    train = json.loads((out / "training_log.json").read_text())["result"]
+    (out / "README.md").write_text(model_card(json.loads((out / "config.json").read_text()), train, ev))
+    return ev
+
+
+def model_card(raw: dict, train: dict, ev: dict) -> str:
+    t = raw["text_config"]
+    la = t["linear_attn_config"]
+    examples = "\n".join(f"```python\n{g['prompt']}\u2588{g['text']}\n```" for g in ev["golden"][:4])
+    return f"""# k3serve tiny: a small trained Kimi-K3-architecture model
+
+The default model of `k3serve serve` / `k3serve generate` (bundled as package data), trained by
+`tools/train_tiny.py` on Python source code. It exists to make the engine useful offline and to
+measure quality (quantisation error, cached-vs-uncached identity, speculative acceptance) on a
+model that has learnt something. It writes Python-looking code; it is not an assistant.
+
+## Architecture (every K3 feature)
+| | |
+|---|---|
+| parameters | {train['params'] / 1e6:.2f} M |
+| layers | {t['num_hidden_layers']}: KDA at {la['kda_layers']}, gated NoPE MLA at {la['full_attn_layers']} (1-based) |
+| hidden | {t['hidden_size']}, vocabulary {t['vocab_size']} (byte-level BPE; the top 256 ids are K3's special tokens) |
+| KDA | {la['num_heads']} heads x {la['head_dim']}, short conv {la['short_conv_kernel_size']}, full-rank gates, lower-bounded sigmoid gate ({la['gate_lower_bound']}) |
+| MLA | {t['num_attention_heads']} heads, q LoRA {t['q_lora_rank']}, latent {t['kv_lora_rank']} + {t['qk_rope_head_dim']} shared, output gate |
+| MoE | dense first layer; Stable LatentMoE: {t['num_experts']} experts, top {t['num_experts_per_token']}, latent {t['routed_expert_hidden_size']}, expert width {t['moe_intermediate_size']}, {t['num_shared_experts']} shared expert, SiTU-GLU, latent RMSNorm; sigmoid router with bias set by Quantile Balancing (no aux loss) |
+| Block AttnRes | blocks of {t['attn_res_block_size']} layers ({t['num_hidden_layers'] // t['attn_res_block_size']} blocks) |
+
+## Training
+Corpus: the Python files (512 B to 200 KB) of the training machine's standard library and
+site-packages, first {train['max_files']} in sorted order; 5 % of the files, chosen by a hash of the
+path, held out. {train['steps']} steps of {train['batch']} x {train['seq_len']} tokens
+({train['tokens_seen'] / 1e6:.1f} M tokens), AdamW, peak lr {train['lr']} with warm-up and cosine decay,
+{train['train_seconds'] / 60:.0f} minutes on {train['device']}; final training loss {train['final_loss']}.
+
+## Quality
+| | bf16 checkpoint | MXFP4 experts |
+|---|---|---|
+| held-out perplexity (first {train['heldout_tokens']} held-out tokens, fp32) | {train['heldout_ppl_bf16']} | {train['heldout_ppl_mxfp4']} ({100 * (train['heldout_ppl_mxfp4'] / train['heldout_ppl_bf16'] - 1):+.2f} %) |
+| perplexity on `heldout_sample.txt` ({ev['sample_tokens']} tokens, fp32 on CPU; CI checks it stays at or below) | {ev['sample_ppl_bf16']} | {ev['sample_ppl_mxfp4']} |
+| checkpoint size | {train['bytes_bf16'] / 1e6:.1f} MB | {train['bytes_mxfp4'] / 1e6:.1f} MB |
+
+## Example completions (greedy, prompt then \u2588)
+{examples}
+"""
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
@@ -227,12 +336,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="smoke-test shapes")
     ap.add_argument("--eval-tokens", type=int, default=200_000)
+    ap.add_argument("--kda-chunk", type=int, default=64, help="chunk of the torch KDA reference (CPU runs: 32)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads")
+    ap.add_argument("--finalize-only", action="store_true",
+                    help="only (re)write heldout_sample.txt, eval.json and the card of an existing --out")
     args = ap.parse_args(argv)
+    kda_ops.REF_CHUNK_SIZE = args.kda_chunk
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     t_start = time.perf_counter()
     files = collect_corpus(args.max_files)
     train_texts, held_texts = split_by_file(files)
+    if args.finalize_only:
+        return finalize(out, held_texts, args.seq_len)
     raw = tiny_config(args.vocab, args.small)
     cfg = ModelConfig.from_dict(raw)
     tok = train_tokenizer(train_texts, args.vocab, cfg)
@@ -251,7 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
     log, step, t0 = [], 0, time.perf_counter()
     while (args.steps is None and time.perf_counter() - t0 < budget) or (args.steps is not None and step < args.steps):
         x, y = next(data)
-        lr = args.lr * min(1.0, (step + 1) / 100)  # warm-up
+        progress = step / args.steps if args.steps else (time.perf_counter() - t0) / budget
+        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
         with autocast:
@@ -275,7 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
             break
     held_ids = held_ids[: args.eval_tokens + 1]
     result = {"steps": step, "train_seconds": round(train_s, 1), "final_loss": log[-1]["loss"] if log else None,
-              "files_train": len(train_texts), "files_heldout": len(held_texts), "params": sum(
+              "files_train": len(train_texts), "files_heldout": len(held_texts), "heldout_tokens": len(held_ids),
+              "params": sum(
                   p.numel() for p in model.parameters())}
     for variant, mx in (("bf16", False), ("mxfp4", True)):
         d = out if not mx else out.with_name(out.name + "-mxfp4")
@@ -286,7 +406,10 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"heldout_ppl_{variant}"] = round(perplexity(loaded, held_ids, args.seq_len, device), 3)
         result[f"bytes_{variant}"] = (d / "model.safetensors").stat().st_size
     result["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    result.update({"device": str(device), "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
+                   "max_files": args.max_files, "tokens_seen": step * args.batch * args.seq_len})
     (out / "training_log.json").write_text(json.dumps({"result": result, "log": log}, indent=1))
+    finalize(out, held_texts, args.seq_len)
     print(json.dumps(result, indent=1))
     return result
 

@@ -13,6 +13,10 @@ per-layer views index them directly. Live slot ids are [0, num_slots); live page
 [page_capacity - num_pages, page_capacity).
 
 Static-split mode (the baseline the seeds compare against) caps each kind at a fixed share.
+
+Past the accounted bytes sit one scratch page and one scratch slot, never allocated: the padding
+rows of shape-static (CUDA-graph) decode steps read and write there, so padding can never touch a
+live sequence's state.
 """
 
 from __future__ import annotations
@@ -69,7 +73,6 @@ class UnifiedPool:
         if self.total_bytes < max(lay.slot_bytes, 1) + max(lay.page_bytes, 1):
             raise ValueError(f"a pool of {total_bytes} bytes cannot hold one KDA slot ({lay.slot_bytes} B) "
                              f"and one MLA page ({lay.page_bytes} B)")
-        self.buffer = torch.zeros(self.total_bytes, dtype=torch.uint8, device=device)
         if kda_fraction is not None:
             if not 0.0 < kda_fraction < 1.0:
                 raise ValueError(f"kda_fraction must be in (0, 1), got {kda_fraction}")
@@ -80,6 +83,12 @@ class UnifiedPool:
         self.slot_capacity = self.total_bytes // lay.slot_bytes if lay.slot_bytes else 0
         self.page_capacity = self.total_bytes // lay.page_bytes if lay.page_bytes else 0
         self.page_base = self.total_bytes - self.page_capacity * lay.page_bytes
+        # Scratch units: page id page_capacity (right after the accounted bytes), then the first
+        # slot id whose physical offset lies past that page.
+        self.scratch_page = self.page_capacity
+        self.scratch_slot = -(-(self.total_bytes + lay.page_bytes) // lay.slot_bytes) if lay.slot_bytes else 0
+        end = (self.scratch_slot + 1) * lay.slot_bytes if lay.slot_bytes else self.total_bytes + lay.page_bytes
+        self.buffer = torch.zeros(end, dtype=torch.uint8, device=device)
         self.num_slots = 0
         self.num_pages = 0
         self.handles = self._views()
@@ -170,7 +179,7 @@ class UnifiedPool:
         f32 = self.buffer.view(torch.float32)
         act = self.buffer.view(self.dtype)
         fsz, asz = 4, act.element_size()
-        nslots = max(self.slot_capacity, 1)
+        nslots = self.scratch_slot + 1  # ids past slot_capacity other than the scratch one are never used
         kda = []
         for i in range(cfg.num_kda_layers):
             rec_off = i * lay.recurrent_bytes
@@ -184,7 +193,7 @@ class UnifiedPool:
         for j in range(cfg.num_mla_layers):
             off = self.page_base + j * lay.latent_bytes
             mla.append(MLALayerCache(act.as_strided(
-                (max(self.page_capacity, 1), lay.page_size, width), (lay.page_bytes // asz, width, 1), off // asz)))
+                (self.page_capacity + 1, lay.page_size, width), (lay.page_bytes // asz, width, 1), off // asz)))
         return CacheHandles(kda=kda, mla=mla, page_size=lay.page_size)
 
     def stats(self) -> dict:

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 
+from ..bundled import resolve_model
 from ..cache.owners import PoolOwners
 from ..cache.pool import ALIGN, PoolLayout, UnifiedPool, parse_bytes
 from ..cache.prefix import PrefixCache
 from ..model.k3 import K3ForCausalLM
 from ..model.loader import load_model
+from .decode_graphs import DecodeGraphs, capture_blockers
 from .request import Request, Sequence, Status, new_request
 from .runner import ModelRunner
 from .sampler import Sampler, SamplingRow
@@ -40,6 +42,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_block_size: int = 512
     kda_checkpoint_interval: int = 4096
+    # Decode steps as CUDA graphs per batch bucket (engine/decode_graphs.py): "auto" captures on
+    # CUDA when every decode op can be captured, "off" is vLLM's --enforce-eager, "on" insists
+    # (on CPU it runs the same padded static steps eagerly, which the tests use).
+    decode_graphs: str = "auto"
+    max_graph_batch: int = 256
 
 
 @dataclass
@@ -79,7 +86,7 @@ class LLMEngine:
                        if cfg.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len,
                                    self.prefix, owners)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, self._decode_graphs())
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -90,6 +97,8 @@ class LLMEngine:
     def from_pretrained(cls, model: str | Path | None = None, *, preset: str | None = None,
                         config: EngineConfig | None = None, tokenizer=None, **load_kw) -> "LLMEngine":
         config = config or EngineConfig()
+        if preset is None:  # a path, a bundled model's name, or nothing: the bundled default
+            model = resolve_model(model)
         validate_startup(model, preset, config, load_kw.get("device"))  # before any weight loads
         net = load_model(model, preset=preset, **load_kw)
         if tokenizer is None and model is not None:
@@ -143,6 +152,27 @@ class LLMEngine:
                                "or raise --gpu-memory-utilization")
         log.info("cache pool %.2f GiB (activation peak %.2f GiB)", budget / 2**30, activation_peak / 2**30)
         return budget
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        mode, cuda = self.config.decode_graphs, self.device.type == "cuda"
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"decode_graphs must be auto, on or off, got {mode!r}")
+        blockers = capture_blockers(self.device)
+        if mode == "off" or (mode == "auto" and blockers):
+            if mode == "auto" and cuda:
+                log.info("decode steps run eagerly: %s", "; ".join(blockers))
+            return None
+        if mode == "on" and cuda and blockers:
+            raise ValueError("decode graphs cannot be captured here: " + "; ".join(blockers))
+        max_pages = -(-self.max_model_len // self.config.page_size)
+        max_batch = min(self.config.max_graph_batch, self.config.max_num_seqs)
+        try:
+            return DecodeGraphs(self.model, self.pool, max_batch, max_pages, capture=cuda)
+        except RuntimeError as exc:  # an op that cannot be captured: serve eagerly rather than not at all
+            if mode == "on":
+                raise
+            log.warning("decode graph capture failed, decode steps run eagerly: %s", exc)
+            return None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

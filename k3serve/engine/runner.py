@@ -8,25 +8,38 @@ import torch
 from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
+from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledSeq
 
 
 class ModelRunner:
-    def __init__(self, model: K3ForCausalLM, pool: UnifiedPool):
+    def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, graphs: DecodeGraphs | None = None):
         self.model = model
         self.pool = pool
+        self.graphs = graphs  # shape-static decode steps (CUDA graphs), None: always eager
         self.device = next(model.parameters()).device
         self.timings = {"prepare": 0.0, "forward": 0.0}
+        self.graph_steps = 0
+
+    @staticmethod
+    def chunks(sched: list[ScheduledSeq]) -> list[SeqChunk]:
+        return [SeqChunk(s.seq.token_ids[s.seq.num_computed: s.seq.num_computed + s.num_tokens],
+                         s.seq.num_computed, s.seq.kda_slot, s.seq.pages) for s in sched]
 
     def build_batch(self, sched: list[ScheduledSeq]) -> ForwardBatch:
-        chunks = [SeqChunk(s.seq.token_ids[s.seq.num_computed: s.seq.num_computed + s.num_tokens],
-                           s.seq.num_computed, s.seq.kda_slot, s.seq.pages) for s in sched]
-        return ForwardBatch.build(chunks, self.pool.layout.page_size, self.device)
+        return ForwardBatch.build(self.chunks(sched), self.pool.layout.page_size, self.device)
 
     @torch.inference_mode()
     def execute(self, sched: list[ScheduledSeq]) -> torch.Tensor:
         """Runs the step; returns fp32 logits [num sampling sequences, V] in ``sched`` order."""
         t0 = time.perf_counter()
+        if self.graphs is not None and all(s.samples for s in sched):
+            chunks = self.chunks(sched)
+            if self.graphs.fits(chunks):
+                logits = self.graphs.run(chunks)
+                self.timings["forward"] += time.perf_counter() - t0
+                self.graph_steps += 1
+                return logits
         batch = self.build_batch(sched)
         want = torch.tensor([i for i, s in enumerate(sched) if s.samples], dtype=torch.int64, device=self.device)
         t1 = time.perf_counter()

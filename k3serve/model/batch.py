@@ -81,6 +81,9 @@ class ForwardBatch:
     # Host copies of the per-sequence lengths (known to the scheduler; no device sync needed).
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # A shape-static step (engine/decode_graphs.py, possibly a captured CUDA graph): ops must not
+    # size anything from context_lens_host, which then only describes the step it was built for.
+    static_shapes: bool = False
 
     def token_range(self, i: int) -> tuple[int, int]:
         """[start, end) of sequence i's new tokens in the flat batch (host ints)."""

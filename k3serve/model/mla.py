@@ -61,7 +61,9 @@ class MLAMixer(nn.Module):
             o_lat = mla_decode(q_abs, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale)
             out[:nd] = mla_ref.unabsorb_output(o_lat, w, self.rkv, self.nope)
         elif nd:
-            max_len = max(batch.context_lens_host[:nd]) + 1
+            # Static steps attend over the block table's full width (masked), not a host maximum.
+            max_len = (batch.block_table.shape[1] * batch.page_size if batch.static_shapes
+                       else max(batch.context_lens_host[:nd]) + 1)
             table = batch.block_table[:nd, : -(-max_len // batch.page_size)].clamp_min(0)
             lat = latent_pages[table].flatten(1, 2)[:, :max_len]  # [nd, S, 576]
             mask = torch.arange(max_len, device=q.device)[None, :] < batch.seq_lens[:nd, None]

@@ -28,7 +28,10 @@ def available() -> bool:
 
 
 def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
-    """Sequences without cached context start from a zero state (host-known, no device sync)."""
+    """Sequences without cached context start from a zero state (host-known, no device sync).
+    Static (graph) steps are decode-only: real rows have context, padding rows use the scratch slot."""
+    if batch.static_shapes:
+        return
     fresh = [i for i in seqs if batch.context_lens_host[i] == 0]
     if fresh:
         state[batch.kda_slots[torch.tensor(fresh, device=state.device)]] = 0.0

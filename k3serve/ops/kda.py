@@ -15,6 +15,10 @@ from ..model.batch import ForwardBatch
 from . import fla_backend
 from .kda_ref import kda_chunked_ref, kda_recurrent_ref, l2norm
 
+# Chunk length of the reference prefill. 64 matches fla; CPU training (tools/train_tiny.py) runs
+# faster with 32 because the pairwise-decay tensor is [H, C, C, K].
+REF_CHUNK_SIZE = 64
+
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              scale: float, state: torch.Tensor, batch: ForwardBatch, backend: str | None = None) -> torch.Tensor:
@@ -40,5 +44,6 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         s, e = batch.token_range(i)
         slot = batch.kda_slots[i]
         s0 = state[slot] if batch.context_lens_host[i] > 0 else None
-        out[s:e], state[slot] = kda_chunked_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], scale, s0)
+        out[s:e], state[slot] = kda_chunked_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], scale, s0,
+                                                        chunk_size=REF_CHUNK_SIZE)
     return out

@@ -1,0 +1,156 @@
+"""GPU check and timing of CUDA-graph decode steps (run on the H200; not a CI test).
+
+1. Correctness: for several decode batch sizes, the captured bucket replay vs the eager step on a
+   twin pool (same bytes): logits close, every byte of a bystander sequence unchanged.
+2. Timing: one decode step (inputs -> logits) eager vs graph replay at several batch sizes and
+   context lengths, CUDA-event timed, median of the iterations.
+3. Engine: greedy tokens with decode graphs on vs off (fraction of requests identical).
+
+Capture needs the Triton MoE and MLA decode (the torch references sync / size on the host), so the
+script sets K3SERVE_MOE_BACKEND=triton, K3SERVE_MLA_BACKEND=triton, K3SERVE_KDA_BACKEND=triton.
+
+Usage: python bench/gpu_check_graphs.py [--preset kimi-linear-48b] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+from pathlib import Path
+
+import torch
+
+for _k in ("K3SERVE_MOE_BACKEND", "K3SERVE_MLA_BACKEND", "K3SERVE_KDA_BACKEND"):
+    os.environ.setdefault(_k, "triton")
+
+from k3serve.cache.pool import UnifiedPool  # noqa: E402
+from k3serve.engine.decode_graphs import DecodeGraphs  # noqa: E402
+from k3serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from k3serve.engine.sampling_params import SamplingParams  # noqa: E402
+from k3serve.model.batch import ForwardBatch, SeqChunk  # noqa: E402
+from k3serve.model.loader import load_model  # noqa: E402
+
+PAGE = 64
+
+
+def prefill(model, pool, lens, rng):
+    seqs = []
+    for n in lens:
+        slot = pool.alloc_slot()
+        pages = [pool.alloc_page() for _ in range(-(-(n + 8) // PAGE))]
+        toks = [rng.randrange(model.config.vocab_size - 300) for _ in range(n)]
+        with torch.inference_mode():
+            model(ForwardBatch.build([SeqChunk(toks, 0, slot, pages)], PAGE, "cuda"), pool.handles)
+        seqs.append((slot, pages, toks))
+    return seqs
+
+
+def eager_step(model, pool, chunks):
+    with torch.inference_mode():
+        return model.compute_logits(model(ForwardBatch.build(chunks, PAGE, "cuda"), pool.handles))
+
+
+def timed(fn, iters: int) -> float:
+    """Median milliseconds of ``fn`` (CUDA events)."""
+    ms = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ms.append(a.elapsed_time(b))
+    return statistics.median(ms)
+
+
+def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
+    rows = []
+    for n in sizes:
+        pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+        seqs = prefill(model, pool, [rng.randrange(16, 300) for _ in range(n + 1)], rng)
+        chunks = [SeqChunk([rng.randrange(1000)], len(t), s, p) for s, p, t in seqs[:n]]
+        twin = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+        twin.buffer.copy_(pool.buffer)
+        eager = eager_step(model, twin, chunks)
+        graphs = DecodeGraphs(model, pool, max_batch, max_pages=16, capture=True)
+        static = graphs.run(chunks).clone()
+        slot, pages, _ = seqs[-1]
+        untouched = torch.equal(pool.slot_bytes_of(slot), twin.slot_bytes_of(slot)) and all(
+            torch.equal(pool.page_bytes_of(p), twin.page_bytes_of(p)) for p in pages)
+        err = ((static - eager).abs().max() / eager.abs().max()).item()
+        rows.append({"n": n, "bucket": graphs.bucket_for(n), "max_rel_err": err, "bystander_untouched": untouched,
+                     "argmax_equal": (static.argmax(-1) == eager.argmax(-1)).float().mean().item()})
+        print(rows[-1], flush=True)
+        del graphs, pool, twin
+        torch.cuda.empty_cache()
+    return rows
+
+
+def timing(model, rng, sizes, contexts, pool_bytes, iters) -> list[dict]:
+    rows = []
+    for ctx in contexts:
+        max_pages = -(-(ctx + 16) // PAGE)
+        pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+        B = max(sizes)
+        slots = [pool.alloc_slot() for _ in range(B)]
+        pages = [[pool.alloc_page() for _ in range(max_pages)] for _ in range(B)]
+        graphs = DecodeGraphs(model, pool, B, max_pages, capture=True)
+        for n in sizes:
+            chunks = [SeqChunk([rng.randrange(1000)], ctx, slots[i], pages[i]) for i in range(n)]
+            t_eager = timed(lambda: eager_step(model, pool, chunks), iters)
+            t_graph = timed(lambda: graphs.run(chunks), iters)
+            rows.append({"context": ctx, "batch": n, "eager_ms": round(t_eager, 3), "graph_ms": round(t_graph, 3),
+                         "speedup": round(t_eager / t_graph, 2)})
+            print(rows[-1], flush=True)
+        del graphs, pool
+        torch.cuda.empty_cache()
+    return rows
+
+
+def engine_match(model, rng, n_prompts) -> dict:
+    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(8, 200))] for _ in range(n_prompts)]
+    outs = {}
+    for mode in ("off", "on"):
+        eng = LLMEngine(model, None, EngineConfig(cache_memory="4GiB", max_model_len=1024, decode_graphs=mode,
+                                                  max_graph_batch=32))
+        ids = [eng.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts]
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+        outs[mode] = [done[i] for i in ids]
+        graph_steps = eng.runner.graph_steps
+        del eng
+        torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(outs["on"], outs["off"]))
+    return {"requests": n_prompts, "identical": same, "graph_steps": graph_steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="kimi-linear-48b")
+    ap.add_argument("--pool-gib", type=float, default=12.0, help="pool of the timing runs (128 x 4096 tokens)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    rng = random.Random(0)
+    model = load_model(preset=args.preset, dtype="bfloat16", device="cuda", seed=0, progress=False)
+    pool_bytes = int(args.pool_gib * 2**30)
+    res = {"preset": args.preset, "device": torch.cuda.get_device_name(),
+           "check": check(model, rng, [1, 3, 17], 32, 2 << 30),
+           "timing": timing(model, rng, [1, 8, 32, 64, 128], [512, 4096], pool_bytes, args.iters),
+           "engine": engine_match(model, rng, 12)}
+    print("\n| context | batch | eager ms | graph ms | speedup |\n|---|---|---|---|---|")
+    for r in res["timing"]:
+        print(f"| {r['context']} | {r['batch']} | {r['eager_ms']} | {r['graph_ms']} | {r['speedup']}x |")
+    print(json.dumps(res["engine"]))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"graphs_{args.preset}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

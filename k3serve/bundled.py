@@ -1,0 +1,23 @@
+"""The trained tiny K3-architecture model shipped inside the package: the default of ``serve`` and
+``generate``, and the model on which quality (quantisation, cached-vs-uncached, speculation) is
+measured. Trained by tools/train_tiny.py; model card in data/tiny/README.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+BUNDLED_MODELS = {"tiny": DATA_DIR / "tiny", "tiny-mxfp4": DATA_DIR / "tiny-mxfp4"}
+DEFAULT_MODEL = "tiny"
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A checkpoint directory for ``--model``: an existing path as given, a bundled model's name
+    ("tiny", "tiny-mxfp4"), or the default bundled model when nothing is given."""
+    if model is not None and (Path(model).exists() or str(model) not in BUNDLED_MODELS):
+        return Path(model)  # a path (a missing one fails in the loader with its own message)
+    path = BUNDLED_MODELS[str(model or DEFAULT_MODEL)]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the bundled model {path.name!r} is missing from this install ({path}); "
+                                "reinstall k3serve or pass --model DIR")
+    return path

@@ -1,0 +1,128 @@
+"""Shape-static decode steps, captured as CUDA graphs per batch-size bucket.
+
+A decode-only step of n sequences runs at the smallest bucket b >= n. Its inputs are copied into
+static buffers; rows n..b are padding that point at the pool's scratch slot and page with no
+context, so they can never touch a live sequence. On CUDA the graph captured for bucket b replays
+the whole forward + lm_head: no Python per layer, no host sync, no allocation. Without CUDA (or
+before capture) the same padded step runs eagerly, which is how the CPU tests check the padding.
+
+Capture needs every decode op to be shape-static and sync-free: the Triton MoE
+(``K3SERVE_MOE_BACKEND=triton``; the reference loops over expert counts on the host) and the
+Triton MLA decode (the reference attends over the table's full width in static mode, correct but
+slow for long contexts). ``capture_blockers`` names what is missing; the engine then stays eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..cache.pool import UnifiedPool
+from ..model.batch import ForwardBatch, SeqChunk
+from ..model.k3 import K3ForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to ``max_batch`` (vLLM's capture sizes), ``max_batch`` last."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+def capture_blockers(device: torch.device) -> list[str]:
+    """Why decode steps of this process cannot be captured (empty: they can)."""
+    why = []
+    if device.type != "cuda":
+        why.append("not a CUDA device")
+    if os.environ.get("K3SERVE_MOE_BACKEND", "torch") != "triton":
+        why.append("the torch MoE reference syncs on expert counts (set K3SERVE_MOE_BACKEND=triton)")
+    if os.environ.get("K3SERVE_MLA_BACKEND", "torch") != "triton":
+        why.append("the torch MLA decode attends over the full table width (set K3SERVE_MLA_BACKEND=triton)")
+    return why
+
+
+class DecodeGraphs:
+    def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_batch: int, max_pages: int,
+                 capture: bool = True):
+        self.model, self.pool = model, pool
+        self.page_size = pool.layout.page_size
+        self.buckets = bucket_sizes(max_batch)
+        self.max_pages = max_pages
+        dev = pool.buffer.device
+        B = self.buckets[-1]
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(B, **i64)
+        self.context_lens = torch.zeros(B, **i64)
+        self.seq_lens = torch.ones(B, **i64)
+        self.kda_slots = torch.full((B,), pool.scratch_slot, **i64)
+        self.block_table = torch.full((B, max_pages), -1, **i64)
+        self.block_table[:, 0] = pool.scratch_page
+        self.slot_mapping = torch.full((B,), pool.scratch_page * self.page_size, **i64)
+        self.query_start = torch.arange(B + 1, **i64)
+        self.logits_indices = torch.arange(B, **i64)
+        self._pad = SeqChunk([0], 0, pool.scratch_slot, [pool.scratch_page])
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    # ---- per step -------------------------------------------------------------------------
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def fits(self, chunks: list[SeqChunk]) -> bool:
+        return (self.bucket_for(len(chunks)) is not None and all(len(c.token_ids) == 1 for c in chunks)
+                and max(len(c.pages) for c in chunks) <= self.max_pages)
+
+    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """fp32 logits [n, V] of a decode-only step (``fits(chunks)`` must hold)."""
+        n = len(chunks)
+        b = self.bucket_for(n)
+        host = ForwardBatch.build(chunks + [self._pad] * (b - n), self.page_size)  # CPU tensors
+        self.input_ids[:b].copy_(host.input_ids, non_blocking=True)
+        self.context_lens[:b].copy_(host.context_lens, non_blocking=True)
+        self.seq_lens[:b].copy_(host.seq_lens, non_blocking=True)
+        self.kda_slots[:b].copy_(host.kda_slots, non_blocking=True)
+        self.slot_mapping[:b].copy_(host.slot_mapping, non_blocking=True)
+        w = host.block_table.shape[1]
+        self.block_table[:b, :w].copy_(host.block_table, non_blocking=True)
+        self.block_table[:b, w:] = -1
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:n]
+        return self._forward(self._static_batch(b, host.context_lens_host))[:n]
+
+    # ---- capture --------------------------------------------------------------------------
+    def _static_batch(self, b: int, context_lens_host: list[int]) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:b], query_start=self.query_start[:b + 1], context_lens=self.context_lens[:b],
+            seq_lens=self.seq_lens[:b], kda_slots=self.kda_slots[:b], block_table=self.block_table[:b],
+            slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b], num_decodes=b,
+            page_size=self.page_size, query_lens_host=[1] * b, context_lens_host=context_lens_host,
+            static_shapes=True)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.compute_logits(self.model(batch, self.pool.handles))
+
+    def _capture_all(self) -> None:
+        """Largest bucket first so the smaller graphs reuse its memory pool. Buffers hold padding
+        (scratch slot and page) while capturing, so warm-up runs touch no live state."""
+        mempool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            batch = self._static_batch(b, [1] * b)  # no "fresh" rows baked in
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles / autotunes outside the capture
+                for _ in range(2):
+                    self._forward(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self.outputs[b] = self._forward(batch)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        log.info("captured decode graphs for batch sizes %s", self.buckets)
