@@ -62,3 +62,18 @@ def test_state_carries_across_splits():
 def test_l2norm_eps_inside_sqrt():
     x = torch.tensor([[3e-4, 4e-4]])
     assert torch.allclose(l2norm(x), x / torch.sqrt(torch.tensor(25e-8 + 1e-6)))
+
+
+def test_factorised_pairwise_decay_equals_the_exact_form():
+    """The one-matmul factorisation around the chunk middle matches the [H, C, C, K] pairwise form
+    on the lower triangle (the only part the UT transform uses)."""
+    from k3serve.ops.kda_ref import _pairwise
+
+    gen = torch.Generator().manual_seed(11)
+    for C, depth in ((16, 5.0), (32, 2.5), (64, 1.2)):  # within-chunk spans up to about 80
+        a, b = torch.randn(3, C, 8, generator=gen), torch.randn(3, C, 8, generator=gen)
+        G = (-depth * torch.rand(3, C, 8, generator=gen)).cumsum(1)
+        tril = torch.tril(torch.ones(C, C, dtype=torch.bool))
+        exact = _pairwise(a, b, G, factorised=False)
+        fact = _pairwise(a, b, G, factorised=True)
+        assert torch.allclose(fact[:, tril], exact[:, tril], rtol=1e-4, atol=1e-5)

@@ -63,6 +63,25 @@ def kda_recurrent_ref(
     return out, S
 
 
+# The factorised pairwise decay is used while every factor exp(+-(G - G_mid)) of the chunk stays
+# below exp(80), well inside fp32's normal range (about exp(+-87)).
+FACTORISED_MAX_EXPONENT = 80.0
+
+
+def _pairwise(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, factorised: bool) -> torch.Tensor:
+    """sum_c a_i[c] b_j[c] exp(G_i[c] - G_j[c]) for one chunk ([H, C, K] each), valid for j <= i.
+
+    Factorised around the chunk's middle position it is one matmul; otherwise (very strong decay,
+    e.g. an unbounded softplus gate) the exact [H, C, C, K] pairwise form."""
+    if factorised:
+        mid = G[:, G.shape[1] // 2: G.shape[1] // 2 + 1]
+        return (a * torch.exp(G - mid)) @ (b * torch.exp(mid - G)).transpose(1, 2)
+    C = G.shape[1]
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=G.device))
+    diff = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~incl[None, :, :, None], float("-inf"))
+    return torch.einsum("hik,hjk,hijk->hij", a, b, torch.exp(diff))
+
+
 def kda_chunked_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,6 +100,7 @@ def kda_chunked_ref(
         U   = (I + L)^-1 diag(beta) (V - (exp(G) * K) S)
         O   = (exp(G) * Q) S + Tril(sum_c q_i k_j exp(G_i - G_j)) U
         S'  = exp(G_last) * S + (exp(G_last - G) * K)^T U
+    Everything but the state recurrence is computed for all chunks at once.
     """
     T, H, K = k.shape
     V = v.shape[-1]
@@ -95,28 +115,26 @@ def kda_chunked_ref(
     q, k, v, g = (x.view(n, C, H, -1).transpose(1, 2) for x in (q, k, v, g))
     beta = beta.view(n, C, H).transpose(1, 2)
     q = q * scale
+    G = g.cumsum(2)  # [n, H, C, K]
+    mid = G[:, :, C // 2]  # G decreases along the chunk, so the ends are furthest from the middle
+    safe = (torch.maximum(G[:, :, 0] - mid, mid - G[:, :, -1]).amax(dim=(1, 2)) <= FACTORISED_MAX_EXPONENT).tolist()
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), diagonal=-1)
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+    kk = torch.stack([_pairwise(k[c], k[c], G[c], safe[c]) for c in range(n)])
+    qk = torch.stack([_pairwise(q[c], k[c], G[c], safe[c]) for c in range(n)])
+    L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
+    Mqk = qk.masked_fill(~incl, 0.0)
+    eye = torch.eye(C, device=q.device)
+    Tinv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    a = torch.exp(G)
+    k_restore = torch.exp(G[:, :, -1:] - G) * k
     S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
     if initial_state is not None:
         S = S + initial_state.float()
-    eye = torch.eye(C, device=q.device)
-    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), diagonal=-1)
-    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
-    out = torch.empty(n, H, C, V, device=q.device)
+    outs = []
     for c in range(n):
-        qc, kc, vc, bc = q[c], k[c], v[c], beta[c]
-        G = g[c].cumsum(1)  # [H, C, K]
-        # Pairwise decays exp(G_i - G_j), only where j <= i (exponent <= 0).
-        diff = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~incl[None, :, :, None], float("-inf"))
-        decay = torch.exp(diff)  # [H, C(i), C(j), K]
-        kk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay)
-        L = (bc.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
-        Mqk = torch.einsum("hik,hjk,hijk->hij", qc, kc, decay).masked_fill(~incl, 0.0)
-        a = torch.exp(G)
-        Bm = bc.unsqueeze(-1) * (vc - (a * kc) @ S)
-        U = torch.linalg.solve_triangular(eye + L, Bm, upper=False, unitriangular=True)
-        out[c] = (a * qc) @ S + Mqk @ U
-        a_last = a[:, -1, :]  # [H, K]
-        k_restore = torch.exp(G[:, -1:, :] - G) * kc
-        S = a_last.unsqueeze(-1) * S + k_restore.transpose(1, 2) @ U
-    o = out.transpose(1, 2).reshape(n * C, H, V)[:T]
+        U = Tinv[c] @ (beta[c].unsqueeze(-1) * (v[c] - (a[c] * k[c]) @ S))
+        outs.append((a[c] * q[c]) @ S + Mqk[c] @ U)
+        S = a[c, :, -1, :].unsqueeze(-1) * S + k_restore[c].transpose(1, 2) @ U
+    o = torch.stack(outs).transpose(1, 2).reshape(n * C, H, V)[:T]
     return o, S
