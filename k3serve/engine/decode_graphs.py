@@ -54,13 +54,23 @@ class DecodeGraphs:
         dev = pool.buffer.device
         B = self.buckets[-1]
         i64 = dict(dtype=torch.int64, device=dev)
-        self.input_ids = torch.zeros(B, **i64)
-        self.context_lens = torch.zeros(B, **i64)
-        self.seq_lens = torch.ones(B, **i64)
-        self.kda_slots = torch.full((B,), pool.scratch_slot, **i64)
-        self.block_table = torch.full((B, max_pages), -1, **i64)
+        # All per-step inputs live in one device buffer filled by one copy from one (pinned) host
+        # buffer: input ids, context lens, seq lens, KDA slots, slot mapping, then the block table.
+        self._fields = ("input_ids", "context_lens", "seq_lens", "kda_slots", "slot_mapping")
+        self._device_buf = torch.empty(B * (len(self._fields) + max_pages), **i64)
+        self._host_buf = torch.empty(self._device_buf.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        for i, name in enumerate(self._fields):
+            setattr(self, name, self._device_buf[i * B:(i + 1) * B])
+        self.block_table = self._device_buf[len(self._fields) * B:].view(B, max_pages)
+        self._host_fields = [self._host_buf[i * B:(i + 1) * B] for i in range(len(self._fields))]
+        self._host_table = self._host_buf[len(self._fields) * B:].view(B, max_pages)
+        self.input_ids.zero_()
+        self.context_lens.zero_()
+        self.seq_lens.fill_(1)
+        self.kda_slots.fill_(pool.scratch_slot)
+        self.slot_mapping.fill_(pool.scratch_page * self.page_size)
+        self.block_table.fill_(-1)
         self.block_table[:, 0] = pool.scratch_page
-        self.slot_mapping = torch.full((B,), pool.scratch_page * self.page_size, **i64)
         self.query_start = torch.arange(B + 1, **i64)
         self.logits_indices = torch.arange(B, **i64)
         self._pad = SeqChunk([0], 0, pool.scratch_slot, [pool.scratch_page])
@@ -82,14 +92,14 @@ class DecodeGraphs:
         n = len(chunks)
         b = self.bucket_for(n)
         host = ForwardBatch.build(chunks + [self._pad] * (b - n), self.page_size)  # CPU tensors
-        self.input_ids[:b].copy_(host.input_ids, non_blocking=True)
-        self.context_lens[:b].copy_(host.context_lens, non_blocking=True)
-        self.seq_lens[:b].copy_(host.seq_lens, non_blocking=True)
-        self.kda_slots[:b].copy_(host.kda_slots, non_blocking=True)
-        self.slot_mapping[:b].copy_(host.slot_mapping, non_blocking=True)
+        for dst, name in zip(self._host_fields, self._fields):
+            dst[:b] = getattr(host, name)
         w = host.block_table.shape[1]
-        self.block_table[:b, :w].copy_(host.block_table, non_blocking=True)
-        self.block_table[:b, w:] = -1
+        self._host_table[:b, :w] = host.block_table
+        self._host_table[:b, w:] = -1
+        # One copy; rows past b are stale and never read by bucket b. The previous step's copy
+        # has completed: its logits were read back before this step was scheduled.
+        self._device_buf.copy_(self._host_buf, non_blocking=True)
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]

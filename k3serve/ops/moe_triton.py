@@ -96,7 +96,9 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     ``num_assign`` and are skipped by the kernel."""
     flat = ids.flatten()
     num_assign = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: CUDA bincount reads the maximum back to size its output (a host
+    # sync that also breaks CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded
     order = torch.argsort(flat, stable=True)
