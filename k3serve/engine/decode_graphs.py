@@ -46,10 +46,10 @@ def capture_blockers(device: torch.device) -> list[str]:
 
 class DecodeGraphs:
     def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_batch: int, max_pages: int,
-                 capture: bool = True):
+                 capture: bool = True, buckets: list[int] | None = None):
         self.model, self.pool = model, pool
         self.page_size = pool.layout.page_size
-        self.buckets = bucket_sizes(max_batch)
+        self.buckets = sorted(buckets) if buckets else bucket_sizes(max_batch)
         self.max_pages = max_pages
         dev = pool.buffer.device
         B = self.buckets[-1]

@@ -1,0 +1,271 @@
+"""End-to-end GPU timings: ``python -m bench.e2e`` (H200; not a CI test).
+
+1. k3-slice (true K3 widths: 3 KDA + 1 MLA layers, MXFP4 experts, dummy weights): one decode step
+   (inputs -> logits) at batch 1/16/64/256 and context 4K/32K against its byte floor, eager and as a
+   CUDA graph when capturable; prefill of 8K/32K tokens in one forward against its FLOP floor.
+2. kimi-linear-48b (dummy weights) through the real engine: time to first token and decode
+   tokens/s at batch 1, 16 and 64 (prompts of 512 tokens, 32 new), then HF transformers'
+   ``generate`` on the same shape in the same run when transformers has KimiLinear.
+
+Floors: decode bytes = every non-routed weight + the routed experts a batch is expected to touch
+(uniform routing: E (1 - (1 - k/E)^B) per layer) + KDA state read and written + MLA latents read;
+prefill FLOPs = 2 x active parameters x tokens + causal MLA attention (QK and PV) + the KDA chunk
+work (about 2 T H (4 K V + 64 (K + V))). Ceilings measured in the same run (bench/ceilings.py).
+Record the printed tables in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from k3serve.cache.pool import PoolLayout, UnifiedPool
+from k3serve.engine.decode_graphs import DecodeGraphs, capture_blockers
+from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.model.batch import ForwardBatch, SeqChunk
+from k3serve.model.loader import load_model
+from k3serve.model.moe import RoutedExperts
+
+from .ceilings import copy_tbs, matmul_tflops
+
+PAGE = 64
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weight_split(model) -> tuple[int, list[int], int]:
+    """(bytes of everything but routed experts and the embedding table, routed-expert bytes per MoE
+    layer, embedding row bytes)."""
+    routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    routed_ids = {id(p) for m in routed for p in m.parameters()}
+    emb = model.model.embed_tokens.weight
+    rest = _bytes(p for p in model.parameters() if id(p) not in routed_ids and p is not emb)
+    return rest, [_bytes(m.parameters()) for m in routed], emb.shape[1] * emb.element_size()
+
+
+def decode_floor_bytes(model, batch: int, context: int) -> int:
+    cfg = model.config
+    rest, routed, row = weight_split(model)
+    E, k = cfg.num_experts or 1, cfg.num_experts_per_token
+    touched = E * (1 - (1 - k / E) ** batch) if routed else 0
+    experts = sum(r / E * touched for r in routed)
+    H, D = cfg.kda_num_heads, cfg.kda_head_dim
+    kda = batch * cfg.num_kda_layers * H * D * D * 4 * 2
+    mla = batch * (context + 1) * cfg.mla_cache_width * model.dtype.itemsize * cfg.num_mla_layers
+    return int(rest + experts + batch * row + kda + mla)
+
+
+def prefill_floor_flops(model, tokens: int) -> float:
+    cfg = model.config
+    rest, routed, _ = weight_split(model)
+    E, k = cfg.num_experts or 1, cfg.num_experts_per_token
+    lm = model.lm_head.weight.numel()
+    per_byte = 1 / model.lm_head.weight.element_size()  # bf16 parameters per byte (MXFP4 counted below)
+    active = (rest * per_byte - lm) + sum(r / E * k for r in routed) * (2 if cfg.expert_format == "mxfp4" else per_byte)
+    attn = cfg.num_mla_layers * cfg.num_attention_heads * tokens * tokens * (cfg.qk_head_dim + cfg.v_head_dim)
+    H, D = cfg.kda_num_heads, cfg.kda_head_dim
+    kda = cfg.num_kda_layers * 2 * tokens * H * (4 * D * D + 64 * 2 * D)
+    return 2 * active * tokens + 2 * lm + attn + kda  # logits of the last token only
+
+
+def bench_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+
+
+def slice_decode(model, batches, contexts, copy_ceiling) -> list[dict]:
+    rows = []
+    graphs_ok = not capture_blockers(torch.device("cuda"))
+    for ctx in contexts:
+        pages_per = -(-(ctx + 1) // PAGE)
+        for B in batches:
+            lay = PoolLayout.for_model(model.config, model.dtype, PAGE)
+            pool = UnifiedPool(model.config, B * (lay.slot_bytes + pages_per * lay.page_bytes) + (1 << 20),
+                               model.dtype, "cuda", PAGE)
+            slots = [pool.alloc_slot() for _ in range(B)]
+            chunks = [SeqChunk([1], ctx, slots[i], [pool.alloc_page() for _ in range(pages_per)]) for i in range(B)]
+
+            def eager():
+                with torch.inference_mode():
+                    return model.compute_logits(model(ForwardBatch.build(chunks, PAGE, "cuda"), pool.handles))
+
+            t_eager = bench_ms(eager)
+            t_graph = None
+            if graphs_ok:
+                g = DecodeGraphs(model, pool, B, pages_per, capture=True, buckets=[B])
+                t_graph = bench_ms(lambda: g.run(chunks))
+                del g
+            floor = decode_floor_bytes(model, B, ctx)
+            best = min(t for t in (t_eager, t_graph) if t is not None)
+            rows.append({"context": ctx, "batch": B, "eager_ms": round(t_eager, 3),
+                         "graph_ms": None if t_graph is None else round(t_graph, 3),
+                         "floor_GB": round(floor / 1e9, 2), "floor_ms": round(floor / (copy_ceiling * 1e12) * 1e3, 3),
+                         "pct_copy_ceiling": round(100 * floor / (best * 1e-3) / (copy_ceiling * 1e12), 1),
+                         "tok_s": round(B / (best * 1e-3), 1)})
+            print(rows[-1], flush=True)
+            del pool, chunks
+            torch.cuda.empty_cache()
+    return rows
+
+
+def slice_prefill(model, lengths, mm_ceiling) -> list[dict]:
+    rows = []
+    for T in lengths:
+        pages = -(-T // PAGE)
+        lay = PoolLayout.for_model(model.config, model.dtype, PAGE)
+        pool = UnifiedPool(model.config, lay.slot_bytes + pages * lay.page_bytes + (1 << 20), model.dtype, "cuda", PAGE)
+        slot = pool.alloc_slot()
+        page_ids = [pool.alloc_page() for _ in range(pages)]
+        ids = torch.randint(0, model.config.vocab_size - 300, (T,)).tolist()
+        batch = ForwardBatch.build([SeqChunk(ids, 0, slot, page_ids)], PAGE, "cuda")
+
+        def run():
+            with torch.inference_mode():
+                h = model(batch, pool.handles)
+                return model.compute_logits(h[batch.logits_indices])
+
+        ms = bench_ms(run)
+        flops = prefill_floor_flops(model, T)
+        rows.append({"tokens": T, "ms": round(ms, 2), "floor_TFLOP": round(flops / 1e12, 2),
+                     "floor_ms": round(flops / (mm_ceiling * 1e12) * 1e3, 2),
+                     "pct_matmul_ceiling": round(100 * flops / (ms * 1e-3) / (mm_ceiling * 1e12), 1),
+                     "tok_s": round(T / (ms * 1e-3))})
+        print(rows[-1], flush=True)
+        del pool, batch
+        torch.cuda.empty_cache()
+    return rows
+
+
+def engine_generate(batches, prompt_len, new_tokens) -> list[dict]:
+    """kimi-linear-48b through LLMEngine: TTFT (all B first tokens) and decode tok/s after it."""
+    eng = LLMEngine.from_pretrained(None, preset="kimi-linear-48b", dtype="bfloat16", device="cuda",
+                                    load_format="dummy", config=EngineConfig(
+                                        max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 64,
+                                        max_num_batched_tokens=max(8192, prompt_len)))
+    vocab = eng.model.config.vocab_size - 300
+    rows = []
+    for B in batches:
+        for attempt in ("warm-up", "timed"):
+            prompts = torch.randint(0, vocab, (B, prompt_len)).tolist()
+            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for p in prompts:
+                eng.add_request(p, params)
+            firsts, t_first = set(), None
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.outputs[0].token_ids:
+                        firsts.add(out.request_id)
+                if t_first is None and len(firsts) == B:
+                    t_first = time.perf_counter()
+            t_end = time.perf_counter()
+        dec = (t_end - t_first) / (new_tokens - 1)
+        rows.append({"batch": B, "prompt": prompt_len, "new": new_tokens, "ttft_s": round(t_first - t0, 3),
+                     "decode_ms_per_step": round(dec * 1e3, 2), "decode_tok_s": round(B / dec, 1),
+                     "graph_steps": eng.runner.graph_steps})
+        print(rows[-1], flush=True)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def hf_generate(batches, prompt_len, new_tokens) -> list[dict] | str:
+    """HF transformers KimiLinearForCausalLM.generate on the same shape (random weights, bf16)."""
+    try:
+        from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    except ImportError as exc:
+        return f"transformers with KimiLinear not available: {exc}"
+    cfg = KimiLinearConfig(layer_types=["full_attention" if (i + 1) in (4, 8, 12, 16, 20, 24, 27)
+                                        else "linear_attention" for i in range(27)])
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("meta"):
+        model = KimiLinearForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    model = model.to_empty(device="cuda")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "A_log" in n:
+                p.copy_(torch.log(torch.empty_like(p, dtype=torch.float32).uniform_(1, 16)))
+            elif "dt_bias" in n or "e_score_correction_bias" in n:
+                p.zero_()
+            elif "norm" in n:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
+    model.eval()
+    rows = []
+    for B in batches:
+        ids = torch.randint(0, 160000, (B, prompt_len), device="cuda")
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, do_sample=False)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, do_sample=False)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+        ttft = t1 - t0
+        dec = (t2 - t1 - ttft) / (new_tokens - 1)
+        rows.append({"batch": B, "ttft_s": round(ttft, 3), "decode_ms_per_step": round(dec * 1e3, 2),
+                     "decode_tok_s": round(B / dec, 1)})
+        print("HF", rows[-1], flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="slice,engine,hf", help="comma list of slice, engine, hf")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--prefill", default="8192,32768")
+    ap.add_argument("--engine-batches", default="1,16,64")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    parts = set(args.parts.split(","))
+    res = {"device": torch.cuda.get_device_name(), "copy_TBps": copy_tbs(), "matmul_TFLOPs": matmul_tflops(),
+           "capture_blockers": capture_blockers(torch.device("cuda"))}
+    print(json.dumps(res), flush=True)
+    if "slice" in parts:
+        model = load_model(preset="k3-slice", dtype="bfloat16", device="cuda", seed=0, progress=False)
+        res["slice_decode"] = slice_decode(model, ints(args.batches), ints(args.contexts), res["copy_TBps"])
+        res["slice_prefill"] = slice_prefill(model, ints(args.prefill), res["matmul_TFLOPs"])
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "engine" in parts:
+        res["engine_48b"] = engine_generate(ints(args.engine_batches), 512, 32)
+    if "hf" in parts:
+        res["hf_48b"] = hf_generate(ints(args.engine_batches), 512, 32)
+    for key in ("slice_decode", "slice_prefill", "engine_48b", "hf_48b"):
+        if isinstance(res.get(key), list) and res[key]:
+            print(f"\n### {key}\n{table(res[key])}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "e2e.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
