@@ -114,7 +114,7 @@ def compare_models(name: str, ref_model_fn, test_model_fn, lens, steps: int) -> 
     test_dec = decode(test, prompts, caches, pages, tokens)
     agree = [float((a.argmax(-1) == b.argmax(-1)).float().mean()) for a, b in
              zip([test_pre[0]] + test_dec, [ref_pre[0]] + ref_dec)]
-    ROWS.append(dict(check=f"{name} bf16(fla) vs fp32 ref", shape=f"prompts {lens}, {steps} decode steps",
+    ROWS.append(dict(check=f"{name} bf16 vs fp32 ref", shape=f"prompts {lens}, {steps} decode steps",
                      rel_err_prefill=rel(test_pre[0], ref_pre[0]),
                      rel_err_decode=rel(torch.cat(test_dec), torch.cat(ref_dec)),
                      argmax_agreement=sum(agree) / len(agree),
@@ -189,8 +189,11 @@ def main() -> None:
         print(ROWS[-1], flush=True)
 
     def with_backend(model_fn, device, dtype, backend):
+        """backend: torch (reference), auto (fla for KDA), or triton (every opt-in Triton kernel)."""
         def make():
             os.environ["K3SERVE_KDA_BACKEND"] = backend
+            for op in ("MLA", "MOE", "ATTNRES"):
+                os.environ[f"K3SERVE_{op}_BACKEND"] = "triton" if backend == "triton" else "torch"
             return model_fn(device, dtype)
         return make
 
@@ -198,16 +201,18 @@ def main() -> None:
         # Weights drawn on the CPU for both runs (CPU and CUDA generators give different streams).
         tiny = lambda dev, dt, mx=mx: load_model(preset="tiny", device="cpu", dtype=dt, seed=0, mxfp4=mx).to(dev)  # noqa: E731
         label = f"tiny{'-mxfp4' if mx else ''}"
-        compare_models(label, with_backend(tiny, "cpu", "float32", "torch"),
-                       with_backend(tiny, "cuda", "bfloat16", "auto"), [13, 100, 41], 8)
-        print(ROWS[-1], flush=True)
+        for backend in ("auto", "triton"):
+            compare_models(f"{label} [{backend}]", with_backend(tiny, "cpu", "float32", "torch"),
+                           with_backend(tiny, "cuda", "bfloat16", backend), [13, 100, 41], 8)
+            print(ROWS[-1], flush=True)
         sublayer_errors(label, with_backend(tiny, "cpu", "float32", "torch"),
                         with_backend(tiny, "cuda", "bfloat16", "auto"), 150)
     if not args.skip_slice:
         sl = lambda dev, dt: load_model(preset="k3-slice", device=dev, dtype=dt, seed=0)  # noqa: E731
-        compare_models("k3-slice", with_backend(sl, "cuda", "float32", "torch"),
-                       with_backend(sl, "cuda", "bfloat16", "auto"), [64, 200], 4)
-        print(ROWS[-1], flush=True)
+        for backend in ("auto", "triton"):
+            compare_models(f"k3-slice [{backend}]", with_backend(sl, "cuda", "float32", "torch"),
+                           with_backend(sl, "cuda", "bfloat16", backend), [64, 200], 4)
+            print(ROWS[-1], flush=True)
         sublayer_errors("k3-slice", with_backend(sl, "cuda", "float32", "torch"),
                         with_backend(sl, "cuda", "bfloat16", "auto"), 200)
     Path(args.out).mkdir(parents=True, exist_ok=True)

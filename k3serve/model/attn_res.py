@@ -5,8 +5,12 @@ Everything here is per token and transient within one forward pass; nothing is c
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+from .layers import RMSNorm
 
 
 class AttnResMixer(nn.Module):
@@ -27,6 +31,19 @@ class AttnResMixer(nn.Module):
         scores = (v * w).sum(-1) * torch.rsqrt(v.pow(2).mean(-1) + self.eps)  # [m, T]
         alpha = torch.softmax(scores, dim=0)
         return (alpha.unsqueeze(-1) * v).sum(0)
+
+    def mix_and_norm(self, sources: list[torch.Tensor], out_norm: RMSNorm | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+        """The mix followed by the next sublayer's RMSNorm (None: the final mixer, no norm). On CUDA
+        with K3SERVE_ATTNRES_BACKEND=triton (opt-in until timed) one fused pass per token."""
+        if (sources[0].is_cuda and os.environ.get("K3SERVE_ATTNRES_BACKEND") == "triton" and len(sources) <= 16
+                and (out_norm is None or out_norm.eps == self.eps)):
+            from ..ops.attn_res_triton import attn_res_mix
+
+            return attn_res_mix(torch.stack(sources), self.proj, self.norm, self.eps,
+                                None if out_norm is None else out_norm.weight, out_dtype)
+        mixed = self(sources)
+        return mixed.to(out_dtype) if out_norm is None else out_norm(mixed, out_dtype=out_dtype)
 
 
 class AttnResState:

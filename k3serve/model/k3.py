@@ -84,12 +84,12 @@ class K3ForCausalLM(nn.Module):
                 h = h + a
                 h = h + layer.ffn(layer.post_attention_layernorm(h))
                 continue
-            mixed = layer.self_attention_res(res.token_mixer_sources(i, m))
-            a = layer.self_attn(layer.input_layernorm(mixed, out_dtype=self.dtype), batch, cache)
-            mixed = layer.mlp_res(res.channel_mixer_sources(i, a))
-            m = layer.ffn(layer.post_attention_layernorm(mixed, out_dtype=self.dtype))
+            x = layer.self_attention_res.mix_and_norm(res.token_mixer_sources(i, m), layer.input_layernorm, self.dtype)
+            a = layer.self_attn(x, batch, cache)
+            x = layer.mlp_res.mix_and_norm(res.channel_mixer_sources(i, a), layer.post_attention_layernorm, self.dtype)
+            m = layer.ffn(x)
         if res is not None:
-            return self.model.output_attn_res(res.final_sources(m)).to(self.dtype)
+            return self.model.output_attn_res.mix_and_norm(res.final_sources(m), None, self.dtype)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
