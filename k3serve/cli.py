@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .bundled import BUNDLED_MODELS, DEFAULT_MODEL
+from .bundled import BUNDLED_MODELS, DEFAULT_MODEL, resolve_model
 from .presets import PRESETS
 
 
@@ -28,8 +28,8 @@ def _check(args: argparse.Namespace) -> int:
     from .model.loader import load_model
 
     t0 = time.perf_counter()
-    model = load_model(args.model, preset=args.preset, load_format=args.load_format, dtype=args.dtype,
-                       device=args.device, seed=args.seed, verify_checksums=args.verify_checksums)
+    model = load_model(args.model and resolve_model(args.model), preset=args.preset, load_format=args.load_format,
+                       dtype=args.dtype, device=args.device, seed=args.seed, verify_checksums=args.verify_checksums)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
     print(f"loaded {cfg.model_type}: {cfg.num_hidden_layers} layers ({cfg.num_kda_layers} KDA, {cfg.num_mla_layers} MLA), "
@@ -165,7 +165,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .presets import preset_config
     from .cache.pool import parse_bytes
 
-    cfg = ModelConfig.from_pretrained(args.model) if args.model else ModelConfig.from_dict(preset_config(args.preset))
+    cfg = ModelConfig.from_pretrained(resolve_model(args.model)) if args.model else ModelConfig.from_dict(preset_config(args.preset))
     try:
         plan = make_plan(cfg, args.gpus, parse_bytes(args.gpu_memory) / 2**30, nodes=args.nodes,
                          context=_parse_tokens(args.context), concurrency=args.concurrency, reserve_gib=args.reserve_gib,
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="legal parallel layouts, memory budget and cache capacity")
     src = pl.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint directory (only config.json is read)")
+    src.add_argument("--model", help="checkpoint directory or bundled model name (only config.json is read)")
     src.add_argument("--preset", choices=list(PRESETS))
     pl.add_argument("--gpus", type=int, required=True)
     pl.add_argument("--gpu-memory", required=True, help="usable memory per GPU, e.g. 80GiB or 80GB")

@@ -81,16 +81,21 @@ def test_padded_static_step_equals_eager_and_touches_only_scratch(model, n_decod
         assert torch.equal(pool.page_bytes_of(p), twin.page_bytes_of(p))
 
 
-def test_engine_with_static_decode_generates_the_same_tokens(model):
+@pytest.mark.parametrize("pool, system", [("32MiB", 0), (1_000_000, 40)])
+def test_engine_with_static_decode_generates_the_same_tokens(model, pool, system):
+    """Plain batches; and a small pool (preemption by recompute) with a shared system prompt
+    (prefix-cache hits restore KDA checkpoints into slots that static steps then decode)."""
     def engine(mode):
-        return LLMEngine(model, None, EngineConfig(cache_memory="32MiB", page_size=PAGE, max_model_len=96,
+        return LLMEngine(model, None, EngineConfig(cache_memory=pool, page_size=PAGE, max_model_len=96,
                                                    max_num_batched_tokens=64, max_graph_batch=8,
+                                                   prefix_block_size=16, kda_checkpoint_interval=32,
                                                    decode_graphs=mode))
 
     rng = random.Random(7)
-    prompts = [[rng.randrange(1500) for _ in range(rng.randrange(2, 40))] for _ in range(11)]
+    head = [rng.randrange(1500) for _ in range(system)]
+    prompts = [head + [rng.randrange(1500) for _ in range(rng.randrange(2, 40))] for _ in range(11)]
     params = [SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0.0, ignore_eos=True) for _ in prompts]
-    outs = {}
+    outs, stats = {}, {}
     for mode in ("off", "on"):
         eng = engine(mode)
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -100,11 +105,14 @@ def test_engine_with_static_decode_generates_the_same_tokens(model):
                 if out.finished:
                     finals[out.request_id] = out.outputs[0].token_ids
         outs[mode] = [finals[i] for i in ids]
+        stats[mode] = eng.stats()
         if mode == "on":  # 11 running > 8: larger steps fall back to eager, the rest are static
             assert eng.runner.graph_steps > 5 and eng.runner.graphs is not None
         else:
             assert eng.runner.graphs is None
     assert outs["on"] == outs["off"]
+    if system:
+        assert stats["on"]["preemptions"] > 0 and stats["on"]["prefix"]["hits"] > 0
 
 
 def test_bad_mode_is_refused(model):
