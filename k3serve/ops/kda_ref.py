@@ -69,15 +69,17 @@ FACTORISED_MAX_EXPONENT = 80.0
 
 
 def _pairwise(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, factorised: bool) -> torch.Tensor:
-    """sum_c a_i[c] b_j[c] exp(G_i[c] - G_j[c]) for one chunk ([H, C, K] each), valid for j <= i.
+    """sum_c a_i[c] b_j[c] exp(G_i[c] - G_j[c]) for one chunk ([H, C, K] each) where j <= i, 0 above.
 
     Factorised around the chunk's middle position it is one matmul; otherwise (very strong decay,
-    e.g. an unbounded softplus gate) the exact [H, C, C, K] pairwise form."""
-    if factorised:
-        mid = G[:, G.shape[1] // 2: G.shape[1] // 2 + 1]
-        return (a * torch.exp(G - mid)) @ (b * torch.exp(mid - G)).transpose(1, 2)
+    e.g. an unbounded softplus gate) the exact [H, C, C, K] pairwise form. The factorised product
+    may overflow above the diagonal: it is masked here, before anything multiplies it (a later
+    0 * inf would turn the backward pass into NaN)."""
     C = G.shape[1]
     incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=G.device))
+    if factorised:
+        mid = G[:, C // 2: C // 2 + 1]
+        return ((a * torch.exp(G - mid)) @ (b * torch.exp(mid - G)).transpose(1, 2)).masked_fill(~incl, 0.0)
     diff = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~incl[None, :, :, None], float("-inf"))
     return torch.einsum("hik,hjk,hijk->hij", a, b, torch.exp(diff))
 
@@ -119,11 +121,10 @@ def kda_chunked_ref(
     mid = G[:, :, C // 2]  # G decreases along the chunk, so the ends are furthest from the middle
     safe = (torch.maximum(G[:, :, 0] - mid, mid - G[:, :, -1]).amax(dim=(1, 2)) <= FACTORISED_MAX_EXPONENT).tolist()
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), diagonal=-1)
-    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
     kk = torch.stack([_pairwise(k[c], k[c], G[c], safe[c]) for c in range(n)])
     qk = torch.stack([_pairwise(q[c], k[c], G[c], safe[c]) for c in range(n)])
     L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
-    Mqk = qk.masked_fill(~incl, 0.0)
+    Mqk = qk
     eye = torch.eye(C, device=q.device)
     Tinv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
     a = torch.exp(G)
