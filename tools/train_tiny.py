@@ -378,7 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
+            raise RuntimeError(f"step {step}: loss {loss.item()}, gradient norm {grad_norm.item()}; nothing exported")
         opt.step()
         qb = quantile_balance(model)
         log.append({"step": step, "loss": round(loss.item(), 4), "qb_update": round(qb, 5)})
