@@ -26,15 +26,19 @@ from pathlib import Path
 import torch
 import triton
 
-from k3serve.cache.pool import PoolLayout, UnifiedPool
-from k3serve.engine.decode_graphs import DecodeGraphs, capture_blockers
-from k3serve.engine.engine import EngineConfig, LLMEngine
-from k3serve.engine.sampling_params import SamplingParams
-from k3serve.model.batch import ForwardBatch, SeqChunk
-from k3serve.model.loader import load_model
-from k3serve.model.moe import RoutedExperts
+# The fast path is what is timed: every Triton kernel on (set any of these to "torch" to compare).
+for _k in ("K3SERVE_MOE_BACKEND", "K3SERVE_MLA_BACKEND", "K3SERVE_KDA_BACKEND", "K3SERVE_ATTNRES_BACKEND"):
+    os.environ.setdefault(_k, "triton")
 
-from .ceilings import copy_tbs, matmul_tflops
+from k3serve.cache.pool import PoolLayout, UnifiedPool  # noqa: E402
+from k3serve.engine.decode_graphs import DecodeGraphs, capture_blockers  # noqa: E402
+from k3serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from k3serve.engine.sampling_params import SamplingParams  # noqa: E402
+from k3serve.model.batch import ForwardBatch, SeqChunk  # noqa: E402
+from k3serve.model.loader import load_model  # noqa: E402
+from k3serve.model.moe import RoutedExperts  # noqa: E402
+
+from .ceilings import copy_tbs, matmul_tflops  # noqa: E402
 
 PAGE = 64
 
