@@ -279,6 +279,12 @@ def finalize(out: Path, held_texts: list[str], seq_len: int) -> dict:
     return ev
 
 
+CPU_NOTE = """
+This run was made on a CPU because no GPU time was left; the intended run is about 15 minutes on
+one H200 (`python tools/train_tiny.py --out k3serve/data/tiny --minutes 15`), which sees far more
+tokens."""
+
+
 def model_card(raw: dict, train: dict, ev: dict) -> str:
     t = raw["text_config"]
     la = t["linear_attn_config"]
@@ -302,11 +308,13 @@ model that has learnt something. It writes Python-looking code; it is not an ass
 | Block AttnRes | blocks of {t['attn_res_block_size']} layers ({t['num_hidden_layers'] // t['attn_res_block_size']} blocks) |
 
 ## Training
+`{train.get('command', 'python tools/train_tiny.py')}`
+
 Corpus: the Python files (512 B to 200 KB) of the training machine's standard library and
 site-packages, first {train['max_files']} in sorted order; 5 % of the files, chosen by a hash of the
 path, held out. {train['steps']} steps of {train['batch']} x {train['seq_len']} tokens
 ({train['tokens_seen'] / 1e6:.1f} M tokens), AdamW, peak lr {train['lr']} with warm-up and cosine decay,
-{train['train_seconds'] / 60:.0f} minutes on {train['device']}; final training loss {train['final_loss']}.
+{train['train_seconds'] / 60:.0f} minutes on {train['device']}{f" ({train['threads']} threads)" if train.get('threads') else ""}; final training loss {train['final_loss']}.{CPU_NOTE if train['device'] == 'cpu' else ''}
 
 ## Quality
 | | bf16 checkpoint | MXFP4 experts |
@@ -408,7 +416,9 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"heldout_ppl_{variant}"] = round(perplexity(loaded, held_ids, args.seq_len, device), 3)
         result[f"bytes_{variant}"] = (d / "model.safetensors").stat().st_size
     result["total_seconds"] = round(time.perf_counter() - t_start, 1)
-    result.update({"device": str(device), "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
+    result.update({"command": "python tools/train_tiny.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                   "device": str(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
+                   "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                    "max_files": args.max_files, "tokens_seen": step * args.batch * args.seq_len})
     (out / "training_log.json").write_text(json.dumps({"result": result, "log": log}, indent=1))
     finalize(out, held_texts, args.seq_len)

@@ -4,22 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-from pathlib import Path
+
+from ..bundled import resolve_model
 
 log = logging.getLogger(__name__)
-
-
-def default_model_dir() -> Path:
-    """The bundled default model. Until the trained one ships ([tiny-model]), a tiny random K3
-    checkpoint is written on first start into the user's cache directory."""
-    cache = Path(os.environ.get("K3SERVE_CACHE", Path.home() / ".cache" / "k3serve")) / "tiny-random"
-    if not (cache / "config.json").exists():
-        from ..make_model import make_model
-
-        log.warning("no --model given: writing a tiny random K3-architecture model to %s", cache)
-        make_model("tiny", cache, seed=0, progress=False)
-    return cache
 
 
 def build_state(args: argparse.Namespace):
@@ -27,8 +15,6 @@ def build_state(args: argparse.Namespace):
     from ..engine.async_engine import AsyncLLM
     from .api import ServerState
 
-    if args.model is None and args.preset is None:
-        args.model = str(default_model_dir())
     engine = engine_from_args(args)
     grammar = None
     if engine.tokenizer is not None and not args.no_structured_output:
@@ -41,7 +27,7 @@ def build_state(args: argparse.Namespace):
 
             markers = tuple(i for m in K3_MARKERS if (i := engine.tokenizer.special_tokens.get(m)) is not None)
             grammar = GrammarBackend(engine.tokenizer, engine.model.config.vocab_size, marker_ids=markers)
-    name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
+    name = args.served_model_name or args.preset or resolve_model(args.model).name
     return ServerState(AsyncLLM(engine, args.max_queue), name, args.api_key, args.reasoning_parser,
                        args.tool_call_parser, grammar)
 
