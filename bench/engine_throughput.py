@@ -19,6 +19,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -96,6 +97,10 @@ def agentic(args) -> dict:
         cfg = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                            gpu_memory_utilization=args.gpu_memory_utilization, cache_memory=args.cache_memory,
                            enable_prefix_caching=cache)
+        eng = None  # free the previous mode's pool first: the new engine sizes its own from what is free
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         eng = LLMEngine(model, None, cfg)
         rng = random.Random(0)
         vocab = eng.model.config.vocab_size - 256
@@ -132,7 +137,6 @@ def agentic(args) -> dict:
         ts = sorted(t for _, t in ttft)
         ps = eng.prefix_stats()
         if label == "warmup":
-            del eng
             continue
         results[label] = dict(
             seconds=round(wall, 2), requests=len(ts), prompt_tokens=prompt_tokens,

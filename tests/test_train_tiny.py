@@ -69,3 +69,22 @@ def test_heldout_split_is_by_file_stable_and_never_empty():
     assert not set(train) & set(held)
     assert train_tiny.split_by_file(list(reversed(files))) == (train, held)  # order-independent
     assert len(train_tiny.split_by_file(files, heldout_percent=50)[1]) == 15
+
+
+def test_batches_are_contiguous_windows_of_the_stream():
+    stream = torch.arange(1000, dtype=torch.int32)
+    x, y = next(train_tiny.batches(stream, 4, 16, "cpu", seed=0))
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    assert torch.equal(x - x[:, :1], torch.arange(16).expand(4, 16))  # consecutive stream tokens
+
+
+def test_finalize_only_keeps_the_training_machines_sample(tmp_path):
+    out = tmp_path / "tiny"
+    train_tiny.main(["--out", str(out), "--device", "cpu", "--small", "--steps", "1", "--max-files", "25",
+                     "--batch", "2", "--seq-len", "32", "--vocab", "512", "--eval-tokens", "200"])
+    (out / "heldout_sample.txt").write_text("def f(x):\n    return x + 1\n" * 20)
+    ev = train_tiny.main(["--out", str(out), "--finalize-only"])
+    assert (out / "heldout_sample.txt").read_text().startswith("def f(x):")
+    assert ev["sample_seq_len"] == 32 and ev["sample_tokens"] > 32
+    assert json.loads((out / "eval.json").read_text())["sample_ppl_bf16"] == ev["sample_ppl_bf16"]

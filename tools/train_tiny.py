@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import dataclasses
 import hashlib
+import os
 import json
 import math
-import random
 import sys
 import sysconfig
 import time
@@ -73,6 +75,19 @@ def split_by_file(files: list[tuple[str, str]], heldout_percent: int = 5):
     return [text for _, text in ranked[n_held:]], [text for _, text in ranked[:n_held]]
 
 
+TOKENIZER_CHARS = 60_000_000  # BPE merges are learnt from this much text (a GPU machine's corpus is larger)
+
+
+def _prefix_by_chars(texts: list[str], limit: int) -> list[str]:
+    out, n = [], 0
+    for t in texts:
+        if n >= limit:
+            break
+        out.append(t)
+        n += len(t)
+    return out
+
+
 def train_tokenizer(texts: list[str], vocab_size: int, cfg: ModelConfig):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from tokenizers import AddedToken
@@ -82,7 +97,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, cfg: ModelConfig):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(_prefix_by_chars(texts, TOKENIZER_CHARS), trainer)
     specials = special_tokens(cfg)
     tok.add_special_tokens([AddedToken(specials[i], special=True, normalized=False) for i in sorted(specials)])
     for i, s in specials.items():
@@ -118,15 +133,20 @@ def tiny_config(vocab: int, small: bool = False) -> dict:
             "pad_token_id": text["pad_token_id"]}
 
 
+@functools.lru_cache(maxsize=8)
+def _layout(B: int, T: int, device: torch.device) -> ForwardBatch:
+    """The batch layout of B fresh sequences of T tokens (token ids are swapped in per call, so a
+    training step needs no host copy of its tokens)."""
+    n_pages = -(-T // 64)
+    return ForwardBatch.build([SeqChunk([0] * T, 0, i, list(range(i * n_pages, (i + 1) * n_pages)))
+                               for i in range(B)], 64, device)
+
+
 def sequence_logits(model: K3ForCausalLM, x: torch.Tensor) -> torch.Tensor:
     """Full-sequence forward of a [B, T] batch through the serving model (fresh caches)."""
     B, T = x.shape
-    page = 64
-    n_pages = -(-T // page)
-    caches = CacheHandles.allocate(model.config, B, B * n_pages, page, device=x.device, dtype=model.dtype)
-    rows = x.tolist()
-    batch = ForwardBatch.build([SeqChunk(r, 0, i, list(range(i * n_pages, (i + 1) * n_pages)))
-                                for i, r in enumerate(rows)], page, x.device)
+    batch = dataclasses.replace(_layout(B, T, x.device), input_ids=x.reshape(-1))
+    caches = CacheHandles.allocate(model.config, B, B * -(-T // 64), 64, device=x.device, dtype=model.dtype)
     return model.compute_logits(model(batch, caches)).view(B, T, -1)
 
 
@@ -155,20 +175,24 @@ def quantile_balance(model: K3ForCausalLM) -> float:
     return total / max(n, 1)
 
 
-def token_stream(texts: list[str], tok, eos: int, seed: int):
-    rng = random.Random(seed)
-    order = list(range(len(texts)))
-    while True:
-        rng.shuffle(order)
-        for i in order:
-            yield from tok.encode(texts[i]).ids
-            yield eos
+def encode_corpus(texts: list[str], tok, eos: int) -> torch.Tensor:
+    """All training files as one token stream (files separated by EOS), encoded in parallel."""
+    parts = []
+    for enc in tok.encode_batch(texts):
+        parts.append(torch.tensor(enc.ids + [eos], dtype=torch.int32))
+    return torch.cat(parts)
 
 
-def batches(stream, batch: int, seq_len: int, device):
+def batches(stream: torch.Tensor, batch: int, seq_len: int, device, seed: int):
+    """Random windows of the token stream (sampled on the device: no per-step host work)."""
+    data = stream.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    span = torch.arange(seq_len + 1, device=device)
+    if data.numel() <= seq_len + 1:
+        raise ValueError(f"corpus of {data.numel()} tokens is shorter than one window of {seq_len + 1}")
     while True:
-        buf = [next(stream) for _ in range(batch * (seq_len + 1))]
-        t = torch.tensor(buf, dtype=torch.long, device=device).view(batch, seq_len + 1)
+        start = torch.randint(0, data.numel() - seq_len - 1, (batch, 1), device=device, generator=gen)
+        t = data[start + span].long()
         yield t[:, :-1], t[:, 1:]
 
 
@@ -224,6 +248,7 @@ PROMPTS = [
     "try:\n    import json\nexcept ImportError:\n",
 ]
 GOLDEN_TOKENS = 32
+WARMUP_STEPS = 2
 SAMPLE_CHARS = 16_000
 
 
@@ -259,14 +284,19 @@ def greedy_completions(model_dir: Path, prompts: list[str], max_tokens: int) -> 
     return rows
 
 
-def finalize(out: Path, held_texts: list[str], seq_len: int) -> dict:
+def finalize(out: Path, held_texts: list[str] | None, seq_len: int) -> dict:
     """Evaluate the exported checkpoints the way users load them and write what ships with them:
-    heldout_sample.txt, eval.json (sample perplexities, golden continuations) and the model card."""
+    heldout_sample.txt, eval.json (sample perplexities, golden continuations) and the model card.
+    With ``held_texts`` None the existing sample is kept (re-evaluating on another machine, whose
+    corpus differs from the training machine's)."""
     from k3serve.model.loader import load_model
     from k3serve.tokenizer import load_tokenizer
 
-    sample = heldout_sample(held_texts)
-    (out / "heldout_sample.txt").write_text(sample)
+    if held_texts is None:
+        sample = (out / "heldout_sample.txt").read_text()
+    else:
+        sample = heldout_sample(held_texts)
+        (out / "heldout_sample.txt").write_text(sample)
     tok = load_tokenizer(out)
     ev = {"sample_seq_len": seq_len, "sample_tokens": len(tok.encode(sample))}
     for variant, d in (("bf16", out), ("mxfp4", out.with_name(out.name + "-mxfp4"))):
@@ -283,6 +313,11 @@ CPU_NOTE = """
 This run was made on a CPU because no GPU time was left; the intended run is about 15 minutes on
 one H200 (`python tools/train_tiny.py --out k3serve/data/tiny --minutes 15`), which sees far more
 tokens."""
+
+
+def _compile_note(train: dict) -> str:
+    w = train.get("compile_warmup_seconds") or 0
+    return f" (the first {WARMUP_STEPS} steps took {w:.0f} s: Triton compiling and autotuning fla's kernels)" if w else ""
 
 
 def model_card(raw: dict, train: dict, ev: dict) -> str:
@@ -314,7 +349,7 @@ Corpus: the Python files (512 B to 200 KB) of the training machine's standard li
 site-packages, first {train['max_files']} in sorted order; 5 % of the files, chosen by a hash of the
 path, held out. {train['steps']} steps of {train['batch']} x {train['seq_len']} tokens
 ({train['tokens_seen'] / 1e6:.1f} M tokens), AdamW, peak lr {train['lr']} with warm-up and cosine decay,
-{train['train_seconds'] / 60:.0f} minutes on {train['device']}{f" ({train['threads']} threads)" if train.get('threads') else ""}; final training loss {train['final_loss']}.{CPU_NOTE if train['device'] == 'cpu' else ''}
+{train['train_seconds'] / 60:.1f} minutes on {train['device']}{_compile_note(train)}{f" ({train['threads']} threads)" if train.get('threads') else ""}; final training loss {train['final_loss']}.{CPU_NOTE if train['device'] == 'cpu' else ''}
 
 ## Quality
 | | bf16 checkpoint | MXFP4 experts |
@@ -330,11 +365,23 @@ path, held out. {train['steps']} steps of {train['batch']} x {train['seq_len']} 
 
 # ---- main -----------------------------------------------------------------------------------
 
+def train_loss(model: K3ForCausalLM, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
+    """Next-token cross-entropy of one batch, backpropagated."""
+    with autocast:
+        logits = sequence_logits(model, x)
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--max-wall-minutes", type=float, default=None,
+                    help="stop training this long after the start, whatever --minutes says (device leases)")
     ap.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: time budget)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--max-files", type=int, default=20000)
@@ -355,10 +402,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     t_start = time.perf_counter()
+    if args.finalize_only and (out / "heldout_sample.txt").exists():
+        return finalize(out, None, json.loads((out / "training_log.json").read_text())["result"]["seq_len"])
     files = collect_corpus(args.max_files)
     train_texts, held_texts = split_by_file(files)
     if args.finalize_only:
         return finalize(out, held_texts, args.seq_len)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "heldout_sample.txt").write_text(heldout_sample(held_texts))  # early: a cut-off run can still finalize
     raw = tiny_config(args.vocab, args.small)
     cfg = ModelConfig.from_dict(raw)
     tok = train_tokenizer(train_texts, args.vocab, cfg)
@@ -371,31 +422,50 @@ def main(argv: list[str] | None = None) -> dict:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    data = batches(token_stream(train_texts, tok, eos, args.seed), args.batch, args.seq_len, device)
+    stream = encode_corpus(train_texts, tok, eos)
+    print(f"corpus: {len(train_texts)} train files, {stream.numel()} tokens; "
+          f"{time.perf_counter() - t_start:.0f} s", flush=True)
+    data = batches(stream, args.batch, args.seq_len, device, args.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     budget = args.minutes * 60
-    log, step, t0 = [], 0, time.perf_counter()
-    while (args.steps is None and time.perf_counter() - t0 < budget) or (args.steps is not None and step < args.steps):
+    wall_end = t_start + args.max_wall_minutes * 60 if args.max_wall_minutes else math.inf
+    log, step, t0, warmup_s = [], 0, time.perf_counter(), 0.0
+
+    def running() -> bool:
+        if time.perf_counter() >= wall_end:
+            return False
+        if args.steps is not None:
+            return step < args.steps
+        return time.perf_counter() - t0 < budget
+
+    while running():
         x, y = next(data)
         progress = step / args.steps if args.steps else (time.perf_counter() - t0) / budget
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        with autocast:
-            logits = sequence_logits(model, x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            loss = train_loss(model, x, y, autocast)
+        except Exception as exc:  # fla's backward untried on this machine: fall back, say so
+            if step > 0 or device.type != "cuda" or os.environ.get("K3SERVE_KDA_BACKEND") == "torch":
+                raise
+            print(f"KDA training through fla failed ({exc!r}); using the torch reference", flush=True)
+            os.environ["K3SERVE_KDA_BACKEND"] = "torch"
+            loss = train_loss(model, x, y, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
             raise RuntimeError(f"step {step}: loss {loss.item()}, gradient norm {grad_norm.item()}; nothing exported")
         opt.step()
         qb = quantile_balance(model)
         log.append({"step": step, "loss": round(loss.item(), 4), "qb_update": round(qb, 5)})
-        if step % 50 == 0:
-            print(json.dumps(log[-1]), flush=True)
+        if step % 50 == 0 or step < WARMUP_STEPS:
+            print(json.dumps({**log[-1], "elapsed_s": round(time.perf_counter() - t_start, 1)}), flush=True)
         step += 1
-    train_s = time.perf_counter() - t0
+        if step == WARMUP_STEPS and device.type == "cuda" and args.steps is None:
+            # Triton compiles and autotunes fla's kernels in the first steps (minutes on a fresh
+            # machine): the time budget counts training, not compilation.
+            warmup_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    train_s = time.perf_counter() - t0 + warmup_s
     model.eval()
     held_ids = []
     for text in held_texts:
@@ -403,7 +473,7 @@ def main(argv: list[str] | None = None) -> dict:
         if len(held_ids) >= args.eval_tokens:
             break
     held_ids = held_ids[: args.eval_tokens + 1]
-    result = {"steps": step, "train_seconds": round(train_s, 1), "final_loss": log[-1]["loss"] if log else None,
+    result = {"steps": step, "train_seconds": round(train_s, 1), "compile_warmup_seconds": round(warmup_s, 1), "final_loss": log[-1]["loss"] if log else None,
               "files_train": len(train_texts), "files_heldout": len(held_texts), "heldout_tokens": len(held_ids),
               "params": sum(
                   p.numel() for p in model.parameters())}
@@ -419,7 +489,9 @@ def main(argv: list[str] | None = None) -> dict:
     result.update({"command": "python tools/train_tiny.py " + " ".join(sys.argv[1:] if argv is None else argv),
                    "device": str(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
                    "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
-                   "max_files": args.max_files, "tokens_seen": step * args.batch * args.seq_len})
+                   "max_files": args.max_files, "tokens_seen": step * args.batch * args.seq_len,
+                   "train_tokens": stream.numel(),
+                   "kda_train_backend": os.environ.get("K3SERVE_KDA_BACKEND", "auto") if device.type == "cuda" else "torch"})
     (out / "training_log.json").write_text(json.dumps({"result": result, "log": log}, indent=1))
     finalize(out, held_texts, args.seq_len)
     print(json.dumps(result, indent=1))
