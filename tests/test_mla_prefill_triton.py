@@ -17,7 +17,8 @@ SCRIPT = textwrap.dedent('''
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
     for Ha, dn, dr, dv, rkv, ctx, Tq in [(2, 32, 16, 32, 64, 0, 37), (3, 64, 32, 64, 64, 45, 20),
-                                         (4, 32, 16, 16, 32, 100, 1), (1, 16, 16, 32, 32, 7, 70)]:
+                                         (4, 32, 16, 16, 32, 100, 1), (1, 16, 16, 32, 32, 7, 70),
+                                         (2, 32, 8, 48, 64, 10, 25), (3, 24, 4, 40, 32, 0, 19)]:
         q = torch.randn(Tq, Ha, dn + dr, generator=gen)
         latent = torch.randn(ctx + Tq, rkv + dr, generator=gen)
         w = torch.randn(Ha * (dn + dv), rkv, generator=gen) / rkv ** 0.5

@@ -23,8 +23,9 @@ def _mla_decode_split_kernel(
     stride_qb, stride_qh, stride_kvp, stride_kvt, stride_btb, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, scale, H,
     NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr, D_C: tl.constexpr, D_PE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_C_P: tl.constexpr, D_PE_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Widths padded to powers of two >= 16 (tl.arange / tl.dot); padding lanes load zeros.
     b = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -35,22 +36,23 @@ def _mla_decode_split_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    dc = tl.arange(0, D_C)
-    dp = tl.arange(0, D_PE)
+    dc = tl.arange(0, D_C_P)
+    dp = tl.arange(0, D_PE_P)
+    cmask, pmask = dc < D_C, dp < D_PE
     q_row = Q + b * stride_qb + heads[:, None] * stride_qh
-    q_c = tl.load(q_row + dc[None, :], mask=hmask[:, None], other=0.0)
-    q_pe = tl.load(q_row + D_C + dp[None, :], mask=hmask[:, None], other=0.0)
+    q_c = tl.load(q_row + dc[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
+    q_pe = tl.load(q_row + D_C + dp[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_C], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_C_P], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         nmask = offs < end
         page = tl.load(BT + b * stride_btb + offs // PAGE, mask=nmask, other=0)
         row = page.to(tl.int64) * stride_kvp + (offs % PAGE) * stride_kvt
-        c = tl.load(KV + row[:, None] + dc[None, :], mask=nmask[:, None], other=0.0)
-        pe = tl.load(KV + row[:, None] + D_C + dp[None, :], mask=nmask[:, None], other=0.0)
+        c = tl.load(KV + row[:, None] + dc[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
+        pe = tl.load(KV + row[:, None] + D_C + dp[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
         s = tl.dot(q_c, tl.trans(c)).to(tl.float32) + tl.dot(q_pe, tl.trans(pe)).to(tl.float32)
         s = tl.where(nmask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -64,7 +66,7 @@ def _mla_decode_split_kernel(
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(O + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + dc[None, :], out,
-             mask=hmask[:, None])
+             mask=hmask[:, None] & cmask[None, :])
     tl.store(LSE + b * stride_lb + heads * stride_lh + sp, lse, mask=hmask)
 
 
@@ -90,6 +92,7 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
         q_abs.stride(0), q_abs.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), scale, H,
         NUM_SPLITS=num_splits, PAGE=latent_pages.shape[1], D_C=kv_lora_rank, D_PE=d_pe,
+        D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)), D_PE_P=max(16, triton.next_power_of_2(d_pe)),
         BLOCK_H=block_h, BLOCK_N=block_n,
     )
     # Merge the splits by their log-sum-exp (empty splits carry -inf and weigh nothing).

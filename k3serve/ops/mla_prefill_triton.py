@@ -18,27 +18,34 @@ import triton.language as tl
 def _mla_prefill_kernel(
     Q, KN, KP, V, O, context_len, Tq, S, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot, stride_oh,
-    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+    DN_P: tl.constexpr, DR_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Head widths are padded to powers of two >= 16 (tl.arange and tl.dot need them); the padding
+    # lanes load zeros, so they add nothing to the scores and are not stored.
     mb = tl.program_id(0)
     h = tl.program_id(1)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < Tq
-    dn = tl.arange(0, DN)
-    dr = tl.arange(0, DR)
-    dv = tl.arange(0, DV)
-    q_n = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + dn[None, :], mask=rmask[:, None], other=0.0)
-    q_p = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + DN + dr[None, :], mask=rmask[:, None], other=0.0)
+    dn = tl.arange(0, DN_P)
+    dr = tl.arange(0, DR_P)
+    dv = tl.arange(0, DV_P)
+    nmask, pmask, vmask = dn < DN, dr < DR, dv < DV
+    q_n = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + dn[None, :],
+                  mask=rmask[:, None] & nmask[None, :], other=0.0)
+    q_p = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + DN + dr[None, :],
+                  mask=rmask[:, None] & pmask[None, :], other=0.0)
     qpos = context_len + rows  # absolute position of each query token
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
     hi = tl.minimum(S, context_len + (mb + 1) * BLOCK_M)  # causal: later keys are never visible
     for n0 in range(0, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < S
-        k_n = tl.load(KN + cols[:, None] * stride_kt + h * stride_kh + dn[None, :], mask=cmask[:, None], other=0.0)
-        k_p = tl.load(KP + cols[:, None] * stride_pt + dr[None, :], mask=cmask[:, None], other=0.0)
+        k_n = tl.load(KN + cols[:, None] * stride_kt + h * stride_kh + dn[None, :],
+                      mask=cmask[:, None] & nmask[None, :], other=0.0)
+        k_p = tl.load(KP + cols[:, None] * stride_pt + dr[None, :], mask=cmask[:, None] & pmask[None, :], other=0.0)
         s = tl.dot(q_n, tl.trans(k_n)).to(tl.float32) + tl.dot(q_p, tl.trans(k_p)).to(tl.float32)
         visible = (cols[None, :] <= qpos[:, None]) & cmask[None, :]
         s = tl.where(visible, s * scale, float("-inf"))
@@ -46,11 +53,16 @@ def _mla_prefill_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + cols[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=cmask[:, None], other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                    mask=cmask[:, None] & vmask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out, mask=rmask[:, None])
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out, mask=rmask[:, None] & vmask[None, :])
+
+
+def _padded(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
 
 
 def mla_prefill(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, context_len: int, kv_lora_rank: int,
@@ -66,12 +78,14 @@ def mla_prefill(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, con
     dt = kv.dtype
     q = q.to(dt).contiguous()
     k_pe = k_pe.to(dt).contiguous()
+    dr = q.shape[-1] - nope_dim
     out = torch.empty(Tq, Ha, dv, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(Tq, block_m), Ha)
     _mla_prefill_kernel[grid](
         q, k_nope, k_pe, v, out, context_len, Tq, S, scale,
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        DN=nope_dim, DR=q.shape[-1] - nope_dim, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        DN=nope_dim, DR=dr, DV=dv, DN_P=_padded(nope_dim), DR_P=_padded(dr), DV_P=_padded(dv),
+        BLOCK_M=block_m, BLOCK_N=block_n,
     )
     return out
