@@ -111,23 +111,38 @@ def timing(model, rng, sizes, contexts, pool_bytes, iters) -> list[dict]:
 
 
 def engine_match(model, rng, n_prompts) -> dict:
+    """Greedy tokens with graphs off (twice: a control for run-to-run determinism) and on. On random
+    dummy weights in bf16 a near-tied argmax can flip on any kernel difference, so each mode also
+    reports where its first difference from the first run lies and that step's top-1 margin there."""
     prompts = [[rng.randrange(1000) for _ in range(rng.randrange(8, 200))] for _ in range(n_prompts)]
-    outs = {}
-    for mode in ("off", "on"):
-        eng = LLMEngine(model, None, EngineConfig(cache_memory="4GiB", max_model_len=1024, decode_graphs=mode,
+    runs, graph_steps = {}, 0
+    for mode, graphs in (("off", "off"), ("off_again", "off"), ("on", "on")):
+        eng = LLMEngine(model, None, EngineConfig(cache_memory="4GiB", max_model_len=1024, decode_graphs=graphs,
                                                   max_graph_batch=32))
-        ids = [eng.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts]
+        ids = [eng.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
+               for p in prompts]
         done = {}
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if o.finished:
-                    done[o.request_id] = o.outputs[0].token_ids
-        outs[mode] = [done[i] for i in ids]
-        graph_steps = eng.runner.graph_steps
+                    done[o.request_id] = o.outputs[0]
+        runs[mode] = [done[i] for i in ids]
+        if graphs == "on":
+            graph_steps = eng.runner.graph_steps
         del eng
         torch.cuda.empty_cache()
-    same = sum(a == b for a, b in zip(outs["on"], outs["off"]))
-    return {"requests": n_prompts, "identical": same, "graph_steps": graph_steps}
+    res = {"requests": n_prompts, "graph_steps": graph_steps}
+    for mode in ("off_again", "on"):
+        first, margins = [], []
+        for a, b in zip(runs["off"], runs[mode]):
+            diff = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+            first.append(diff)
+            if diff is not None and a.logprobs:
+                alts = sorted((lp for _, lp in a.logprobs[diff][2]), reverse=True)  # (token, logprob, top-2)
+                margins.append(round(alts[0] - alts[1], 4) if len(alts) > 1 else None)
+        res[mode] = {"identical": sum(d is None for d in first), "first_difference": first,
+                     "margin_at_first_difference": margins}
+    return res
 
 
 def main() -> None:
