@@ -103,3 +103,32 @@ def test_chunked_gradients_are_finite_and_match_the_recurrence(chunk, gate):
     for gc, gr in zip(*grads):
         assert torch.isfinite(gc).all()
         assert torch.allclose(gc, gr, rtol=1e-3, atol=1e-3 * gr.abs().max().item())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_varlen_core_folds_equal_lengths_into_heads_exactly(seed):
+    """kda_core's torch path runs equal-length prefill chunks as one call (sequences folded into
+    heads): each sequence's output and final state equal its own per-token recurrence, with
+    decodes, fresh sequences, cached initial states and an odd length in the same batch."""
+    from k3serve.model.batch import ForwardBatch, SeqChunk
+    from k3serve.ops.kda import kda_core
+
+    gen = torch.Generator().manual_seed(seed)
+    H, K, V = 2, 16, 8
+    #            (new tokens, context): 2 decodes, then prefills of lengths 37, 37, 37, 20
+    layout = [(1, 5), (1, 0), (37, 0), (37, 11), (37, 0), (20, 3)]
+    chunks = [SeqChunk([0] * n, ctx, slot, [slot]) for slot, (n, ctx) in enumerate(layout)]
+    batch = ForwardBatch.build(chunks, 64, "cpu")
+    T = batch.num_tokens
+    q, k, v, g, beta = _inputs(T, H, K, V, -5.0, gen)
+    state = torch.randn(len(layout) + 2, H, K, V, generator=gen)
+    before = state.clone()
+    out = kda_core(q, k, v, g, beta, K ** -0.5, state, batch, backend="torch")
+    for i, (n, ctx) in enumerate(layout):
+        s, e = batch.token_range(i)
+        s0 = before[i] if ctx else torch.zeros(H, K, V)
+        o_ref, s_ref = kda_recurrent_ref(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e],
+                                         K ** -0.5, s0[None])
+        assert torch.allclose(out[s:e], o_ref[0], atol=1e-5, rtol=1e-5), i
+        assert torch.allclose(state[i], s_ref[0], atol=1e-5, rtol=1e-5), i
+    assert torch.equal(state[len(layout):], before[len(layout):])  # other slots untouched

@@ -376,6 +376,18 @@ def train_loss(model: K3ForCausalLM, x: torch.Tensor, y: torch.Tensor, autocast)
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Train (or --finalize-only); the KDA backend choice is process-wide only while this runs."""
+    prev = os.environ.get("K3SERVE_KDA_BACKEND")
+    try:
+        return _main(argv)
+    finally:
+        if prev is None:
+            os.environ.pop("K3SERVE_KDA_BACKEND", None)
+        else:
+            os.environ["K3SERVE_KDA_BACKEND"] = prev
+
+
+def _main(argv: list[str] | None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -391,12 +403,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="smoke-test shapes")
     ap.add_argument("--eval-tokens", type=int, default=200_000)
-    ap.add_argument("--kda-chunk", type=int, default=64, help="chunk of the torch KDA reference (CPU runs: 32)")
+    ap.add_argument("--kda-chunk", type=int, default=32, help="chunk of the torch KDA reference")
+    ap.add_argument("--kda-backend", choices=["torch", "fla"], default="torch",
+                    help="KDA core for training: the torch reference (equal-length sequences folded into heads, "
+                         "no compile step) or fla-core's chunk_kda (its Triton kernels compile and autotune for "
+                         "~7 minutes on a fresh H200 before the first step)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads")
     ap.add_argument("--finalize-only", action="store_true",
                     help="only (re)write heldout_sample.txt, eval.json and the card of an existing --out")
     args = ap.parse_args(argv)
     kda_ops.REF_CHUNK_SIZE = args.kda_chunk
+    os.environ["K3SERVE_KDA_BACKEND"] = args.kda_backend
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -447,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             loss = train_loss(model, x, y, autocast)
         except Exception as exc:  # fla's backward untried on this machine: fall back, say so
-            if step > 0 or device.type != "cuda" or os.environ.get("K3SERVE_KDA_BACKEND") == "torch":
+            if step > 0 or os.environ["K3SERVE_KDA_BACKEND"] != "fla":
                 raise
             print(f"KDA training through fla failed ({exc!r}); using the torch reference", flush=True)
             os.environ["K3SERVE_KDA_BACKEND"] = "torch"
@@ -491,7 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                    "max_files": args.max_files, "tokens_seen": step * args.batch * args.seq_len,
                    "train_tokens": stream.numel(),
-                   "kda_train_backend": os.environ.get("K3SERVE_KDA_BACKEND", "auto") if device.type == "cuda" else "torch"})
+                   "kda_train_backend": os.environ["K3SERVE_KDA_BACKEND"], "kda_chunk": args.kda_chunk})
     (out / "training_log.json").write_text(json.dumps({"result": result, "log": log}, indent=1))
     finalize(out, held_texts, args.seq_len)
     print(json.dumps(result, indent=1))

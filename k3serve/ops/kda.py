@@ -40,10 +40,24 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         o, s1 = kda_recurrent_ref(q[:nd, None], k[:nd, None], v[:nd, None], g[:nd, None], beta[:nd, None], scale, s0)
         out[:nd] = o[:, 0]
         state[slots] = s1
+    # Prefill chunks of equal length run as one call with the sequences folded into the head
+    # dimension (heads are independent): one chunk loop for a whole training batch, not one each.
+    starts = torch.tensor([0] + batch.query_lens_host).cumsum(0).tolist()
+    groups: dict[int, list[int]] = {}
     for i in range(nd, batch.num_seqs):
-        s, e = batch.token_range(i)
-        slot = batch.kda_slots[i]
-        s0 = state[slot] if batch.context_lens_host[i] > 0 else None
-        out[s:e], state[slot] = kda_chunked_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], scale, s0,
-                                                        chunk_size=REF_CHUNK_SIZE)
+        groups.setdefault(batch.query_lens_host[i], []).append(i)
+    T_, H, K = q.shape
+    V = v.shape[-1]
+    for qlen, seqs in groups.items():
+        B = len(seqs)
+        tok = (torch.tensor([starts[i] for i in seqs], device=q.device)[:, None]
+               + torch.arange(qlen, device=q.device)).t()  # [L, B] flat token index
+        fold = lambda x: x[tok].reshape(qlen, B * H, *x.shape[2:])  # noqa: E731  [L, B*H, ...]
+        slots = batch.kda_slots[seqs]
+        s0 = None
+        if any(batch.context_lens_host[i] > 0 for i in seqs):
+            s0 = torch.where(has_ctx[seqs].view(-1, 1, 1, 1), state[slots], 0.0).reshape(B * H, K, V)
+        o, s1 = kda_chunked_ref(fold(q), fold(k), fold(v), fold(g), fold(beta), scale, s0, chunk_size=REF_CHUNK_SIZE)
+        out[tok] = o.view(qlen, B, H, V)
+        state[slots] = s1.view(B, H, K, V)
     return out
