@@ -235,9 +235,13 @@ class _ToolCallStream(ABC):
     """Shared driver of the tool-call parsers: text deltas in, (content, tool-call deltas) out;
     the non-streaming ``extract`` runs the same state machine over the whole text."""
 
-    start_index: int
-    _buf: str
-    _n_calls: int
+    _INITIAL: int
+
+    def __init__(self, start_index: int = 0) -> None:
+        self.start_index = start_index
+        self._buf, self._pos, self._state = "", 0, self._INITIAL
+        self._call_body = 0  # where the open call's body starts in the buffer
+        self._n_calls = 0
 
     @property
     def saw_tool_calls(self) -> bool:
@@ -257,9 +261,35 @@ class _ToolCallStream(ABC):
     def finish(self) -> tuple[str, list[dict]]:
         return self._step(final=True)
 
+    # The format's state machine: states _BODY (text up to a mark is content), _CALL (text up to
+    # the mark is one call's body; the buffer is not trimmed inside it) and _DONE (the rest is
+    # ignored), plus any of its own; ``_MARKS[state]`` the marks scanned for in that state.
+    _BODY: int
+    _CALL: int
+    _DONE: int
+    _MARKS: dict[int, dict[str, tuple[str, ...]]]
+
     @abstractmethod
+    def _on_mark(self, state: int, name: str, attrs: str, pos: int, end: int, calls: list[dict]) -> int:
+        """Mark ``name`` found at buf[pos:end] in ``state``: emit what it completes, return the next state."""
+
     def _step(self, final: bool) -> tuple[str, list[dict]]:
-        """The format's state machine over ``self._buf``."""
+        content, calls = "", []
+        while self._state != self._DONE:
+            st = self._state
+            kind, pos, end, name, attrs = _scan(self._buf, self._pos, self._MARKS[st], final)
+            if st == self._BODY:
+                content += self._buf[self._pos:pos]
+            self._pos = pos  # elsewhere the text before a mark is dropped (or is a call body)
+            if kind != "found":
+                break  # a call still open when the stream ends is dropped
+            self._state = self._on_mark(st, name, attrs, pos, end, calls)
+            self._pos = end
+        if self._state == self._DONE:
+            self._pos = len(self._buf)
+        if self._state != self._CALL and self._pos > 4096:
+            self._buf, self._pos = self._buf[self._pos:], 0
+        return content, calls
 
 
 class K3ToolCallParser(_ToolCallStream):
@@ -281,16 +311,10 @@ class K3ToolCallParser(_ToolCallStream):
                  "message_close": MESSAGE_CLOSE, "eom": EOM}
     _AFTER_MARKS = {"tools_open": TOOLS_OPEN, "message_close": MESSAGE_CLOSE, "eom": EOM}
     _TOOLS_MARKS = {"call": CALL_OPEN, "tools_close": TOOLS_CLOSE, "message_close": MESSAGE_CLOSE, "eom": EOM}
+    _MARKS = {_BODY: _BODY_END, _AFTER: _AFTER_MARKS, _TOOLS: _TOOLS_MARKS, _CALL: {"close": CALL_CLOSE}}
 
-    def __init__(self, start_index: int = 0) -> None:
-        self.start_index = start_index
-        self._buf = ""
-        self._pos = 0
-        self._state = self._START
-        self._call_attrs = ""
-        self._call_body = 0
-        self._n_calls = 0
-
+    _INITIAL = _START
+    _call_attrs = ""
 
     def _emit_call(self, attrs: str, body: str, out: list[dict]) -> None:
         parsed = parse_k3_call(attrs, body)
@@ -302,52 +326,25 @@ class K3ToolCallParser(_ToolCallStream):
         self._n_calls += 1
 
     def _step(self, final: bool) -> tuple[str, list[dict]]:
-        buf, content, calls = self._buf, "", []
-        while True:
-            st = self._state
-            if st == self._START:
-                m, end, _ = _match(buf, 0, RESPONSE_OPEN)
-                if m == _PARTIAL and not final:
-                    break
-                self._state, self._pos = self._BODY, (end if m == _FULL else 0)
-            elif st == self._BODY:
-                kind, pos, end, name, _ = _scan(buf, self._pos, self._BODY_END, final)
-                content += buf[self._pos:pos]
-                self._pos = pos
-                if kind != "found":
-                    break
-                self._pos = end
-                self._state = {"response_close": self._AFTER, "tools_open": self._TOOLS}.get(name, self._DONE)
-            elif st == self._AFTER:
-                kind, pos, end, name, _ = _scan(buf, self._pos, self._AFTER_MARKS, final)
-                self._pos = pos  # text between the channels is dropped
-                if kind != "found":
-                    break
-                self._pos = end
-                self._state = self._TOOLS if name == "tools_open" else self._DONE
-            elif st == self._TOOLS:
-                kind, pos, end, name, attrs = _scan(buf, self._pos, self._TOOLS_MARKS, final)
-                self._pos = pos
-                if kind != "found":
-                    break
-                self._pos = end
-                if name == "call":
-                    self._state, self._call_attrs, self._call_body = self._CALL, attrs, end
-                else:
-                    self._state = self._DONE
-            elif st == self._CALL:
-                kind, pos, end, _, _ = _scan(buf, self._pos, {"close": CALL_CLOSE}, final)
-                self._pos = pos
-                if kind != "found":
-                    break  # incomplete call: dropped if the stream ends here
-                self._emit_call(self._call_attrs, buf[self._call_body:pos], calls)
-                self._pos, self._state = end, self._TOOLS
-            else:  # _DONE: the rest is ignored
-                self._pos = len(buf)
-                break
-        if self._state != self._CALL and self._pos > 4096:
-            self._buf, self._pos = self._buf[self._pos:], 0
-        return content, calls
+        if self._state == self._START:  # an optional response-open marker at the very start
+            m, end, _ = _match(self._buf, 0, RESPONSE_OPEN)
+            if m == _PARTIAL and not final:
+                return "", []
+            self._state, self._pos = self._BODY, (end if m == _FULL else 0)
+        return super()._step(final)
+
+    def _on_mark(self, state: int, name: str, attrs: str, pos: int, end: int, calls: list[dict]) -> int:
+        if state == self._BODY:
+            return {"response_close": self._AFTER, "tools_open": self._TOOLS}.get(name, self._DONE)
+        if state == self._AFTER:  # text between the channels is dropped
+            return self._TOOLS if name == "tools_open" else self._DONE
+        if state == self._TOOLS:
+            if name != "call":
+                return self._DONE
+            self._call_attrs, self._call_body = attrs, end
+            return self._CALL
+        self._emit_call(self._call_attrs, self._buf[self._call_body:pos], calls)  # _CALL
+        return self._TOOLS
 
 
 class K3OutputParser:
@@ -418,55 +415,24 @@ class KimiToolCallParser(_ToolCallStream):
     _BODY_END = {"section": (SECTION_BEGIN,), "section1": ("<|tool_call_section_begin|>",), "end": (IM_END,)}
     _TOOLS_MARKS = {"call": (CALL_BEGIN,), "section_end": (SECTION_END,),
                     "section_end1": ("<|tool_call_section_end|>",), "end": (IM_END,)}
+    _MARKS = {_BODY: _BODY_END, _TOOLS: _TOOLS_MARKS, _CALL: {"end": (CALL_END,)}}
 
-    def __init__(self, start_index: int = 0) -> None:
-        self.start_index = start_index  # unused for ids (the model writes them); kept for symmetry
-        self._buf = ""
-        self._pos = 0
-        self._state = self._BODY
-        self._call_body = 0
-        self._n_calls = 0
+    _INITIAL = _BODY  # start_index is unused for ids here (the model writes them)
 
-
-    def _step(self, final: bool) -> tuple[str, list[dict]]:
-        buf, content, calls = self._buf, "", []
-        while True:
-            st = self._state
-            if st == self._BODY:
-                kind, pos, end, name, _ = _scan(buf, self._pos, self._BODY_END, final)
-                content += buf[self._pos:pos]
-                self._pos = pos
-                if kind != "found":
-                    break
-                self._pos = end
-                self._state = self._DONE if name == "end" else self._TOOLS
-            elif st == self._TOOLS:
-                kind, pos, end, name, _ = _scan(buf, self._pos, self._TOOLS_MARKS, final)
-                self._pos = pos
-                if kind != "found":
-                    break
-                self._pos = end
-                if name == "call":
-                    self._state, self._call_body = self._CALL, end
-                else:
-                    self._state = self._DONE
-            elif st == self._CALL:
-                kind, pos, end, _, _ = _scan(buf, self._pos, {"end": (CALL_END,)}, final)
-                self._pos = pos
-                if kind != "found":
-                    break
-                body = buf[self._call_body:pos]
-                if ARGUMENT_BEGIN in body:
-                    cid, args = body.split(ARGUMENT_BEGIN, 1)
-                    cid = cid.strip()
-                    if cid:
-                        calls.append({"index": self._n_calls, "id": cid, "type": "function",
-                                      "function": {"name": _k2_name(cid), "arguments": args.strip()}})
-                        self._n_calls += 1
-                self._pos, self._state = end, self._TOOLS
-            else:
-                self._pos = len(buf)
-                break
-        if self._state != self._CALL and self._pos > 4096:
-            self._buf, self._pos = self._buf[self._pos:], 0
-        return content, calls
+    def _on_mark(self, state: int, name: str, attrs: str, pos: int, end: int, calls: list[dict]) -> int:
+        if state == self._BODY:
+            return self._DONE if name == "end" else self._TOOLS
+        if state == self._TOOLS:
+            if name != "call":
+                return self._DONE
+            self._call_body = end
+            return self._CALL
+        body = self._buf[self._call_body:pos]  # _CALL: "id <|tool_call_argument_begin|> {json}"
+        if ARGUMENT_BEGIN in body:
+            cid, args = body.split(ARGUMENT_BEGIN, 1)
+            cid = cid.strip()
+            if cid:
+                calls.append({"index": self._n_calls, "id": cid, "type": "function",
+                              "function": {"name": _k2_name(cid), "arguments": args.strip()}})
+                self._n_calls += 1
+        return self._TOOLS
