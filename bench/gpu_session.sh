@@ -1,0 +1,55 @@
+#!/bin/bash
+# The GPU work of a device lease, in sections that each fit one 10-minute device command.
+# Every section installs the carried fla-core wheel (.whl/, see README), bounds each step with a
+# timeout so one hang cannot eat the lease, writes its logs under $OUT and packs extra files into
+# one archive (a device call returns at most 8 files).
+#
+#   bash bench/gpu_session.sh train     # tiny model: ~8 min of training on the H200 (issue tiny-model)
+#   bash bench/gpu_session.sh checks    # correctness: model vs fp32 reference, CUDA graphs, engine
+#   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
+#   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
+#   bash bench/gpu_session.sh engine    # 256-request throughput, both presets, Triton kernels + graphs
+set -o pipefail
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT" /tmp/gpu_work
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/fla_core-*.whl || { echo "fla-core wheel missing under .whl/"; exit 3; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+left() { echo $(( ${1:-570} - ($(date +%s) - T0) )); }
+step() {  # step NAME SECONDS CMD...: run CMD with a timeout, log to $OUT/NAME.log
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? at $(( $(date +%s) - T0 )) s"
+}
+
+case "$1" in
+  train)
+    step train "$(left 585)" python3 tools/train_tiny.py --out /tmp/gpu_work/tiny --minutes 15 \
+      --max-wall-minutes "${WALL:-8}" --batch 32 --seq-len 1024
+    tail -c 3000 "$OUT/train.log"
+    tar czf "$OUT/tiny.tgz" -C /tmp/gpu_work tiny tiny-mxfp4 ;;
+  checks)
+    step model 240 python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
+    step graphs "$(left 420)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
+    step engine "$(left 570)" python3 bench/gpu_check_engine.py
+    tail -c 2500 "$OUT/model.log"; tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log"
+    tar czf "$OUT/checks.tgz" -C /tmp/gpu_work . ;;
+  kernels)
+    step kernels "$(left 580)" python3 -m bench.kernels
+    tail -c 8000 "$OUT/kernels.log" ;;
+  e2e)
+    step e2e "$(left 580)" python3 -m bench.e2e --out /tmp/gpu_work
+    tail -c 8000 "$OUT/e2e.log"
+    tar czf "$OUT/e2e.tgz" -C /tmp/gpu_work . ;;
+  engine)
+    export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton
+    step engine_kimi 200 python3 bench/engine_throughput.py --preset kimi-linear-48b --num-prompts 256 \
+      --max-num-batched-tokens 8192 --max-seconds 150 --json /tmp/gpu_work/kimi.json
+    step engine_slice "$(left 580)" python3 bench/engine_throughput.py --preset k3-slice --num-prompts 256 \
+      --max-num-batched-tokens 8192 --max-seconds 240 --json /tmp/gpu_work/slice.json
+    cat /tmp/gpu_work/*.json ;;
+  *)
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|e2e|engine"; exit 2 ;;
+esac
+echo "total $(( $(date +%s) - T0 )) s"
