@@ -39,6 +39,7 @@ def throughput(args) -> dict:
     t0 = time.perf_counter()
     eng = LLMEngine.from_pretrained(preset=args.preset, config=cfg, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - t0
+    eng.runner.sync_timings = args.sync_timings
     rng = random.Random(0)
     vocab = eng.model.config.vocab_size - 256
     for i in range(args.num_prompts):
@@ -210,6 +211,8 @@ def main() -> None:
     ap.add_argument("--num-long", type=int, default=20)
     ap.add_argument("--kda-fractions", type=float, nargs="*", default=[0.25, 0.5, 0.75])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sync-timings", action="store_true",
+                    help="synchronize after each forward so the step split charges GPU time to forward")
     args = ap.parse_args()
     res = admission(args) if args.admission else agentic(args) if args.agentic else throughput(args)
     text = json.dumps(res, indent=1)
