@@ -73,6 +73,7 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, model: K3ForCausalLM, tokenizer=None, config: EngineConfig | None = None):
         self.model = model
+        model.fuse_projections()
         self.tokenizer = tokenizer
         self.config = cfg = config or EngineConfig()
         self.device = next(model.parameters()).device

@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from .attn_res import AttnResMixer, AttnResState
 from .batch import CacheHandles, ForwardBatch
 from .kda import KDAMixer
-from .layers import RMSNorm, rms_norm
+from .layers import LinearGroup, RMSNorm, rms_norm
 from .mla import MLAMixer
 from .moe import GLUMLP, MoE
 
@@ -69,6 +69,16 @@ class K3ForCausalLM(nn.Module):
         for is_kda in cfg.is_kda:
             self.cache_index.append(kda_i if is_kda else mla_i)
             kda_i, mla_i = kda_i + is_kda, mla_i + (not is_kda)
+
+    def fuse_projections(self) -> None:
+        """For serving, after the weights are loaded: linears that read the same input become one
+        GEMM and the KDA conv weights one tensor (the parameters become views: nothing is held
+        twice). Idempotent; training skips it (and fused groups run unfused with gradients on)."""
+        for m in self.modules():
+            if isinstance(m, LinearGroup):
+                m.fuse()
+            elif isinstance(m, KDAMixer):
+                m.fuse_conv_weights()
 
     def forward(self, batch: ForwardBatch, caches: CacheHandles) -> torch.Tensor:
         """Serving callers run under inference_mode (the runner does); parameters are loaded with

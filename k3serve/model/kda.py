@@ -13,7 +13,7 @@ from ..ops.kda import kda_core
 from ..ops.kda_ref import kda_gate
 from ..ops.short_conv import short_conv_ref
 from .batch import ForwardBatch, KDALayerCache
-from .layers import Linear, rms_norm
+from .layers import Linear, LinearGroup, fuse_as_views, rms_norm
 
 
 class KDAMixer(nn.Module):
@@ -43,29 +43,37 @@ class KDAMixer(nn.Module):
             self.g_b_proj = lin(D, P)
         self.o_norm = nn.Parameter(torch.empty(D, **f32), requires_grad=False)
         self.o_proj = lin(P, d, 1)
+        # Everything that reads the layer input x, as one GEMM once fused: [q|k|v, f_a, b, gate or g_a].
+        self.in_proj = LinearGroup((self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj,
+                                   self.g_proj if self.full_rank_gate else self.g_a_proj)
+        self.register_buffer("conv_w", None, persistent=False)  # [3P, W] once fused
+
+    def fuse_conv_weights(self) -> None:
+        """The q/k/v conv weights as one [3P, W] tensor (no concatenation per step)."""
+        if self.conv_w is None:
+            self.conv_w = fuse_as_views([self.q_conv1d, self.k_conv1d, self.v_conv1d])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
         T = x.shape[0]
         H, D = self.num_heads, self.head_dim
         P = H * D
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        conv_w = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d], dim=0)
+        qkv, f_a, b, g_in = self.in_proj(x)
+        conv_w = self.conv_w if self.conv_w is not None else torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d])
+        f = self.f_b_proj(f_a)
+        gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
         if (x.is_cuda and batch.num_decodes == batch.num_seqs
                 and os.environ.get("K3SERVE_KDA_BACKEND") == "triton"):
             # Opt-in until timed on the GPU: the whole mixer step in one fused kernel.
             from ..ops.kda_decode_triton import kda_decode_fused
 
-            gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-            y = kda_decode_fused(qkv, conv_w, cache.conv, batch.context_lens > 0, self.f_b_proj(self.f_a_proj(x)),
-                                 self.b_proj(x), self.A_log, self.dt_bias, gate, self.o_norm, self.eps,
-                                 self.lower_bound, cache.recurrent, batch.kda_slots, H)
+            y = kda_decode_fused(qkv, conv_w, cache.conv, batch.context_lens > 0, f, b, self.A_log, self.dt_bias,
+                                 gate, self.o_norm, self.eps, self.lower_bound, cache.recurrent, batch.kda_slots, H)
             return self.o_proj(y.to(x.dtype))
         qkv = F.silu(short_conv_ref(qkv, conv_w, cache.conv, batch).float()).to(x.dtype)
         q, k, v = (t.reshape(T, H, D) for t in qkv.split(P, dim=-1))
         # Gates and beta come from the layer input x, not from the conv output.
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, D), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        g = kda_gate(f.reshape(T, H, D), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.float())
         o = kda_core(q, k, v, g, beta, D ** -0.5, cache.recurrent, batch)
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        y = rms_norm(o, self.o_norm, self.eps, torch.float32) * torch.sigmoid(gate.float().view(T, H, D))
+        y = rms_norm(o, self.o_norm, self.eps, torch.float32) * torch.sigmoid(gate.float().reshape(T, H, D))
         return self.o_proj(y.reshape(T, P).to(x.dtype))

@@ -77,3 +77,45 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+def fuse_as_views(params: list[nn.Parameter]) -> torch.Tensor:
+    """One tensor holding ``params`` concatenated along dim 0; each parameter is re-homed as a view
+    of it, so the weights are not held twice and later in-place loads still reach the fused copy."""
+    fused = torch.cat([p.detach() for p in params])
+    offset = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[offset: offset + n]
+        offset += n
+    return fused
+
+
+class LinearGroup(nn.Module):
+    """Linears that read the same input, run as one GEMM once fused (one kernel and one read of x
+    instead of one per member; vLLM's merged QKV / gate-up projections, built after loading).
+
+    ``LinearGroup((q, k, v), f, b)`` returns [q|k|v, f, b]: a tuple of members gives one output,
+    their columns side by side. Until ``fuse()`` the members run one by one, so checkpoint loading,
+    dummy init and training see ordinary separate parameters (with gradients on they still do).
+    Only column-parallel or replicated members can join (each rank multiplies the full x by its
+    own output rows).
+    """
+
+    def __init__(self, *outputs: Linear | tuple[Linear, ...]):
+        super().__init__()
+        self._outputs = [o if isinstance(o, tuple) else (o,) for o in outputs]  # registered on their owner
+        members = [m for o in self._outputs for m in o]
+        if any(m.tp_dim == 1 for m in members):
+            raise ValueError("a row-parallel linear reads a sharded input and cannot join a group")
+        self.sizes = [sum(m.weight.shape[0] for m in o) for o in self._outputs]
+        self.register_buffer("fused", None, persistent=False)
+
+    def fuse(self) -> None:
+        if self.fused is None:
+            self.fused = fuse_as_views([m.weight for o in self._outputs for m in o])
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.fused is None or torch.is_grad_enabled():
+            return [torch.cat([m(x) for m in o], dim=-1) if len(o) > 1 else o[0](x) for o in self._outputs]
+        return list(F.linear(x.to(self.fused.dtype), self.fused).split(self.sizes, dim=-1))

@@ -52,4 +52,5 @@ def load_model(model: str | Path | None = None, *, preset: str | None = None, lo
         load_dummy(net, seed)
     else:
         load_checkpoint(net, model, progress=progress, verify=verify_checksums)
+    net.fuse_projections()
     return net.eval()

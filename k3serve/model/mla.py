@@ -14,7 +14,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops import mla_ref
 from .batch import ForwardBatch, MLALayerCache
-from .layers import Linear, RMSNorm
+from .layers import Linear, LinearGroup, RMSNorm
 
 
 class MLAMixer(nn.Module):
@@ -40,12 +40,19 @@ class MLAMixer(nn.Module):
         if self.output_gate:
             self.g_proj = Linear(d, Ha * self.dv, dtype, device, tp_dim=0)
         self.o_proj = Linear(Ha * self.dv, d, dtype, device, tp_dim=1)
+        # What reads the layer input x, one GEMM once fused: [q_a or q, kv_a (+ k_pe), output gate].
+        self.in_proj = LinearGroup(self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa,
+                                   *([self.g_proj] if self.output_gate else []))
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [T, Ha, dn+dr] and the new cache rows [T, rkv+dr] = [normalised c ; k_pe]."""
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rkv, self.rope], dim=-1)
-        return q.view(x.shape[0], self.num_heads, -1), torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queries [T, Ha, dn+dr], the new cache rows [T, rkv+dr] = [normalised c ; k_pe] and the
+        output-gate pre-activation (None without the gate)."""
+        q, kv, *gate = self.in_proj(x)
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        c, k_pe = kv.split([self.rkv, self.rope], dim=-1)
+        rows = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+        return q.reshape(x.shape[0], self.num_heads, -1), rows, (gate[0] if gate else None)
 
     def attend(self, q: torch.Tensor, batch: ForwardBatch, latent_pages: torch.Tensor) -> torch.Tensor:
         """Attention of every new token over its sequence's cached latents (new rows already written)."""
@@ -83,11 +90,11 @@ class MLAMixer(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
-        q, kv_rows = self.project(x)
+        q, kv_rows, gate = self.project(x)
         # Index by (page, offset), not a flat view: the pool hands out strided per-layer views.
         page, offset = batch.slot_mapping // batch.page_size, batch.slot_mapping % batch.page_size
         cache.latent[page, offset] = kv_rows.to(cache.latent.dtype)
         o = self.attend(q, batch, cache.latent).reshape(x.shape[0], -1)
-        if self.output_gate:
-            o = o * torch.sigmoid(self.g_proj(x).float())
+        if gate is not None:
+            o = o * torch.sigmoid(gate.float())
         return self.o_proj(o.to(x.dtype))

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.moe_ref import experts_ref, route
 from ..ops.mxfp4 import dequantize_mxfp4
-from .layers import Linear, RMSNorm, glu_activation
+from .layers import Linear, LinearGroup, RMSNorm, glu_activation
 
 
 class GLUMLP(nn.Module):
@@ -27,10 +27,11 @@ class GLUMLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, dtype, device, tp_dim=0)
         self.up_proj = Linear(hidden, inter, dtype, device, tp_dim=0)
         self.down_proj = Linear(inter, hidden, dtype, device, tp_dim=1)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)  # one GEMM once fused
         self.act = (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), *self.act))
+        return self.down_proj(glu_activation(*self.gate_up(x), *self.act))
 
 
 class Router(nn.Module):
