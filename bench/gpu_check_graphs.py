@@ -4,7 +4,8 @@
    twin pool (same bytes): logits close, every byte of a bystander sequence unchanged.
 2. Timing: one decode step (inputs -> logits) eager vs graph replay at several batch sizes and
    context lengths, CUDA-event timed, median of the iterations.
-3. Engine: greedy tokens with decode graphs on vs off (fraction of requests identical).
+3. Engine: greedy tokens with decode graphs on vs off, and off twice as a determinism control.
+4. Profile: the kernels of one decode step (batch 1 and 64, context 4096) by name, count and time.
 
 Capture needs the Triton MoE and MLA decode (the torch references sync / size on the host), so the
 script sets K3SERVE_MOE_BACKEND=triton, K3SERVE_MLA_BACKEND=triton, K3SERVE_KDA_BACKEND=triton.
@@ -145,6 +146,33 @@ def engine_match(model, rng, n_prompts) -> dict:
     return res
 
 
+def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int = 25) -> dict:
+    """Where a decode step's GPU time goes: the eager step (the same kernels a graph replays) under
+    the profiler, kernels grouped by name. The sum of kernel time vs the graph step's wall time
+    says how much is launch gaps; the count is the number of graph nodes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+    max_pages = -(-(ctx + 16) // PAGE)
+    chunks = [SeqChunk([rng.randrange(1000)], ctx, pool.alloc_slot(), [pool.alloc_page() for _ in range(max_pages)])
+              for _ in range(batch)]
+    eager_step(model, pool, chunks)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eager_step(model, pool, chunks)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name[:90], []).append(e.device_time_total / 1e3)
+    rows = sorted(({"kernel": k, "count": len(v), "ms": round(sum(v), 4)} for k, v in kernels.items()),
+                  key=lambda r: -r["ms"])
+    del pool
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": ctx, "kernels": sum(r["count"] for r in rows),
+            "kernel_ms": round(sum(r["ms"] for r in rows), 3), "top": rows[:top]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="kimi-linear-48b")
@@ -158,11 +186,17 @@ def main() -> None:
     res = {"preset": args.preset, "device": torch.cuda.get_device_name(),
            "check": check(model, rng, [1, 3, 17], 32, 2 << 30),
            "timing": timing(model, rng, [1, 8, 32, 64, 128], [512, 4096], pool_bytes, args.iters),
-           "engine": engine_match(model, rng, 12)}
+           "engine": engine_match(model, rng, 12),
+           "profile": [kernel_profile(model, rng, b, 4096, pool_bytes) for b in (1, 64)]}
     print("\n| context | batch | eager ms | graph ms | speedup |\n|---|---|---|---|---|")
     for r in res["timing"]:
         print(f"| {r['context']} | {r['batch']} | {r['eager_ms']} | {r['graph_ms']} | {r['speedup']}x |")
     print(json.dumps(res["engine"]))
+    for prof in res["profile"]:
+        print(f"\nbatch {prof['batch']}, context {prof['context']}: {prof['kernels']} kernels, "
+              f"{prof['kernel_ms']} ms of kernel time\n| kernel | count | ms |\n|---|---|---|")
+        for r in prof["top"]:
+            print(f"| {r['kernel']} | {r['count']} | {r['ms']} |")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"graphs_{args.preset}.json").write_text(json.dumps(res, indent=1))
 
