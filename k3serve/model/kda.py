@@ -61,7 +61,7 @@ class KDAMixer(nn.Module):
         conv_w = self.conv_w if self.conv_w is not None else torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d])
         f = self.f_b_proj(f_a)
         gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
-        if (x.is_cuda and batch.num_decodes == batch.num_seqs
+        if (x.is_cuda and batch.num_decodes == batch.num_seqs and not D & (D - 1)  # the kernel tiles need 2^n
                 and os.environ.get("K3SERVE_KDA_BACKEND") == "triton"):
             # Opt-in until timed on the GPU: the whole mixer step in one fused kernel.
             from ..ops.kda_decode_triton import kda_decode_fused
