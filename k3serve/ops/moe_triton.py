@@ -95,10 +95,73 @@ def _grouped_gemm_kernel(
     tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc, mask=valid[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_experts, total_rows,
+                            E_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program: counting sort of the assignments into per-expert segments padded to BLOCK_M
+    rows (``sort_by_expert_torch``'s layout). Row order inside a segment follows the atomics, which
+    changes nothing: every row of the grouped GEMM is computed on its own."""
+    e = tl.arange(0, E_P)
+    counts = tl.zeros([E_P], tl.int32)
+    for a0 in range(0, num_assign, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        ids = tl.load(IDS + a, mask=a < num_assign, other=E_P - 1)  # lanes past the end: a spare bin >= E
+        counts += tl.histogram(ids.to(tl.int32), E_P)
+    counts = tl.where(e < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(CURSOR + e, ends - padded)  # each expert's next free row
+    for r0 in range(0, total_rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        tl.store(ROWS + r, tl.zeros([BLOCK_R], tl.int64) + num_assign, mask=r < total_rows)
+    n_blocks = total_rows // BLOCK_M
+    for b0 in range(0, n_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        owner = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)  # experts ending before b
+        tl.store(BLOCK_EXPERT + b, tl.minimum(owner, num_experts - 1).to(tl.int64), mask=b < n_blocks)
+    tl.debug_barrier()  # the cursors and the padding are written before any row lands
+    for a0 in range(0, num_assign, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        live = a < num_assign
+        ids = tl.load(IDS + a, mask=live, other=0)
+        pos = tl.atomic_add(CURSOR + ids, 1, mask=live)
+        tl.store(ROWS + pos, a.to(tl.int64), mask=live)
+
+
+def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the padded length (every expert's last block partly empty): sizes the buffers
+    without a host sync, and keeps a decode step's shapes static for CUDA graphs."""
+    total = num_assign + num_experts * (block_m - 1)
+    return (total + block_m - 1) // block_m * block_m
+
+
+# Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
+# it one program would serialise too much work and the ~20 torch launches cost nothing in comparison.
+ALIGN_KERNEL_MAX_ASSIGN = 4096
+
+
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Assignments (token * top_k + slot) grouped by expert and padded to ``block_m`` rows per
     expert, on the device. Returns (rows [padded], expert of each row block). Padding rows hold
-    ``num_assign`` and are skipped by the kernel."""
+    ``num_assign`` and are skipped by the GEMM. Small batches take one kernel launch."""
+    flat = ids.flatten().contiguous()
+    num_assign = flat.numel()
+    if num_assign > ALIGN_KERNEL_MAX_ASSIGN:
+        return sort_by_expert_torch(ids, num_experts, block_m)
+    total = _padded_rows(num_assign, num_experts, block_m)
+    rows = torch.empty(total, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(total // block_m, dtype=torch.int64, device=ids.device)
+    e_p = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(e_p, dtype=torch.int32, device=ids.device)
+    _align_by_expert_kernel[(1,)](flat, rows, block_expert, cursor, num_assign, num_experts, total,
+                                  E_P=e_p, BLOCK_M=block_m, BLOCK_A=512, BLOCK_R=1024,
+                                  BLOCK_B=max(1, 16384 // e_p))
+    return rows, block_expert
+
+
+def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sort_by_expert`` in torch ops (the reference of its layout; rows in stable order)."""
     flat = ids.flatten()
     num_assign = flat.numel()
     # scatter_add, not bincount: CUDA bincount reads the maximum back to size its output (a host
@@ -109,9 +172,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     order = torch.argsort(flat, stable=True)
     sorted_e = flat[order]
     rank = torch.arange(num_assign, device=ids.device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    # Upper bound on the padded length, so no host sync is needed to size the buffers.
-    total = num_assign + num_experts * (block_m - 1)
-    total = (total + block_m - 1) // block_m * block_m
+    total = _padded_rows(num_assign, num_experts, block_m)
     rows = torch.full((total,), num_assign, dtype=torch.int64, device=ids.device)
     rows[starts[sorted_e] + rank] = order
     block_expert = torch.searchsorted(torch.cumsum(padded, 0), torch.arange(0, total, block_m, device=ids.device),
