@@ -38,7 +38,10 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
         super().__init__()
         E = cfg.num_experts
-        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        # Held in fp32 (the router runs in fp32, as HF / the original code): converting a bf16 copy
+        # every step would re-read and re-write the whole matrix per layer per decode step.
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=torch.float32, device=device),
+                                   requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.empty(E, dtype=torch.float32, device=device),
                                                     requires_grad=False)
         groups = cfg.num_expert_group if cfg.use_grouped_topk else 1
@@ -47,7 +50,7 @@ class Router(nn.Module):
                          score_func=cfg.moe_router_activation_func)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # fp32 router, as HF / the original code
+        logits = F.linear(x.float(), self.weight)
         if self.training:  # the trainer's bias update (quantile balancing) reads the batch's scores
             self.last_logits = logits.detach()
         return route(logits, self.e_score_correction_bias, **self.args)
