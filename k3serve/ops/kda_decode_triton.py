@@ -77,12 +77,12 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
 
 
 @triton.jit
-def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, P, W: tl.constexpr):
+def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W: tl.constexpr):
     """Causal depthwise conv of channels ``ch`` over [conv state ; new input], SiLU, and the conv
     state shifted by one (this program owns these channels, so read-then-write is race free)."""
     wi = tl.arange(0, W)
     col = wi[None, :] + 0 * ch[:, None]  # [D, W] column index (masks must match the pointer shape)
-    x_new = tl.load(X + n * 3 * P + ch).to(tl.float32)
+    x_new = tl.load(X + n * stride_x + ch).to(tl.float32)
     cs_ptr = CONV_STATE + slot * stride_conv_slot + ch[:, None] * (W - 1) + wi[None, :]
     old = tl.where(has > 0, tl.load(cs_ptr, mask=col < W - 1, other=0.0).to(tl.float32), 0.0)  # fresh: zeros
     window = tl.where(col == W - 1, x_new[:, None], old)  # oldest ... newest
@@ -96,7 +96,7 @@ def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, P, W: 
 @triton.jit
 def _kda_decode_fused_kernel(
     X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, Y,
-    stride_conv_slot, stride_state_slot, scale, lower_bound, eps, H,
+    stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
     D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """One program per (sequence, head): conv update of the head's q/k/v channels, SiLU, gates,
@@ -108,19 +108,19 @@ def _kda_decode_fused_kernel(
     slot = tl.load(SLOTS + n).to(tl.int64)
     has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
     # ---- short causal conv with state, for the q, k and v channels of this head ----------
-    q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, P, W)
-    k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, P, W)
-    v_all = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dk, stride_conv_slot, P, W)
+    q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W)
+    k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W)
+    v_all = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dk, stride_conv_slot, stride_x, W)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-    f = tl.load(F + n * P + h * D + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
+    f = tl.load(F + n * stride_f + h * D + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
     a = tl.exp(tl.load(A_LOG + h))
     if USE_LOWER_BOUND:
         g = lower_bound * tl.sigmoid(a * f)
     else:
         g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
     decay = tl.exp(g)
-    beta = tl.sigmoid(tl.load(BETA + n * H + h).to(tl.float32))
+    beta = tl.sigmoid(tl.load(BETA + n * stride_b + h).to(tl.float32))
     # ---- delta rule over the value blocks (v picked per block from the conv output) -----
     sumsq = 0.0
     for vb in tl.static_range(D // BV):
@@ -138,7 +138,7 @@ def _kda_decode_fused_kernel(
     # ---- gated RMSNorm: y = RMSNorm(o; w) * sigmoid(gate) --------------------------------
     tl.debug_barrier()  # the value blocks' outputs, written by other threads of this program
     o = tl.load(O_SCRATCH + (n * H + h) * D + dk)
-    gate = tl.load(GATE + n * P + h * D + dk).to(tl.float32)
+    gate = tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32)
     y = o / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * tl.sigmoid(gate)
     tl.store(Y + n * P + h * D + dk, y)
 
@@ -162,11 +162,14 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         raise ValueError("conv state slots must be contiguous [3P, W-1], recurrent slots contiguous [H, D, D]")
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
     y = torch.empty(N, H * D, dtype=torch.float32, device=x_qkv.device)
+    # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
+    x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
     _kda_decode_fused_kernel[(N, H)](
-        x_qkv.contiguous(), conv_w.float().contiguous(), conv_state, has_ctx.to(torch.int32).contiguous(),
-        f.contiguous(), beta_logits.contiguous(), A_log.float().contiguous(), dt_bias.float().contiguous(),
-        gate.contiguous(), o_norm_w.float().contiguous(), state, slots, o_scratch, y,
-        conv_state.stride(0), state.stride(0), D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
+        x_qkv, conv_w.float().contiguous(), conv_state, has_ctx.to(torch.int32).contiguous(),
+        f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
+        gate, o_norm_w.float().contiguous(), state, slots, o_scratch, y,
+        conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
+        D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
         eps, H, D=D, W=W, BV=min(block_v, D), USE_LOWER_BOUND=lower_bound is not None,
     )
     return y
