@@ -67,3 +67,28 @@ ALIGN_SCRIPT = textwrap.dedent('''
 def test_one_kernel_expert_alignment_matches_the_torch_layout(seed):
     """The single-program counting sort gives the torch form's padded segments and block owners."""
     assert worst_error(ALIGN_SCRIPT, str(seed)) == 0.0
+
+
+ROUTE_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.ops.moe_ref import route
+    from k3serve.ops.moe_triton import route_triton
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    for T, E, K, biased, renorm, func, scaling in [(1, 256, 8, True, True, "sigmoid", 2.446), (7, 64, 6, False, True, "sigmoid", 1.0),
+                                                   (5, 896, 16, True, True, "sigmoid", 2.5), (4, 60, 4, True, False, "softmax", 1.0),
+                                                   (3, 16, 1, False, False, "sigmoid", 1.0)]:
+        logits = torch.randn(T, E, generator=gen) * 2
+        bias = torch.randn(E, generator=gen) * 0.3 if biased else None
+        w_ref, ids_ref = route(logits, bias, K, 1, 1, renorm, scaling, func)
+        w, ids = route_triton(logits, bias, K, renorm, scaling, func)
+        assert torch.equal(ids, ids_ref), (T, E, K, ids, ids_ref)  # same experts in the same (descending) order
+        worst = max(worst, ((w - w_ref).norm() / w_ref.norm()).item())
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_kernel_routing_matches_reference(seed):
+    assert worst_error(ROUTE_SCRIPT, str(seed)) < 1e-6

@@ -96,6 +96,55 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
+def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, E, scaling,
+                  K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RENORM: tl.constexpr, SIGMOID: tl.constexpr):
+    """One token's routing (``moe_ref.route`` with one expert group): scores, bias-corrected
+    choice, top-k by K rounds of argmax (descending, as torch.topk), weights from the unbiased
+    scores, renormalised, scaled."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P)
+    live = e < E
+    logit = tl.load(LOGITS + t * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        score = tl.sigmoid(logit)
+    else:
+        p = tl.exp(logit - tl.max(logit, 0))
+        score = p / tl.sum(p, 0)
+    choice = score
+    if HAS_BIAS:
+        choice = choice + tl.load(BIAS + e, mask=live, other=0.0).to(tl.float32)
+    choice = tl.where(live, choice, float("-inf"))
+    ks = tl.arange(0, K_P)
+    ids = tl.zeros([K_P], tl.int32)
+    ws = tl.zeros([K_P], tl.float32)
+    for j in tl.static_range(K):
+        best = tl.argmax(choice, 0)
+        ids = tl.where(ks == j, best, ids)
+        ws = tl.where(ks == j, tl.sum(tl.where(e == best, score, 0.0), 0), ws)
+        choice = tl.where(e == best, float("-inf"), choice)
+    if RENORM:
+        ws = ws / (tl.sum(ws, 0) + 1e-20)
+    tl.store(W_OUT + t * K + ks, ws * scaling, mask=ks < K)
+    tl.store(ID_OUT + t * K + ks, ids.to(tl.int64), mask=ks < K)
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
+                 score_func: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_ref.route`` for one expert group in one launch (the torch form takes ~7):
+    logits [T, E] -> (weights [T, K] fp32, ids [T, K] int64)."""
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        _route_kernel[(T,)](logits, bias if bias is not None else logits, w, ids, logits.stride(0), E, float(scaling),
+                            K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
+                            HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid")
+    return w, ids
+
+
+@triton.jit
 def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_experts, total_rows,
                             E_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
