@@ -12,6 +12,7 @@ part is one contiguous, batched slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 from typing import Sequence
 
@@ -89,6 +90,12 @@ class ForwardBatch:
         """[start, end) of sequence i's new tokens in the flat batch (host ints)."""
         start = sum(self.query_lens_host[:i])
         return start, start + self.query_lens_host[i]
+
+    @cached_property
+    def has_context(self) -> torch.Tensor:
+        """[N] int32, 1 where the sequence has cached tokens: computed once a step, read by every
+        KDA layer's fused decode (in a captured graph, once per replay)."""
+        return (self.context_lens > 0).to(torch.int32)
 
     @property
     def num_seqs(self) -> int:

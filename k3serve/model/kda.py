@@ -66,9 +66,10 @@ class KDAMixer(nn.Module):
             # Opt-in until timed on the GPU: the whole mixer step in one fused kernel.
             from ..ops.kda_decode_triton import kda_decode_fused
 
-            y = kda_decode_fused(qkv, conv_w, cache.conv, batch.context_lens > 0, f, b, self.A_log, self.dt_bias,
-                                 gate, self.o_norm, self.eps, self.lower_bound, cache.recurrent, batch.kda_slots, H)
-            return self.o_proj(y.to(x.dtype))
+            y = kda_decode_fused(qkv, conv_w, cache.conv, batch.has_context, f, b, self.A_log, self.dt_bias,
+                                 gate, self.o_norm, self.eps, self.lower_bound, cache.recurrent, batch.kda_slots, H,
+                                 out_dtype=x.dtype)
+            return self.o_proj(y)
         qkv = F.silu(short_conv_ref(qkv, conv_w, cache.conv, batch).float()).to(x.dtype)
         q, k, v = (t.reshape(T, H, D) for t in qkv.split(P, dim=-1))
         # Gates and beta come from the layer input x, not from the conv output.

@@ -140,18 +140,19 @@ def _kda_decode_fused_kernel(
     o = tl.load(O_SCRATCH + (n * H + h) * D + dk)
     gate = tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32)
     y = o / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * tl.sigmoid(gate)
-    tl.store(Y + n * P + h * D + dk, y)
+    tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
 
 
 def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, has_ctx: torch.Tensor,
                      f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
-                     state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 32) -> torch.Tensor:
+                     state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 32,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
-    context start from zeros); f, gate [N, P]; beta_logits [N, H]. Returns y [N, P] fp32, the
-    gated-RMSNorm output ready for o_proj."""
+    context start from zeros; ``has_ctx`` [N], bool or int32); f, gate [N, P]; beta_logits [N, H].
+    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj."""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -161,11 +162,11 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     if conv_state[0].stride() != (W - 1, 1) or state[0].stride() != (D * D, D, 1):
         raise ValueError("conv state slots must be contiguous [3P, W-1], recurrent slots contiguous [H, D, D]")
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
-    y = torch.empty(N, H * D, dtype=torch.float32, device=x_qkv.device)
+    y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
     _kda_decode_fused_kernel[(N, H)](
-        x_qkv, conv_w.float().contiguous(), conv_state, has_ctx.to(torch.int32).contiguous(),
+        x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
         gate, o_norm_w.float().contiguous(), state, slots, o_scratch, y,
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
