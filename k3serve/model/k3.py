@@ -73,12 +73,15 @@ class K3ForCausalLM(nn.Module):
     def fuse_projections(self) -> None:
         """For serving, after the weights are loaded: linears that read the same input become one
         GEMM and the KDA conv weights one tensor (the parameters become views: nothing is held
-        twice). Idempotent; training skips it (and fused groups run unfused with gradients on)."""
+        twice); MLA keeps an fp32 copy of kv_b_proj for the absorbed decode. Idempotent; training
+        skips it (and fused groups run unfused with gradients on)."""
         for m in self.modules():
             if isinstance(m, LinearGroup):
                 m.fuse()
             elif isinstance(m, KDAMixer):
                 m.fuse_conv_weights()
+            elif isinstance(m, MLAMixer):
+                m.cache_absorption_weight()
 
     def forward(self, batch: ForwardBatch, caches: CacheHandles) -> torch.Tensor:
         """Serving callers run under inference_mode (the runner does); parameters are loaded with

@@ -43,6 +43,13 @@ class MLAMixer(nn.Module):
         # What reads the layer input x, one GEMM once fused: [q_a or q, kv_a (+ k_pe), output gate].
         self.in_proj = LinearGroup(self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa,
                                    *([self.g_proj] if self.output_gate else []))
+        self.register_buffer("w_kv_b_f32", None, persistent=False)
+
+    def cache_absorption_weight(self) -> None:
+        """kv_b_proj in fp32, kept: decode absorbs W_UK into the query and W_UV out of the output
+        in fp32, which otherwise converts the matrix twice per layer per step."""
+        if self.w_kv_b_f32 is None:
+            self.w_kv_b_f32 = self.kv_b_proj.weight.float()
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Queries [T, Ha, dn+dr], the new cache rows [T, rkv+dr] = [normalised c ; k_pe] and the
@@ -60,13 +67,14 @@ class MLAMixer(nn.Module):
         out = torch.empty(T, self.num_heads, self.dv, dtype=torch.float32, device=q.device)
         nd = batch.num_decodes
         w = self.kv_b_proj.weight
+        w_dec = self.w_kv_b_f32 if self.w_kv_b_f32 is not None else w  # absorbed decode runs in fp32
         if nd and q.is_cuda and os.environ.get("K3SERVE_MLA_BACKEND", "torch") == "triton":
             # Opt-in until verified on the GPU (bench/kernels_mla.py): split-KV Triton decode.
             from ..ops.mla_decode_triton import mla_decode
 
-            q_abs = mla_ref.absorb_query(q[:nd], w, self.rkv, self.nope)
+            q_abs = mla_ref.absorb_query(q[:nd], w_dec, self.rkv, self.nope)
             o_lat = mla_decode(q_abs, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale)
-            out[:nd] = mla_ref.unabsorb_output(o_lat, w, self.rkv, self.nope)
+            out[:nd] = mla_ref.unabsorb_output(o_lat, w_dec, self.rkv, self.nope)
         elif nd:
             # Static steps attend over the block table's full width (masked), not a host maximum.
             max_len = (batch.block_table.shape[1] * batch.page_size if batch.static_shapes
@@ -74,9 +82,9 @@ class MLAMixer(nn.Module):
             table = batch.block_table[:nd, : -(-max_len // batch.page_size)].clamp_min(0)
             lat = latent_pages[table].flatten(1, 2)[:, :max_len]  # [nd, S, 576]
             mask = torch.arange(max_len, device=q.device)[None, :] < batch.seq_lens[:nd, None]
-            q_abs = mla_ref.absorb_query(q[:nd], w, self.rkv, self.nope)
+            q_abs = mla_ref.absorb_query(q[:nd], w_dec, self.rkv, self.nope)
             o_lat = mla_ref.mla_absorbed_ref(q_abs[:, None], lat, mask[:, None], self.rkv, self.scale)
-            out[:nd] = mla_ref.unabsorb_output(o_lat[:, 0], w, self.rkv, self.nope)
+            out[:nd] = mla_ref.unabsorb_output(o_lat[:, 0], w_dec, self.rkv, self.nope)
         for i in range(nd, batch.num_seqs):
             s, e = batch.token_range(i)
             ctx = batch.context_lens_host[i]
