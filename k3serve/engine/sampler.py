@@ -86,7 +86,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
     sub = logits[idx]
     out_counts = _token_counts([r.output_ids for r in sel], vocab, dev)
-    if bool((rep != 1.0).any()):
+    if any(r.params.repetition_penalty != 1.0 for r in sel):  # host-known: no device sync
         seen = (out_counts + _token_counts([r.prompt_ids for r in sel], vocab, dev)) > 0
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
@@ -115,16 +115,19 @@ def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  sort_needed: bool | None = None, min_p_needed: bool | None = None) -> torch.Tensor:
     """Apply top-k, then top-p, then min-p to temperature-scaled logits [S, V]; dropped -> -inf.
 
     top_k [S] long (0 = off); top_p [S] (1 = off): keep the smallest prefix of the sorted
     distribution (renormalised after top-k) whose mass reaches top_p, always the top token;
     min_p [S] (0 = off): drop tokens with prob < min_p * max prob. min-p only compares ratios to
     the max token, which top-k/top-p never remove, so it can run on the unsorted tensor.
+    ``sort_needed`` / ``min_p_needed``: whether any row uses top-k/top-p / min-p, when the caller
+    knows it on the host (otherwise read from the tensors: a device sync each).
     """
     vocab = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if sort_needed if sort_needed is not None else bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         pos = torch.arange(vocab, device=logits.device)
         k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
@@ -134,7 +137,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if bool((min_p > 0).any()):
+    if min_p_needed if min_p_needed is not None else bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return logits
@@ -170,7 +173,9 @@ class Sampler:
             top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
             top_p = torch.tensor([p.top_p for p in ps], device=dev)
             min_p = torch.tensor([p.min_p for p in ps], device=dev)
-            probs = filter_logits(processed[s_idx] / temp, top_k, top_p, min_p).softmax(dim=-1)
+            probs = filter_logits(processed[s_idx] / temp, top_k, top_p, min_p,
+                                  sort_needed=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
+                                  min_p_needed=any(p.min_p > 0 for p in ps)).softmax(dim=-1)
 
             # Exponential race. Seeded rows overwrite their noise row from their own generator,
             # a fixed-size [V] draw, so it depends only on that request's generator state.
