@@ -34,3 +34,33 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rms_norm_kernel_matches_reference(seed):
     assert worst_error(SCRIPT, str(seed)) < 1.0  # errors are printed relative to each case's tolerance
+
+
+ADD_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.model.layers import RMSNorm
+    from k3serve.ops.norm_triton import add_rms_norm_triton
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    for T, D, dtype in [(5, 96, torch.float32), (3, 100, torch.float32), (4, 64, torch.bfloat16), (1, 2304, torch.bfloat16)]:
+        norm = RMSNorm(D, 1e-5, dtype)
+        norm.weight.data = (torch.rand(D, generator=gen) + 0.5).to(dtype)
+        h, delta = (torch.randn(T, D, generator=gen) * 2).to(dtype), torch.randn(T, D, generator=gen).to(dtype)
+        h_ref = h + delta
+        h_out, y = add_rms_norm_triton(h, delta, norm.weight, norm.eps)
+        if dtype == torch.float32:
+            assert torch.equal(h_out, h_ref)  # the residual stream is exactly torch's add
+        else:  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest, as torch): <= 1 ulp
+            ulp = torch.finfo(torch.bfloat16).eps * h_ref.float().abs().clamp_min(2.0 ** -126)
+            assert ((h_out.float() - h_ref.float()).abs() <= ulp).all()
+        exact = norm(h_ref, out_dtype=torch.float32)
+        tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7  # bf16: one ulp (the interpreter truncates twice)
+        worst = max(worst, ((y.float() - exact).norm() / exact.norm()).item() / tol)
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_residual_add_and_norm_matches_reference(seed):
+    assert worst_error(ADD_SCRIPT, str(seed)) < 1.0

@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from .attn_res import AttnResMixer, AttnResState
 from .batch import CacheHandles, ForwardBatch
 from .kda import KDAMixer
-from .layers import LinearGroup, RMSNorm, rms_norm
+from .layers import LinearGroup, RMSNorm, add_rms_norm, rms_norm
 from .mla import MLAMixer
 from .moe import GLUMLP, MoE
 
@@ -89,13 +89,18 @@ class K3ForCausalLM(nn.Module):
         h = self.model.embed_tokens(batch.input_ids)
         B = self.config.attn_res_block_size
         res = AttnResState(h, B) if B else None
-        m = None
-        for i, layer in enumerate(self.model.layers):
+        m = x = None
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
             cache = caches.kda[self.cache_index[i]] if layer.is_kda else caches.mla[self.cache_index[i]]
-            if res is None:
-                a = layer.self_attn(layer.input_layernorm(h), batch, cache)
-                h = h + a
-                h = h + layer.ffn(layer.post_attention_layernorm(h))
+            if res is None:  # pre-norm residual stream; each add is fused with the norm that follows it
+                if x is None:
+                    x = layer.input_layernorm(h)
+                h, x = add_rms_norm(h, layer.self_attn(x, batch, cache), layer.post_attention_layernorm)
+                if i + 1 < len(layers):
+                    h, x = add_rms_norm(h, layer.ffn(x), layers[i + 1].input_layernorm)
+                else:
+                    h = h + layer.ffn(x)  # the final norm runs on the sampled rows only (compute_logits)
                 continue
             x = layer.self_attention_res.mix_and_norm(res.token_mixer_sources(i, m), layer.input_layernorm, self.dtype)
             a = layer.self_attn(x, batch, cache)

@@ -15,7 +15,7 @@ from torch import nn
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype=None) -> torch.Tensor:
     """gamma * x / sqrt(mean(x^2) + eps) with statistics and the weight product in fp32."""
-    if x.is_cuda and not torch.is_grad_enabled() and os.environ.get("K3SERVE_NORM_BACKEND") == "triton":
+    if _norm_kernel_on(x):
         from ..ops.norm_triton import rms_norm_triton  # one launch instead of ~6
 
         return rms_norm_triton(x, weight, eps, out_dtype)
@@ -24,6 +24,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype
     if weight is not None:
         y = y * weight.float()
     return y.to(out_dtype or x.dtype)
+
+
+def _norm_kernel_on(x: torch.Tensor) -> bool:
+    return x.is_cuda and not torch.is_grad_enabled() and os.environ.get("K3SERVE_NORM_BACKEND") == "triton"
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual update and the next norm: (h + delta, norm(h + delta)); one launch with the
+    Triton norm backend instead of an add and a norm."""
+    if _norm_kernel_on(h) and h.dim() == 2 and delta.dtype == h.dtype:
+        from ..ops.norm_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(h, delta, norm.weight, norm.eps)
+    h = h + delta
+    return h, norm(h)
 
 
 class RMSNorm(nn.Module):

@@ -35,3 +35,30 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, ou
         _rms_norm_kernel[(rows.shape[0],)](rows, w, out, rows.stride(0), out.stride(0), D, eps,
                                            HAS_WEIGHT=weight is not None, BLOCK=triton.next_power_of_2(D))
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(H, DELTA, W, H_OUT, Y, stride_h, stride_d, stride_ho, stride_y, D, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(DELTA + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (h + d).to(H_OUT.dtype.element_ty)  # the residual stream, rounded as torch's add rounds it
+    tl.store(H_OUT + row * stride_ho + cols, s, mask=mask)
+    x = s.to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, 0) / D + eps) * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, RMSNorm(h + delta) * weight) for [T, D] rows, both in h's dtype, one launch."""
+    T, D = h.shape
+    h, delta = (t if t.stride(-1) == 1 else t.contiguous() for t in (h, delta))
+    h_out, y = torch.empty_like(h), torch.empty_like(h)
+    if T:
+        _add_rms_norm_kernel[(T,)](h, delta, weight, h_out, y, h.stride(0), delta.stride(0), h_out.stride(0),
+                                   y.stride(0), D, eps, BLOCK=triton.next_power_of_2(D))
+    return h_out, y
