@@ -50,11 +50,11 @@ def _weight_tile(W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stri
 
 @triton.jit
 def _grouped_gemm_kernel(
-    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS,
+    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     num_assign, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
     MXFP4: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
     epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips)."""
@@ -92,7 +92,10 @@ def _grouped_gemm_kernel(
             acc = gate * up
         else:
             acc = acc * sig * acc_up
-    tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc, mask=valid[:, None] & cmask[None, :])
+    if HAS_ROW_SCALE:  # the routing weight of each assignment, applied in the epilogue
+        acc = acc * tl.load(ROW_SCALE + tl.where(valid, rows, 0), mask=valid, other=0.0)[:, None]
+    tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc.to(OUT.dtype.element_ty),
+             mask=valid[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -232,26 +235,29 @@ def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> t
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
                  block_n: int = 32, block_k: int = 64, up: tuple | None = None,
-                 act: tuple = ("silu", 1.0, None)) -> torch.Tensor:
-    """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a; fp32 [num_assign, n_out].
-    ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale`` [E, N, K/32].
-    ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the epilogue."""
+                 act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
+                 row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
+    ``out_dtype``. ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
+    [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
+    epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights)."""
     mx = scale is not None
     K = x.shape[1]
     if K % block_k or (mx and block_k % 64):
         raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and 64 for MXFP4)")
-    out = torch.empty(num_assign, n_out, dtype=torch.float32, device=x.device)
+    out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     s = scale if mx else weight
     w_up, s_up = up if up is not None else (weight, s)
     s_up = s_up if mx else w_up
     kind, beta, linear_beta = act
     grid = (rows.numel() // block_m, triton.cdiv(n_out, block_n))
     _grouped_gemm_kernel[grid](
-        x, weight, s, w_up, s_up, out, rows, block_expert, num_assign, top_k, n_out, K,
+        x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
+        num_assign, top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
         float(beta), float(linear_beta or 1.0),
         MXFP4=mx, GLU=up is not None, SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out
 
@@ -274,9 +280,9 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     w1, s1 = stored("w1")
     # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
     h = grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, experts.intermediate, block_m,
-                     up=stored("w3"), act=experts.act, **blocks).to(experts.dtype)
+                     up=stored("w3"), act=experts.act, out_dtype=experts.dtype, **blocks)
     w2, s2 = stored("w2")
+    # rows of h are assignments already; the routing weights scale the rows in the epilogue
     y = grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m,
-                     **blocks)  # rows of h are assignments already
-    y = y.view(T, top_k, -1) * weights.unsqueeze(-1)
-    return y.sum(1)
+                     row_scale=weights.float().flatten().contiguous(), **blocks)
+    return y.view(T, top_k, -1).sum(1)
