@@ -43,7 +43,7 @@ case "$1" in
     tail -c 8000 "$OUT/e2e.log"
     tar czf "$OUT/e2e.tgz" -C /tmp/gpu_work . ;;
   engine)
-    export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton
+    export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
     step engine_kimi 200 python3 bench/engine_throughput.py --preset kimi-linear-48b --num-prompts 256 \
       --max-num-batched-tokens 8192 --max-seconds 150 --json /tmp/gpu_work/kimi.json
     step engine_slice "$(left 580)" python3 bench/engine_throughput.py --preset k3-slice --num-prompts 256 \
