@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # 256-request throughput, both presets, Triton kernels + graphs
+#   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled)
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/gpu_work
@@ -49,7 +50,13 @@ case "$1" in
     step engine_slice "$(left 580)" python3 bench/engine_throughput.py --preset k3-slice --num-prompts 256 \
       --max-num-batched-tokens 8192 --max-seconds 240 --json /tmp/gpu_work/slice.json
     cat /tmp/gpu_work/*.json ;;
+  agentic)  # seed 002's trace (many turns, long growing context, short outputs) scaled to one GPU
+    export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
+    step agentic "$(left 580)" python3 bench/engine_throughput.py --agentic --preset kimi-linear-48b --sessions 8 \
+      --turns 12 --system-len 4096 --min-input 500 --max-input 2000 --min-output 50 --max-output 150 \
+      --max-num-batched-tokens 8192 --warmup-runs 1 --json /tmp/gpu_work/agentic.json
+    cat /tmp/gpu_work/agentic.json ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|e2e|engine"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|e2e|engine|agentic"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
