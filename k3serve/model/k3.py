@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from .attn_res import AttnResMixer, AttnResState
 from .batch import CacheHandles, ForwardBatch
 from .kda import KDAMixer
-from .layers import LinearGroup, RMSNorm, add_rms_norm, rms_norm
+from .layers import LinearGroup, RMSNorm, add_rms_norm
 from .mla import MLAMixer
 from .moe import GLUMLP, MoE
 
