@@ -7,6 +7,7 @@ slot pool [num_slots, H, K, V] fp32 and are read at, and written back to, each s
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -42,11 +43,11 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         state[slots] = s1
     # Prefill chunks of equal length run as one call with the sequences folded into the head
     # dimension (heads are independent): one chunk loop for a whole training batch, not one each.
-    starts = torch.tensor([0] + batch.query_lens_host).cumsum(0).tolist()
+    starts = [0, *itertools.accumulate(batch.query_lens_host)]
     groups: dict[int, list[int]] = {}
     for i in range(nd, batch.num_seqs):
         groups.setdefault(batch.query_lens_host[i], []).append(i)
-    T_, H, K = q.shape
+    H, K = q.shape[1:]
     V = v.shape[-1]
     for qlen, seqs in groups.items():
         B = len(seqs)
