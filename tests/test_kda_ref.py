@@ -132,3 +132,19 @@ def test_varlen_core_folds_equal_lengths_into_heads_exactly(seed):
         assert torch.allclose(out[s:e], o_ref[0], atol=1e-5, rtol=1e-5), i
         assert torch.allclose(state[i], s_ref[0], atol=1e-5, rtol=1e-5), i
     assert torch.equal(state[len(layout):], before[len(layout):])  # other slots untouched
+
+
+def test_reference_core_stays_fp32_under_a_bf16_autocast():
+    """The trainer runs the model under bf16 autocast; the reference KDA core must not drop to bf16."""
+    from k3serve.model.batch import ForwardBatch, SeqChunk
+    from k3serve.ops.kda import kda_core
+
+    gen = torch.Generator().manual_seed(5)
+    H, K, V = 2, 16, 8
+    batch = ForwardBatch.build([SeqChunk([0] * 40, 0, 0, [0]), SeqChunk([0] * 40, 0, 1, [1])], 64, "cpu")
+    q, k, v, g, beta = _inputs(batch.num_tokens, H, K, V, -5.0, gen)
+    plain_state, cast_state = torch.zeros(2, H, K, V), torch.zeros(2, H, K, V)
+    plain = kda_core(q, k, v, g, beta, K ** -0.5, plain_state, batch, backend="torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = kda_core(q, k, v, g, beta, K ** -0.5, cast_state, batch, backend="torch")
+    assert cast.dtype == torch.float32 and torch.equal(cast, plain) and torch.equal(cast_state, plain_state)

@@ -31,6 +31,12 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         backend = "fla" if q.is_cuda and fla_backend.available() else "torch"
     if backend == "fla":
         return fla_backend.kda_core(q, k, v, g, beta, scale, state, batch)
+    with torch.autocast(q.device.type, enabled=False):  # the reference is fp32, also inside a bf16 trainer
+        return _kda_core_ref(q, k, v, g, beta, scale, state, batch)
+
+
+def _kda_core_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  scale: float, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     q, k = l2norm(q), l2norm(k)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     nd = batch.num_decodes
