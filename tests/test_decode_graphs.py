@@ -118,3 +118,11 @@ def test_engine_with_static_decode_generates_the_same_tokens(model, pool, system
 def test_bad_mode_is_refused(model):
     with pytest.raises(ValueError, match="decode_graphs"):
         LLMEngine(model, None, EngineConfig(cache_memory="32MiB", decode_graphs="sometimes"))
+
+
+def test_static_step_refuses_a_sequence_without_a_page_for_its_token(model):
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    graphs = DecodeGraphs(model, pool, max_batch=4, max_pages=4, capture=False)
+    slot, page = pool.alloc_slot(), pool.alloc_page()
+    with pytest.raises(ValueError, match="needs 2 pages"):
+        graphs.run([SeqChunk([7], PAGE, slot, [page])])  # token at position PAGE needs a second page
