@@ -1,6 +1,6 @@
 """All kernel checks and timings in one run on the GPU: ``python -m bench.kernels``.
 
-Runs the MLA decode, KDA decode and routed-expert scripts (each checks against the plain-torch
+Runs the MLA decode, KDA decode, routed-expert and small-kernel scripts (each checks against the plain-torch
 reference first, then times against the copy / matmul ceilings measured in the same run, with
 fla side by side where it has the op). Record the printed tables in bench/RESULTS.md.
 """
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import sys
 
-from . import kernels_kda_decode, kernels_mla, kernels_moe
+from . import kernels_kda_decode, kernels_mla, kernels_moe, kernels_small
 
 
 def main() -> int:
     failed = []
-    for name, mod in (("KDA decode", kernels_kda_decode), ("MLA decode", kernels_mla), ("routed experts", kernels_moe)):
+    for name, mod in (("KDA decode", kernels_kda_decode), ("MLA decode", kernels_mla), ("routed experts", kernels_moe),
+                      ("norms, routing, expert alignment", kernels_small)):
         print(f"\n## {name}\n", flush=True)
         try:
             mod.main()

@@ -1,0 +1,70 @@
+"""The small fused decode-path kernels on the GPU ([gpu-kernels]; not a CI test): RMSNorm, residual
+add + RMSNorm, MoE routing and expert alignment, each checked against its torch form on fresh
+random inputs and timed next to it at decode sizes. They are launch-bound: the figure that matters
+is microseconds per call (one launch instead of ~6 / ~7 / ~20), with bytes / copy ceiling shown for
+the norms.
+
+Usage: python -m bench.kernels_small
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from bench.ceilings import copy_tbs
+from k3serve.model.layers import RMSNorm, rms_norm
+from k3serve.ops.moe_ref import route
+from k3serve.ops.moe_triton import route_triton, sort_by_expert, sort_by_expert_torch
+from k3serve.ops.norm_triton import add_rms_norm_triton, rms_norm_triton
+
+
+def _us(fn) -> float:
+    return 1e3 * triton.testing.do_bench(fn, warmup=20, rep=200, return_mode="median")
+
+
+def main() -> None:
+    copy = copy_tbs()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"copy {copy:.2f} TB/s\n")
+    print("| op | shape | ours us | torch us | check |\n|---|---|---|---|---|")
+    for T, D in ((1, 2304), (64, 2304), (1, 7168), (256, 7168)):
+        x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+        d = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+        norm = RMSNorm(D, 1e-5, torch.bfloat16, "cuda")
+        norm.weight.data.uniform_(0.5, 1.5, generator=g)
+        with torch.inference_mode():
+            err = ((rms_norm_triton(x, norm.weight, 1e-5).float() - rms_norm(x, norm.weight, 1e-5, torch.float32)).norm()
+                   / rms_norm(x, norm.weight, 1e-5, torch.float32).norm()).item()
+            t_ours = _us(lambda: rms_norm_triton(x, norm.weight, 1e-5))
+            t_ref = _us(lambda: (lambda xf: (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+                                             * norm.weight.float()).bfloat16())(x.float()))
+            gb = 2 * x.numel() * 2 / 1e9
+            print(f"| rms_norm | {T}x{D} | {t_ours:.1f} ({gb / t_ours * 1e6 / 1e3 / copy * 100:.0f} % copy) | "
+                  f"{t_ref:.1f} | rel err {err:.1e} |")
+            h_out, y = add_rms_norm_triton(x, d, norm.weight, 1e-5)
+            same = torch.equal(h_out, x + d)
+            t_ours = _us(lambda: add_rms_norm_triton(x, d, norm.weight, 1e-5))
+            t_ref = _us(lambda: norm(x + d))
+            print(f"| add + rms_norm | {T}x{D} | {t_ours:.1f} | {t_ref:.1f} | residual bit-equal: {same} |")
+    for T, E, K, scaling in ((1, 256, 8, 2.446), (64, 256, 8, 2.446), (1, 896, 16, 2.5), (256, 896, 16, 2.5)):
+        logits = torch.randn(T, E, device="cuda", generator=g) * 2
+        bias = torch.randn(E, device="cuda", generator=g) * 0.3
+        w_ref, ids_ref = route(logits, bias, K, 1, 1, True, scaling)
+        w, ids = route_triton(logits, bias, K, True, scaling)
+        ok = torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+        t_ours = _us(lambda: route_triton(logits, bias, K, True, scaling))
+        t_ref = _us(lambda: route(logits, bias, K, 1, 1, True, scaling))
+        print(f"| route | {T} tokens, {E} experts, top-{K} | {t_ours:.1f} | {t_ref:.1f} | same experts + weights: {ok} |")
+        rows, blocks = sort_by_expert(ids, E, 16)
+        ref_rows, ref_blocks = sort_by_expert_torch(ids, E, 16)
+        ok = torch.equal(blocks, ref_blocks) and all(
+            torch.equal(rows[b * 16:(b + 1) * 16].sort().values, ref_rows[b * 16:(b + 1) * 16].sort().values)
+            for b in range(blocks.numel()))
+        t_ours = _us(lambda: sort_by_expert(ids, E, 16))
+        t_ref = _us(lambda: sort_by_expert_torch(ids, E, 16))
+        print(f"| expert alignment | {T * K} assignments, {E} experts | {t_ours:.1f} | {t_ref:.1f} | same layout: {ok} |")
+
+
+if __name__ == "__main__":
+    main()
