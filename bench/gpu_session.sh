@@ -27,7 +27,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a timeout, log to $OUT/NAME.l
 case "$1" in
   train)
     step train "$(left 585)" python3 tools/train_tiny.py --out /tmp/gpu_work/tiny --minutes 15 \
-      --max-wall-minutes "${WALL:-8}" --batch 32 --seq-len 1024
+      --max-wall-minutes "${WALL:-7.5}" --batch 32 --seq-len 1024
     tail -c 3000 "$OUT/train.log"
     tar czf "$OUT/tiny.tgz" -C /tmp/gpu_work tiny tiny-mxfp4 ;;
   checks)
