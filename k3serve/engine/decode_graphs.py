@@ -64,8 +64,9 @@ class DecodeGraphs:
         for i, name in enumerate(self._fields):
             setattr(self, name, self._device_buf[i * B:(i + 1) * B])
         self.block_table = self._device_buf[len(self._fields) * B:].view(B, max_pages)
-        self._host_fields = [self._host_buf[i * B:(i + 1) * B] for i in range(len(self._fields))]
-        self._host_table = self._host_buf[len(self._fields) * B:].view(B, max_pages)
+        host = self._host_buf.numpy()  # numpy views of the (pinned) host buffer, filled each step
+        self._host_np = [host[i * B:(i + 1) * B] for i in range(len(self._fields))]
+        self._host_table_np = host[len(self._fields) * B:].reshape(B, max_pages)
         self.input_ids.zero_()
         self.context_lens.zero_()
         self.seq_lens.fill_(1)
@@ -93,9 +94,8 @@ class DecodeGraphs:
         token per sequence, so no ForwardBatch is built (its ~20 small torch ops cost ~0.2 ms at
         batch 1 and ~1 ms at 256 on the host). Returns the context lengths."""
         n, ps = len(chunks), self.page_size
-        fields = [f.numpy() for f in self._host_fields]
-        ids, ctx, seq, slots, mapping = fields
-        table = self._host_table.numpy()
+        ids, ctx, seq, slots, mapping = self._host_np
+        table = self._host_table_np
         ctx_list = [c.context_len for c in chunks]
         npages = np.fromiter((len(c.pages) for c in chunks), np.int64, n)
         ids[:n] = [c.token_ids[0] for c in chunks]
