@@ -510,7 +510,7 @@ def _main(argv: list[str] | None) -> dict:
                    "train_tokens": stream.numel(),
                    "kda_train_backend": os.environ["K3SERVE_KDA_BACKEND"], "kda_chunk": args.kda_chunk})
     (out / "training_log.json").write_text(json.dumps({"result": result, "log": log}, indent=1))
-    finalize(out, held_texts, args.seq_len)
+    finalize(out, None, args.seq_len)  # the held-out sample was written before training
     print(json.dumps(result, indent=1))
     return result
 
