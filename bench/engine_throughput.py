@@ -132,6 +132,8 @@ def agentic(args) -> dict:
                         ttft.append((out.request_id, time.perf_counter() - t))
                     if out.finished:
                         s += out.outputs[0].token_ids
+            print(f"{label}: turn {turn + 1} done, longest context {max(map(len, sessions))}, "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
         if eng.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start

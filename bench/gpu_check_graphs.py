@@ -179,20 +179,27 @@ def main() -> None:
     ap.add_argument("--pool-gib", type=float, default=12.0, help="pool of the timing runs (128 x 4096 tokens)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--parts", default="check,timing,engine,profile",
+                    help="comma-separated subset of check, timing, engine, profile")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     rng = random.Random(0)
     model = load_model(preset=args.preset, dtype="bfloat16", device="cuda", seed=0, progress=False)
     pool_bytes = int(args.pool_gib * 2**30)
-    res = {"preset": args.preset, "device": torch.cuda.get_device_name(),
-           "check": check(model, rng, [1, 3, 17], 32, 2 << 30),
-           "timing": timing(model, rng, [1, 8, 32, 64, 128], [512, 4096], pool_bytes, args.iters),
-           "engine": engine_match(model, rng, 12),
-           "profile": [kernel_profile(model, rng, b, 4096, pool_bytes) for b in (1, 64)]}
-    print("\n| context | batch | eager ms | graph ms | speedup |\n|---|---|---|---|---|")
-    for r in res["timing"]:
-        print(f"| {r['context']} | {r['batch']} | {r['eager_ms']} | {r['graph_ms']} | {r['speedup']}x |")
-    print(json.dumps(res["engine"]))
-    for prof in res["profile"]:
+    res = {"preset": args.preset, "device": torch.cuda.get_device_name()}
+    if "check" in parts:
+        res["check"] = check(model, rng, [1, 3, 17], 32, 2 << 30)
+    if "timing" in parts:
+        res["timing"] = timing(model, rng, [1, 8, 32, 64, 128], [512, 4096], pool_bytes, args.iters)
+        print("\n| context | batch | eager ms | graph ms | speedup |\n|---|---|---|---|---|")
+        for r in res["timing"]:
+            print(f"| {r['context']} | {r['batch']} | {r['eager_ms']} | {r['graph_ms']} | {r['speedup']}x |")
+    if "engine" in parts:
+        res["engine"] = engine_match(model, rng, 12)
+        print(json.dumps(res["engine"]))
+    if "profile" in parts:
+        res["profile"] = [kernel_profile(model, rng, b, 4096, pool_bytes) for b in (1, 64)]
+    for prof in res.get("profile", []):
         print(f"\nbatch {prof['batch']}, context {prof['context']}: {prof['kernels']} kernels, "
               f"{prof['kernel_ms']} ms of kernel time\n| kernel | count | ms |\n|---|---|---|")
         for r in prof["top"]:

@@ -8,8 +8,9 @@
 #   bash bench/gpu_session.sh checks    # correctness: model vs fp32 reference, CUDA graphs, engine
 #   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
-#   bash bench/gpu_session.sh engine    # 256-request throughput, both presets, Triton kernels + graphs
-#   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled)
+#   bash bench/gpu_session.sh engine    # 256-request k3-slice throughput (Triton + graphs), engine check
+#   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
+#                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/gpu_work
@@ -43,19 +44,29 @@ case "$1" in
     step e2e "$(left 580)" python3 -m bench.e2e --out /tmp/gpu_work
     tail -c 8000 "$OUT/e2e.log"
     tar czf "$OUT/e2e.tgz" -C /tmp/gpu_work . ;;
-  engine)
+  engine)  # k3-slice (the kimi-linear-48b run is recorded); then the engine-vs-model-alone check
     export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
-    step engine_kimi 200 python3 bench/engine_throughput.py --preset kimi-linear-48b --num-prompts 256 \
-      --max-num-batched-tokens 8192 --max-seconds 150 --json /tmp/gpu_work/kimi.json
-    step engine_slice "$(left 580)" python3 bench/engine_throughput.py --preset k3-slice --num-prompts 256 \
-      --max-num-batched-tokens 8192 --max-seconds 240 --json /tmp/gpu_work/slice.json
-    cat /tmp/gpu_work/*.json ;;
+    step engine_slice 470 python3 bench/engine_throughput.py --preset k3-slice --num-prompts 256 \
+      --max-num-batched-tokens 8192 --max-seconds 400 --sync-timings --json /tmp/gpu_work/slice.json
+    step engine_check "$(left 585)" python3 bench/gpu_check_engine.py
+    cat /tmp/gpu_work/*.json; tail -c 2500 "$OUT/engine_check.log" ;;
   agentic)  # seed 002's trace (many turns, long growing context, short outputs) scaled to one GPU
     export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
-    step agentic "$(left 580)" python3 bench/engine_throughput.py --agentic --preset kimi-linear-48b --sessions 8 \
+    step agentic 470 python3 bench/engine_throughput.py --agentic --preset kimi-linear-48b --sessions 8 \
       --turns 12 --system-len 4096 --min-input 500 --max-input 2000 --min-output 50 --max-output 150 \
       --max-num-batched-tokens 8192 --warmup-runs 1 --json /tmp/gpu_work/agentic.json
-    cat /tmp/gpu_work/agentic.json ;;
+    step graphs_engine "$(left 585)" python3 bench/gpu_check_graphs.py --parts engine --out /tmp/gpu_work
+    cat /tmp/gpu_work/agentic.json; tail -c 1500 "$OUT/graphs_engine.log" ;;
+  debug)  # small-kernel checks at prefill sizes, graph replay check, agentic workload with blocking launches
+    export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
+    step graphs_check 150 python3 bench/gpu_check_graphs.py --parts check,engine --out /tmp/gpu_work
+    step kernels_small 120 python3 -m bench.kernels_small
+    step kernels_moe 90 python3 -m bench.kernels_moe
+    CUDA_LAUNCH_BLOCKING=1 step agentic_dbg "$(left 585)" python3 bench/engine_throughput.py --agentic \
+      --preset kimi-linear-48b --sessions 8 --turns 12 --system-len 4096 --min-input 500 --max-input 2000 \
+      --min-output 10 --max-output 20 --max-num-batched-tokens 8192 --warmup-runs 0
+    tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
+    grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
     echo "usage: bash bench/gpu_session.sh train|checks|kernels|e2e|engine|agentic"; exit 2 ;;
 esac

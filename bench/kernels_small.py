@@ -28,7 +28,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"copy {copy:.2f} TB/s\n")
     print("| op | shape | ours us | torch us | check |\n|---|---|---|---|---|")
-    for T, D in ((1, 2304), (64, 2304), (1, 7168), (256, 7168)):
+    for T, D in ((1, 2304), (64, 2304), (1, 7168), (256, 7168), (8192, 2304), (8192 * 32, 128)):
         x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
         d = torch.randn(T, D, device="cuda", generator=g).bfloat16()
         norm = RMSNorm(D, 1e-5, torch.bfloat16, "cuda")
@@ -47,7 +47,8 @@ def main() -> None:
             t_ours = _us(lambda: add_rms_norm_triton(x, d, norm.weight, 1e-5))
             t_ref = _us(lambda: norm(x + d))
             print(f"| add + rms_norm | {T}x{D} | {t_ours:.1f} | {t_ref:.1f} | residual bit-equal: {same} |")
-    for T, E, K, scaling in ((1, 256, 8, 2.446), (64, 256, 8, 2.446), (1, 896, 16, 2.5), (256, 896, 16, 2.5)):
+    for T, E, K, scaling in ((1, 256, 8, 2.446), (64, 256, 8, 2.446), (512, 256, 8, 2.446), (8192, 256, 8, 2.446),
+                             (1, 896, 16, 2.5), (256, 896, 16, 2.5)):
         logits = torch.randn(T, E, device="cuda", generator=g) * 2
         bias = torch.randn(E, device="cuda", generator=g) * 0.3
         w_ref, ids_ref = route(logits, bias, K, 1, 1, True, scaling)

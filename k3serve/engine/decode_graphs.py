@@ -148,16 +148,18 @@ class DecodeGraphs:
         (scratch slot and page) while capturing, so warm-up runs touch no live state."""
         mempool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
-            batch = self._static_batch(b, [1] * b)  # no "fresh" rows baked in
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: Triton compiles / autotunes outside the capture
                 for _ in range(2):
-                    self._forward(batch)
+                    self._forward(self._static_batch(b, [1] * b))
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            # A batch object of its own: one used in the warm-up would carry per-step tensors it
+            # cached there (ForwardBatch.has_context), and the graph would replay those stale values
+            # instead of recomputing them from the static buffers.
             with torch.cuda.graph(graph, pool=mempool):
-                self.outputs[b] = self._forward(batch)
+                self.outputs[b] = self._forward(self._static_batch(b, [1] * b))  # no "fresh" rows baked in
             self.graphs[b] = graph
         torch.cuda.synchronize()
         log.info("captured decode graphs for batch sizes %s", self.buckets)
