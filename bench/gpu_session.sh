@@ -52,10 +52,10 @@ case "$1" in
     cat /tmp/gpu_work/*.json; tail -c 2500 "$OUT/engine_check.log" ;;
   agentic)  # seed 002's trace (many turns, long growing context, short outputs) scaled to one GPU
     export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
-    step agentic 470 python3 bench/engine_throughput.py --agentic --preset kimi-linear-48b --sessions 8 \
-      --turns 12 --system-len 4096 --min-input 500 --max-input 2000 --min-output 50 --max-output 150 \
+    step agentic "${AGENTIC_SECONDS:-470}" python3 bench/engine_throughput.py --agentic --preset kimi-linear-48b --sessions 8 \
+      --turns 12 --system-len 4096 --min-input 500 --max-input 2000 --min-output 30 --max-output 90 \
       --max-num-batched-tokens 8192 --warmup-runs 1 --json /tmp/gpu_work/agentic.json
-    step graphs_engine "$(left 585)" python3 bench/gpu_check_graphs.py --parts engine --out /tmp/gpu_work
+    [ -n "$AGENTIC_ONLY" ] || step graphs_engine "$(left 585)" python3 bench/gpu_check_graphs.py --parts engine --out /tmp/gpu_work
     cat /tmp/gpu_work/agentic.json; tail -c 1500 "$OUT/graphs_engine.log" ;;
   debug)  # small-kernel checks at prefill sizes, graph replay check, agentic workload with blocking launches
     export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
