@@ -92,15 +92,16 @@ def test_greedy_completions_never_mismatch_brackets(completions):
         assert not bad, f"mismatched brackets in {prompt + completion!r}: {bad}"
 
 
-# Prompts that stop inside a bracket. The CPU-trained model (3.9 M tokens) loops on digits
-# inside `def main(` (index 0): a known weakness, kept visible as a strict xfail; the H200 run
-# should fix it, and then this test says so.
+# Prompts that stop inside a bracket. The model (5.4 M parameters, 11.4 M tokens on the H200)
+# answers `def main(` (index 0) with a newline and a docstring, leaving the parenthesis open: a
+# known weakness of a model this small, kept visible as a strict xfail (a better model makes it
+# pass, and then this test says so). The other prompts must close what they left open.
 _LEFT_OPEN = [i for i, g in enumerate(EVAL["golden"]) if _bracket_errors(g["prompt"])[1]]
 _UNCLOSED_KNOWN = {0}
 
 
 @pytest.mark.parametrize("i", [pytest.param(i, marks=pytest.mark.xfail(
-    strict=True, reason="CPU-trained model leaves `def main(` open")) if i in _UNCLOSED_KNOWN else i
+    strict=True, reason="the 5.4 M-parameter model leaves `def main(` open")) if i in _UNCLOSED_KNOWN else i
     for i in _LEFT_OPEN])
 def test_greedy_completion_closes_the_bracket_the_prompt_left_open(completions, i):
     prompt, completion = completions[i]

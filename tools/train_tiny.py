@@ -317,7 +317,16 @@ tokens."""
 
 def _compile_note(train: dict) -> str:
     w = train.get("compile_warmup_seconds") or 0
-    return f" (the first {WARMUP_STEPS} steps took {w:.0f} s: Triton compiling and autotuning fla's kernels)" if w else ""
+    why = ("Triton compiling and autotuning fla's kernels" if train.get("kda_train_backend") == "fla"
+           else "CUDA context and kernel warm-up")
+    return f" (the first {WARMUP_STEPS} steps took {w:.0f} s: {why})" if w else ""
+
+
+def _kda_note(train: dict) -> str:
+    if train.get("kda_train_backend") != "torch":
+        return ""
+    return (f", the KDA core in k3serve's chunked torch form (chunks of {train.get('kda_chunk')}; fla's Triton "
+            "backward took longer to compile than the whole run's budget)")
 
 
 def model_card(raw: dict, train: dict, ev: dict) -> str:
@@ -349,7 +358,7 @@ Corpus: the Python files (512 B to 200 KB) of the training machine's standard li
 site-packages, first {train['max_files']} in sorted order; 5 % of the files, chosen by a hash of the
 path, held out. {train['steps']} steps of {train['batch']} x {train['seq_len']} tokens
 ({train['tokens_seen'] / 1e6:.1f} M tokens), AdamW, peak lr {train['lr']} with warm-up and cosine decay,
-{train['train_seconds'] / 60:.1f} minutes on {train['device']}{_compile_note(train)}{f" ({train['threads']} threads)" if train.get('threads') else ""}; final training loss {train['final_loss']}.{CPU_NOTE if train['device'] == 'cpu' else ''}
+{train['train_seconds'] / 60:.1f} minutes on {train['device']}{_compile_note(train)}{_kda_note(train)}{f" ({train['threads']} threads)" if train.get('threads') else ""}; final training loss {train['final_loss']}.{CPU_NOTE if train['device'] == 'cpu' else ''}
 
 ## Quality
 | | bf16 checkpoint | MXFP4 experts |

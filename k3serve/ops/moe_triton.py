@@ -234,7 +234,7 @@ def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
-                 block_n: int = 32, block_k: int = 64, up: tuple | None = None,
+                 block_n: int = 32, block_k: int | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
@@ -243,8 +243,10 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights)."""
     mx = scale is not None
     K = x.shape[1]
-    if K % block_k or (mx and block_k % 64):
-        raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and 64 for MXFP4)")
+    if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
+        block_k = next((b for b in (64, 32, 16) if K % b == 0 and not (mx and b % 32)), 64)
+    if K % block_k or (mx and block_k % 32):
+        raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and of 32 for MXFP4)")
     out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     s = scale if mx else weight
     w_up, s_up = up if up is not None else (weight, s)
