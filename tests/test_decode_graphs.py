@@ -126,3 +126,14 @@ def test_static_step_refuses_a_sequence_without_a_page_for_its_token(model):
     slot, page = pool.alloc_slot(), pool.alloc_page()
     with pytest.raises(ValueError, match="needs 2 pages"):
         graphs.run([SeqChunk([7], PAGE, slot, [page])])  # token at position PAGE needs a second page
+
+
+def test_static_step_refuses_page_and_slot_ids_outside_the_pool(model):
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    graphs = DecodeGraphs(model, pool, max_batch=4, max_pages=4, capture=False)
+    slot, page = pool.alloc_slot(), pool.alloc_page()
+    with pytest.raises(ValueError, match="page id out of range"):
+        graphs.run([SeqChunk([7], 3, slot, [pool.page_capacity])])
+    with pytest.raises(ValueError, match="KDA slot out of range"):
+        graphs.run([SeqChunk([7], 3, pool.slot_capacity, [page])])
+    graphs.run([SeqChunk([7], 3, slot, [page])])  # in range: runs

@@ -27,11 +27,11 @@ SCRIPT = textwrap.dedent('''
         moe.experts.act = ("silu", 1.0, None)
     gen = torch.Generator().manual_seed(1)
     worst = 0.0
-    for T in (1, 5, 23):
+    for T, bm in ((1, 16), (5, 16), (23, 16), (23, 64)):  # 64: the prefill row blocks
         x = torch.randn(T, moe.experts.w1_packed.shape[-1] * 2 if mx else moe.experts.w1.shape[-1], generator=gen)
         w, ids = moe.gate(torch.randn(T, model.config.hidden_size, generator=gen))
         ref = experts_ref(x, w, ids, moe.experts.expert, *moe.experts.act)
-        out = experts_triton(x, w, ids, moe.experts, block_m=16, block_n=32)
+        out = experts_triton(x, w, ids, moe.experts, block_m=bm, block_n=32)
         worst = max(worst, ((out - ref).norm() / ref.norm()).item())
         rows, blocks = sort_by_expert(ids, moe.experts.num_experts, 16)
         real = rows[rows < ids.numel()]

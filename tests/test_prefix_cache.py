@@ -9,9 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3serve.cache.prefix import Checkpoint, PrefixIndex
+from k3serve.config import ModelConfig
 from k3serve.engine.engine import EngineConfig, LLMEngine
 from k3serve.engine.sampling_params import SamplingParams
-from k3serve.model.loader import load_model
+from k3serve.model.k3 import K3ForCausalLM
+from k3serve.model.loader import load_dummy, load_model
+from k3serve.presets import preset_config
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -160,11 +163,29 @@ def test_eviction_makes_room_for_running_requests_before_preemption(model):
     assert eng.prefix_stats()["lookups"] == 6  # one per admitted request, however often the head retried
 
 
+@pytest.fixture(scope="module")
+def dense_model():
+    """The tiny preset routing every token to all its experts. With top-4 of 16, fp32 GEMMs that
+    round differently for different batch compositions (CPU BLAS picks its kernel by the row
+    count: ~1e-7 apart) can pick a different expert where two scores nearly tie, after which the
+    tokens legitimately differ (hypothesis found one: seed 831, scores 5e-7 apart; the same step
+    reproduces it with the cache off). Routing over all experts is continuous, so randomised
+    interleavings test the cache's bookkeeping, not the batch invariance of BLAS."""
+    raw = preset_config("tiny")
+    text = raw.get("text_config", raw)
+    text.update(num_experts_per_token=text["num_experts"], use_grouped_topk=False, num_expert_group=1, topk_group=1)
+    net = K3ForCausalLM(ModelConfig.from_dict(raw), torch.float32, "cpu")
+    load_dummy(net, 8)
+    net.fuse_projections()
+    return net.eval()
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(0, 10 ** 6))
-def test_memory_pressure_interleavings(model, seed):
+def test_memory_pressure_interleavings(dense_model, seed):
     """Small pool, several conversations, random aborts: no corruption (completed outputs equal
     the no-cache run), no leak (dropping the cache empties the pool)."""
+    model = dense_model
     rng = random.Random(seed)
     probe = engine(model)
     lay = probe.pool.layout

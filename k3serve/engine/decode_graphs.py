@@ -108,8 +108,15 @@ class DecodeGraphs:
         slots[:n] = [c.kda_slot for c in chunks]
         table[:b] = -1
         rows = np.repeat(np.arange(n), npages)
-        table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = np.fromiter(
-            chain.from_iterable(c.pages for c in chunks), np.int64, rows.size)
+        pages = np.fromiter(chain.from_iterable(c.pages for c in chunks), np.int64, rows.size)
+        # A replayed graph dereferences these ids with no bounds check: refuse a bad one here,
+        # on the host, rather than read or write another sequence's (or no) memory.
+        lay = self.pool.layout
+        if lay.page_bytes and rows.size and not (0 <= pages.min() and pages.max() < self.pool.page_capacity):
+            raise ValueError(f"page id out of range [0, {self.pool.page_capacity}): {pages.min()}..{pages.max()}")
+        if lay.slot_bytes and not (0 <= slots[:n].min() and slots[:n].max() < self.pool.slot_capacity):
+            raise ValueError(f"KDA slot out of range [0, {self.pool.slot_capacity}): {slots[:n].min()}..{slots[:n].max()}")
+        table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
         mapping[:n] = table[np.arange(n), ctx[:n] // ps] * ps + ctx[:n] % ps
         # padding rows: no context, scratch slot and page (nothing live is touched)
         ids[n:b], ctx[n:b], seq[n:b], slots[n:b] = 0, 0, 1, self.pool.scratch_slot

@@ -21,31 +21,30 @@ import triton.language as tl
 
 @triton.jit
 def _e2m1(code):
-    """E2M1 nibble -> float32: bit 3 sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    """E2M1 nibble -> fp32 by building the bits (no float math, no table): bit 3 is the sign; a
+    magnitude code m >= 2 is 2^(m//2 - 1) * (1 + (m & 1) / 2), whose exponent and leading mantissa
+    bits are exactly m << 22 on top of exponent 126; m == 1 is 0.5 (exponent 126), m == 0 zero."""
     m = code & 7
-    e = (m >> 1).to(tl.float32)
-    normal = tl.exp2(e - 1.0) * (1.0 + 0.5 * (m & 1).to(tl.float32))
-    mag = tl.where(m >= 2, normal, tl.where(m == 1, 0.5, 0.0))
-    return tl.where((code & 8) != 0, -mag, mag)
+    bits = tl.where(m >= 2, (m << 22) + (126 << 23), tl.where(m == 1, 126 << 23, 0)) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _weight_tile(W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn,
-                 MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] fp32 tile of expert e's weight (MXFP4 decoded in registers)."""
-    if MXFP4:
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(W + e * stride_we + cols[:, None] * stride_wn + kb[None, :], mask=cmask[:, None], other=0)
-        packed = packed.to(tl.int32)
-        vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), [BLOCK_N, BLOCK_K])
-        ksc = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        sc = tl.load(S + e * stride_se + cols[:, None] * stride_sn + ksc[None, :], mask=cmask[:, None], other=127)
-        factor = tl.exp2(sc.to(tl.float32) - 127.0)  # [BLOCK_N, BLOCK_K // 32]
-        return tl.reshape(tl.reshape(vals, [BLOCK_N, BLOCK_K // 32, 32]) * factor[:, :, None], [BLOCK_N, BLOCK_K])
-    else:
-        ks = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(W + e * stride_we + cols[:, None] * stride_wn + ks[None, :], mask=cmask[:, None],
-                       other=0.0).to(tl.float32)
+def _mx_group(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we, stride_wn, stride_se, stride_sn):
+    """One 32-wide scale group at column kk: the partial product [BLOCK_M, BLOCK_N] in fp32.
+    Byte j of a row packs k = 2j (low nibble) and 2j + 1 (high): rather than interleave the two
+    nibble tiles (a register shuffle), the activations are split into even and odd columns and
+    each half multiplies its own tile."""
+    j = tl.arange(0, 16)
+    packed = tl.load(W + e * stride_we + cols[:, None] * stride_wn + (kk // 2 + j)[None, :], mask=cmask[:, None],
+                     other=0).to(tl.int32)
+    sc = tl.load(S + e * stride_se + cols * stride_sn + kk // 32, mask=cmask, other=127)
+    factor = tl.exp2(sc.to(tl.float32) - 127.0)[:, None]
+    a_even = tl.load(X + tok[:, None] * stride_xt + (kk + 2 * j)[None, :], mask=valid[:, None], other=0.0)
+    a_odd = tl.load(X + tok[:, None] * stride_xt + (kk + 2 * j + 1)[None, :], mask=valid[:, None], other=0.0)
+    w_even = (_e2m1(packed & 15) * factor).to(a_even.dtype)
+    w_odd = (_e2m1(packed >> 4) * factor).to(a_even.dtype)
+    return tl.dot(a_even, tl.trans(w_even)).to(tl.float32) + tl.dot(a_odd, tl.trans(w_odd)).to(tl.float32)
 
 
 @triton.jit
@@ -57,7 +56,8 @@ def _grouped_gemm_kernel(
     HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
-    epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips)."""
+    epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). MXFP4 weights are decoded in registers
+    one 32-wide scale group at a time (BLOCK_K a multiple of 32)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
@@ -74,14 +74,22 @@ def _grouped_gemm_kernel(
     # that was ~30x the bytes of the 8 experts actually used).
     k_end = tl.where(tl.load(ROWS + pid_m * BLOCK_M) < num_assign, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(X + tok[:, None] * stride_xt + ks[None, :], mask=valid[:, None], other=0.0)
-        w = _weight_tile(W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, MXFP4, BLOCK_N, BLOCK_K)
-        acc += tl.dot(a, tl.trans(w.to(a.dtype))).to(tl.float32)
-        if GLU:
-            wu = _weight_tile(W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, MXFP4,
-                              BLOCK_N, BLOCK_K)
-            acc_up += tl.dot(a, tl.trans(wu.to(a.dtype))).to(tl.float32)
+        if MXFP4:
+            for g in tl.static_range(BLOCK_K // 32):
+                acc += _mx_group(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we, stride_wn,
+                                 stride_se, stride_sn)
+                if GLU:
+                    acc_up += _mx_group(X, W_UP, S_UP, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
+                                        stride_wn, stride_se, stride_sn)
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(X + tok[:, None] * stride_xt + ks[None, :], mask=valid[:, None], other=0.0)
+            w_ptr = e * stride_we + cols[:, None] * stride_wn + ks[None, :]
+            w = tl.load(W + w_ptr, mask=cmask[:, None], other=0.0)
+            acc += tl.dot(a, tl.trans(w.to(a.dtype))).to(tl.float32)
+            if GLU:
+                wu = tl.load(W_UP + w_ptr, mask=cmask[:, None], other=0.0)
+                acc_up += tl.dot(a, tl.trans(wu.to(a.dtype))).to(tl.float32)
     if GLU:
         sig = tl.sigmoid(acc)
         if SITU:
@@ -234,7 +242,7 @@ def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
-                 block_n: int = 32, block_k: int | None = None, up: tuple | None = None,
+                 block_n: int = 64, block_k: int | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
@@ -264,12 +272,16 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     return out
 
 
-def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, block_m: int = 16,
+def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, block_m: int | None = None,
                    **blocks) -> torch.Tensor:
     """Drop-in for ``moe_ref.experts_ref`` over a ``model.moe.RoutedExperts``: gate/up GEMM, GLU,
-    down GEMM, weighted sum (fp32). No host sync."""
+    down GEMM, weighted sum (fp32). No host sync. Row blocks of 16 while experts see a few rows
+    each (decode); of 64 once they see dozens (prefill), so each decoded weight tile serves 4x the
+    rows."""
     T, top_k = ids.shape
     E = experts.num_experts
+    if block_m is None:
+        block_m = 16 if T * top_k < 16 * E else 64
     rows, block_expert = sort_by_expert(ids, E, block_m)
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
