@@ -13,7 +13,7 @@ import triton
 
 from bench.ceilings import copy_tbs
 
-from k3serve.ops.mla_decode_triton import mla_decode
+from k3serve.ops.mla_decode_triton import default_num_splits, mla_decode
 from k3serve.ops.mla_ref import mla_absorbed_ref
 
 
@@ -25,7 +25,7 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True):
     seq_lens = torch.full((B,), ctx, device="cuda")
     q = torch.randn(B, H, rkv + dr, device="cuda", generator=g)
     scale = 192 ** -0.5
-    splits = splits or max(1, min(32, 132 // max(1, B * triton.cdiv(H, 16))))
+    splits = splits or default_num_splits(B, H, pages_per * page, torch.cuda.get_device_properties(0).multi_processor_count)
     run = lambda: mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits)  # noqa: E731
     out = run()
     row = {"B": B, "H": H, "ctx": ctx, "splits": splits}

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent('''
     worst = 0.0
     for H, rkv, dr, page, lens, splits in [(4, 64, 16, 16, [1, 17, 64, 90], 1), (20, 64, 32, 16, [5, 33, 130], 3),
                                             (16, 128, 64, 64, [200, 64, 1], 4), (8, 32, 16, 8, [40], 8),
-                                            (4, 48, 8, 16, [3, 50], 2)]:
+                                            (4, 48, 8, 16, [3, 50], 2), (6, 64, 16, 16, [600, 9], None)]:  # None: default
         B, width = len(lens), rkv + dr
         max_pages = max(-(-n // page) for n in lens)
         n_pages = B * max_pages + 3

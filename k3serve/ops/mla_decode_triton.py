@@ -12,6 +12,9 @@ Reference: ``mla_ref.mla_absorbed_ref``. Checked on CPU with ``TRITON_INTERPRET=
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -70,12 +73,44 @@ def _mla_decode_split_kernel(
     tl.store(LSE + b * stride_lb + heads * stride_lh + sp, lse, mask=hmask)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _decode_configs() -> list:
+    """Heads per program (the latent tile is loaded once per head block), key tile and warps:
+    picked on the GPU at first use of each shape. Under the CPU interpreter, one config."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=2)
+            for bh, bn, w in ((16, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 8), (64, 32, 16))]
+
+
+def _heads_that_fit(configs, named_args, **kwargs):
+    """No head block wider than the heads (rounded up to a power of two, at least 16)."""
+    cap = max(16, triton.next_power_of_2(named_args["H"]))
+    return [c for c in configs if c.kwargs["BLOCK_H"] <= cap] or configs[:1]
+
+
+_mla_decode_tuned = triton.autotune(_decode_configs(), key=["H", "NUM_SPLITS", "D_C", "D_PE", "PAGE"],
+                                    prune_configs_by={"early_config_prune": _heads_that_fit})(_mla_decode_split_kernel)
+
+
+def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) -> int:
+    """Enough (sequence, split) programs for about two waves over the SMs once heads are blocked
+    by 32, but no split shorter than 256 tokens of the table's width."""
+    per_seq = -(-2 * sms // (batch * -(-heads // 32)))
+    return max(1, min(per_seq, 64, max_tokens // 256))
+
+
 def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               kv_lora_rank: int, scale: float, num_splits: int = 4, block_h: int = 16,
+               kv_lora_rank: int, scale: float, num_splits: int | None = None, block_h: int | None = None,
                block_n: int = 32) -> torch.Tensor:
     """q_abs [B, H, rkv+dr]; latent_pages [num_pages, page, rkv+dr] (any page stride); block_table
     [B, max_pages]; seq_lens [B] (tokens to attend, >= 1). Returns the latent-space output
-    [B, H, rkv] fp32 (unabsorb through W_UV afterwards)."""
+    [B, H, rkv] fp32 (unabsorb through W_UV afterwards). ``num_splits`` None: from the batch, the
+    heads and the table's width (static for a CUDA graph); ``block_h`` None: autotuned."""
     B, H, width = q_abs.shape
     d_pe = width - kv_lora_rank
     if latent_pages.stride(2) != 1 or latent_pages.stride(1) != width:
@@ -83,17 +118,22 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
     if q_abs.stride(2) != 1:
         q_abs = q_abs.contiguous()
     q_abs = q_abs.to(latent_pages.dtype)
-    block_h = max(16, min(block_h, triton.next_power_of_2(H)))
+    if num_splits is None:
+        num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], _sm_count(q_abs.device))
     partial = torch.empty(B, H, num_splits, kv_lora_rank, dtype=torch.float32, device=q_abs.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_abs.device)
-    grid = (B, triton.cdiv(H, block_h), num_splits)
-    _mla_decode_split_kernel[grid](
+    if block_h is None:
+        kernel, tiles = _mla_decode_tuned, {}
+    else:
+        kernel, tiles = _mla_decode_split_kernel, dict(BLOCK_H=max(16, min(block_h, triton.next_power_of_2(H))),
+                                                       BLOCK_N=block_n)
+    kernel[lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]), num_splits)](
         q_abs, latent_pages, block_table, seq_lens, partial, lse,
         q_abs.stride(0), q_abs.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), scale, H,
         NUM_SPLITS=num_splits, PAGE=latent_pages.shape[1], D_C=kv_lora_rank, D_PE=d_pe,
         D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)), D_PE_P=max(16, triton.next_power_of_2(d_pe)),
-        BLOCK_H=block_h, BLOCK_N=block_n,
+        **tiles,
     )
     # Merge the splits by their log-sum-exp (empty splits carry -inf and weigh nothing).
     w = torch.softmax(lse, dim=-1)

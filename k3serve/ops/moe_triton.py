@@ -13,6 +13,8 @@ Reference: ``moe_ref.experts_ref``. Checked on CPU with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -68,10 +70,9 @@ def _grouped_gemm_kernel(
     cmask = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # The grid is sized for the worst case (every expert padded), so most row blocks of a small
-    # batch hold only padding; valid rows lead each block, so its first row says whether any is
-    # valid. An empty block skips the K loop: it must not stream its expert's weights (at batch 1
-    # that was ~30x the bytes of the 8 experts actually used).
+    # The grid may still hold blocks of padding only (a batch whose experts each get a few rows);
+    # valid rows lead each block, so its first row says whether any is valid. An empty block skips
+    # the K loop: it must not stream its expert's weights.
     k_end = tl.where(tl.load(ROWS + pid_m * BLOCK_M) < num_assign, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
         if MXFP4:
@@ -104,6 +105,19 @@ def _grouped_gemm_kernel(
         acc = acc * tl.load(ROW_SCALE + tl.where(valid, rows, 0), mask=valid, other=0.0)[:, None]
     tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc.to(OUT.dtype.element_ty),
              mask=valid[:, None] & cmask[None, :])
+
+
+def _gemm_configs() -> list:
+    """Tile width and pipelining, picked on the GPU at first use of each shape (Triton's
+    autotuner times each, ~1 s a config to compile). Under the CPU interpreter, one config."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4))]
+
+
+_grouped_gemm_tuned = triton.autotune(_gemm_configs(), key=["N", "K", "MXFP4", "GLU", "BLOCK_M", "BLOCK_K"])(
+    _grouped_gemm_kernel)
 
 
 @triton.jit
@@ -242,13 +256,14 @@ def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
-                 block_n: int = 64, block_k: int | None = None, up: tuple | None = None,
+                 block_n: int | None = None, block_k: int | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``. ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
     [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
-    epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights)."""
+    epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights).
+    ``block_n`` None: the autotuned tile width (and warps, stages) for this shape."""
     mx = scale is not None
     K = x.shape[1]
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
@@ -260,14 +275,18 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     w_up, s_up = up if up is not None else (weight, s)
     s_up = s_up if mx else w_up
     kind, beta, linear_beta = act
-    grid = (rows.numel() // block_m, triton.cdiv(n_out, block_n))
-    _grouped_gemm_kernel[grid](
+    # Every expert's segment starts with its rows, so the blocks holding any are the leading ones
+    # and number at most num_assign: at batch 1 that is 16 blocks of the ~840 the buffer has room
+    # for (K3, top-16 of 896), so ~98 % of the programs are never launched.
+    row_blocks = min(rows.numel() // block_m, num_assign)
+    kernel, tiles = (_grouped_gemm_tuned, {}) if block_n is None else (_grouped_gemm_kernel, {"BLOCK_N": block_n})
+    kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]))](
         x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
         float(beta), float(linear_beta or 1.0),
         MXFP4=mx, GLU=up is not None, SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
-        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, **tiles,
     )
     return out
 
