@@ -67,8 +67,12 @@ def throughput(args) -> dict:
         st = eng.pool.stats()
         if st["used_bytes"] > peak["used"]:
             peak = dict(used=st["used_bytes"], kda=st["kda_bytes"], mla=st["mla_bytes"])
-        if time.perf_counter() - start > args.max_seconds:
+        elapsed = time.perf_counter() - start
+        if elapsed > args.max_seconds:
             break
+        if steps % 500 == 0:  # progress survives a run killed from outside
+            print(json.dumps(dict(seconds=round(elapsed, 1), steps=steps, finished=finished, output_tokens=out_tokens,
+                                  output_tok_per_s=round(out_tokens / elapsed, 1))), flush=True)
     if eng.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start

@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh checks    # correctness: model vs fp32 reference, CUDA graphs, engine
 #   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
-#   bash bench/gpu_session.sh engine    # 256-request k3-slice throughput (Triton + graphs), engine check
+#   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -44,12 +44,12 @@ case "$1" in
     step e2e "$(left 580)" python3 -m bench.e2e --out /tmp/gpu_work
     tail -c 8000 "$OUT/e2e.log"
     tar czf "$OUT/e2e.tgz" -C /tmp/gpu_work . ;;
-  engine)  # k3-slice (the kimi-linear-48b run is recorded); then the engine-vs-model-alone check
+  engine)  # the engine-vs-model-alone check (short), then k3-slice 256 requests with what is left
     export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
-    step engine_slice 470 python3 bench/engine_throughput.py --preset k3-slice --num-prompts 256 \
-      --max-num-batched-tokens 8192 --max-seconds 400 --sync-timings --json /tmp/gpu_work/slice.json
-    step engine_check "$(left 585)" python3 bench/gpu_check_engine.py
-    cat /tmp/gpu_work/*.json; tail -c 2500 "$OUT/engine_check.log" ;;
+    step engine_check 200 python3 bench/gpu_check_engine.py
+    step engine_slice "$(left 585)" python3 bench/engine_throughput.py --preset k3-slice --num-prompts 256 \
+      --max-num-batched-tokens 8192 --max-seconds "$(( $(left 585) - 160 ))" --sync-timings --json /tmp/gpu_work/slice.json
+    tail -c 2500 "$OUT/engine_check.log"; cat /tmp/gpu_work/*.json ;;
   agentic)  # seed 002's trace (many turns, long growing context, short outputs) scaled to one GPU
     export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
     step agentic "${AGENTIC_SECONDS:-470}" python3 bench/engine_throughput.py --agentic --preset kimi-linear-48b --sessions 8 \
