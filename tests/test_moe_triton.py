@@ -79,7 +79,7 @@ ROUTE_SCRIPT = textwrap.dedent('''
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.ops.moe_ref import route
-    from k3serve.ops.moe_triton import route_triton
+    from k3serve.ops.moe_triton import route_triton, sort_by_expert
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
     for T, E, K, biased, renorm, func, scaling in [(1, 256, 8, True, True, "sigmoid", 2.446), (7, 64, 6, False, True, "sigmoid", 1.0),
@@ -91,6 +91,15 @@ ROUTE_SCRIPT = textwrap.dedent('''
         w, ids = route_triton(logits, bias, K, renorm, scaling, func)
         assert torch.equal(ids, ids_ref), (T, E, K, ids, ids_ref)  # same experts in the same (descending) order
         worst = max(worst, ((w - w_ref).norm() / w_ref.norm()).item())
+    for E, K in ((256, 8), (896, 16)):  # NaN scores (an overflowed activation): ids stay real experts
+        logits = torch.randn(3, E, generator=gen)
+        logits[0] = float("nan")
+        logits[1, ::3] = float("nan")
+        w, ids = route_triton(logits, None, K, True, 1.0)
+        assert ids.min() >= 0 and ids.max() < E, ids
+        assert not set(ids[1].tolist()) & set(range(0, E, 3)), ids[1]  # a NaN score is never chosen
+        rows, blocks = sort_by_expert(torch.tensor([[0, E + 5, -3, E - 1]]), E, 16)  # bad ids: stay in bounds
+        assert blocks.min() >= 0 and blocks.max() < E and sorted(rows[rows < 4].tolist()) == [0, 1, 2, 3]
     print(worst)
 ''')
 

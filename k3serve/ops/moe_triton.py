@@ -139,7 +139,9 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, E, scaling,
     choice = score
     if HAS_BIAS:
         choice = choice + tl.load(BIAS + e, mask=live, other=0.0).to(tl.float32)
-    choice = tl.where(live, choice, float("-inf"))
+    # NaN scores (an overflowed activation) are never chosen, so every id stays a real expert
+    # (ids index the expert weights and the sort's cursors: a bad one would read or write wild memory).
+    choice = tl.where(live & (choice == choice), choice, float("-inf"))
     ks = tl.arange(0, K_P)
     ids = tl.zeros([K_P], tl.int32)
     ws = tl.zeros([K_P], tl.float32)
@@ -181,6 +183,7 @@ def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_exp
     for a0 in range(0, num_assign, BLOCK_A):
         a = a0 + tl.arange(0, BLOCK_A)
         ids = tl.load(IDS + a, mask=a < num_assign, other=E_P - 1)  # lanes past the end: a spare bin >= E
+        ids = tl.where((ids < 0) | (ids >= num_experts), tl.where(a < num_assign, num_experts - 1, E_P - 1), ids)
         counts += tl.histogram(ids.to(tl.int32), E_P)
     counts = tl.where(e < num_experts, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -198,7 +201,7 @@ def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_exp
     for a0 in range(0, num_assign, BLOCK_A):
         a = a0 + tl.arange(0, BLOCK_A)
         live = a < num_assign
-        ids = tl.load(IDS + a, mask=live, other=0)
+        ids = tl.minimum(tl.maximum(tl.load(IDS + a, mask=live, other=0), 0), num_experts - 1)  # memory-safe
         pos = tl.atomic_add(CURSOR + ids, 1, mask=live)
         tl.store(ROWS + pos, a.to(tl.int64), mask=live)
 
