@@ -24,8 +24,8 @@ import triton.language as tl
 def _mla_decode_split_kernel(
     Q, KV, BT, SL, O, LSE,
     stride_qb, stride_qh, stride_kvp, stride_kvt, stride_btb, stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh, scale, H,
-    NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr, D_C: tl.constexpr, D_PE: tl.constexpr,
+    stride_lb, stride_lh, scale, H, NUM_SPLITS,
+    PAGE: tl.constexpr, D_C: tl.constexpr, D_PE: tl.constexpr,
     D_C_P: tl.constexpr, D_PE_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Widths padded to powers of two >= 16 (tl.arange / tl.dot); padding lanes load zeros.
@@ -99,9 +99,10 @@ _mla_decode_tuned = triton.autotune(_decode_configs(), key=["H", "NUM_SPLITS", "
 
 def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) -> int:
     """Enough (sequence, split) programs for about two waves over the SMs once heads are blocked
-    by 32, but no split shorter than 256 tokens of the table's width."""
-    per_seq = -(-2 * sms // (batch * -(-heads // 32)))
-    return max(1, min(per_seq, 64, max_tokens // 256))
+    by 32, but no split shorter than 256 tokens of the table's width; a power of two, so eager
+    steps whose tables grow see a handful of values (each is tuned once), not one per width."""
+    n = max(1, min(-(-2 * sms // (batch * -(-heads // 32))), 64, max_tokens // 256))
+    return 1 << (n.bit_length() - 1)
 
 
 def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
