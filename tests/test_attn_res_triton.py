@@ -24,11 +24,16 @@ SCRIPT = textwrap.dedent('''
         out_w = torch.rand(D, generator=gen) + 0.5
         src = [torch.randn(T, D, generator=gen) * (i + 1) for i in range(M)]
         ref = rms_norm(mixer(src), out_w, 1e-5, torch.float32)
-        got = attn_res_mix(torch.stack(src), mixer.proj, mixer.norm, 1e-5, out_w)
+        got = attn_res_mix(torch.stack(src), mixer.folded_query(), 1e-5, out_w)
         worst = max(worst, ((got - ref).norm() / ref.norm()).item())
         ref_final = mixer(src)  # the final mixer has no output norm
-        got_final = attn_res_mix(torch.stack(src), mixer.proj, mixer.norm, 1e-5, None)
+        got_final = attn_res_mix(torch.stack(src), mixer.folded_query(), 1e-5, None)
         worst = max(worst, ((got_final - ref_final).norm() / ref_final.norm()).item())
+        mixer.fold_query()  # folded once (serving): the same mix, straight into a bf16 output
+        got_bf16 = attn_res_mix(torch.stack(src), mixer.folded_query(), 1e-5, out_w.bfloat16(), torch.bfloat16)
+        assert got_bf16.dtype == torch.bfloat16
+        ref_bf16 = rms_norm(mixer(src), out_w.bfloat16(), 1e-5, torch.float32)
+        assert ((got_bf16.float() - ref_bf16).norm() / ref_bf16.norm()).item() < 8e-3  # one bf16 rounding
     print(worst)
 ''')
 

@@ -22,12 +22,21 @@ class AttnResMixer(nn.Module):
         self.eps = eps
         self.proj = nn.Parameter(torch.empty(1, dim, dtype=dtype, device=device), requires_grad=False)
         self.norm = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.register_buffer("query", None, persistent=False)  # fp32 [d] once folded (serving)
+
+    def fold_query(self) -> None:
+        """Fold the key-norm weight into the pseudo-query once, after loading: the mixers would
+        otherwise redo it (three small kernels) at every call. Training never folds."""
+        self.query = self.folded_query().detach().contiguous()
+
+    def folded_query(self) -> torch.Tensor:
+        return self.query if self.query is not None else self.proj.float()[0] * self.norm.float()
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         if len(sources) == 1:
             return sources[0].float()
         v = torch.stack(sources).float()  # [m, T, d]
-        w = (self.proj.float()[0] * self.norm.float())  # fold gamma into the query
+        w = self.folded_query()  # gamma folded into the query
         scores = (v * w).sum(-1) * torch.rsqrt(v.pow(2).mean(-1) + self.eps)  # [m, T]
         alpha = torch.softmax(scores, dim=0)
         return (alpha.unsqueeze(-1) * v).sum(0)
@@ -40,7 +49,7 @@ class AttnResMixer(nn.Module):
                 and (out_norm is None or out_norm.eps == self.eps)):
             from ..ops.attn_res_triton import attn_res_mix
 
-            return attn_res_mix(torch.stack(sources), self.proj, self.norm, self.eps,
+            return attn_res_mix(torch.stack(sources), self.folded_query(), self.eps,
                                 None if out_norm is None else out_norm.weight, out_dtype)
         mixed = self(sources)
         return mixed.to(out_dtype) if out_norm is None else out_norm(mixed, out_dtype=out_dtype)

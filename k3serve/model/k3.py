@@ -73,7 +73,8 @@ class K3ForCausalLM(nn.Module):
     def fuse_projections(self) -> None:
         """For serving, after the weights are loaded: linears that read the same input become one
         GEMM and the KDA conv weights one tensor (the parameters become views: nothing is held
-        twice); MLA keeps an fp32 copy of kv_b_proj for the absorbed decode. Idempotent; training
+        twice); MLA keeps an fp32 copy of kv_b_proj for the absorbed decode; each AttnRes mixer
+        folds its key-norm weight into its pseudo-query. Idempotent; training
         skips it (and fused groups run unfused with gradients on)."""
         for m in self.modules():
             if isinstance(m, LinearGroup):
@@ -82,6 +83,8 @@ class K3ForCausalLM(nn.Module):
                 m.fuse_conv_weights()
             elif isinstance(m, MLAMixer):
                 m.cache_absorption_weight()
+            elif isinstance(m, AttnResMixer):
+                m.fold_query()
 
     def forward(self, batch: ForwardBatch, caches: CacheHandles) -> torch.Tensor:
         """Serving callers run under inference_mode (the runner does); parameters are loaded with

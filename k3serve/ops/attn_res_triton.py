@@ -23,7 +23,7 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, stride_src_m, stride_src_t, stride_out_
     mmask = mm < M
     v = tl.load(SRC + mm[:, None] * stride_src_m + t * stride_src_t + dm[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [M, D]
-    qw = tl.load(QW + dm, mask=dmask, other=0.0)  # pseudo-query with the key-norm weight folded in
+    qw = tl.load(QW + dm, mask=dmask, other=0.0).to(tl.float32)  # pseudo-query, key-norm weight folded in
     ms = tl.sum(v * v, 1) / D
     score = tl.sum(v * qw[None, :], 1) / tl.sqrt(ms + eps)
     score = tl.where(mmask, score, float("-inf"))
@@ -31,21 +31,20 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, stride_src_m, stride_src_t, stride_out_
     p = p / tl.sum(p, 0)
     mix = tl.sum(p[:, None] * v, 0)  # [D]
     if HAS_OUT_NORM:
-        mix = mix / tl.sqrt(tl.sum(mix * mix, 0) / D + eps) * tl.load(OUTW + dm, mask=dmask, other=0.0)
-    tl.store(OUT + t * stride_out_t + dm, mix, mask=dmask)
+        mix = mix / tl.sqrt(tl.sum(mix * mix, 0) / D + eps) * tl.load(OUTW + dm, mask=dmask, other=0.0).to(tl.float32)
+    tl.store(OUT + t * stride_out_t + dm, mix.to(OUT.dtype.element_ty), mask=dmask)
 
 
-def attn_res_mix(sources: torch.Tensor, proj: torch.Tensor, norm: torch.Tensor, eps: float,
-                 out_norm: torch.Tensor | None = None, out_dtype=torch.float32) -> torch.Tensor:
-    """sources [M, T, d] (M <= 16); proj [1, d] or [d]; norm [d] (key-norm weight); out_norm [d]:
-    the RMSNorm applied to the mix (None for the final mixer). Returns [T, d] in ``out_dtype``."""
+def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None = None,
+                 out_dtype=torch.float32) -> torch.Tensor:
+    """sources [M, T, d] (M <= 16); query [d]: the pseudo-query times the key-norm weight
+    (``AttnResMixer.folded_query``); out_norm [d]: the RMSNorm weight applied to the mix (None for
+    the final mixer). Returns [T, d] in ``out_dtype``, written by the kernel (no cast pass)."""
     M, T, D = sources.shape
     if sources.stride(2) != 1:
         sources = sources.contiguous()
-    qw = (proj.reshape(-1).float() * norm.float()).contiguous()
-    out = torch.empty(T, D, dtype=torch.float32, device=sources.device)
-    ow = out_norm.float().contiguous() if out_norm is not None else qw
-    _attn_res_kernel[(T,)](sources, qw, ow, out, sources.stride(0), sources.stride(1), out.stride(0), M, D, eps,
-                           HAS_OUT_NORM=out_norm is not None, BLOCK_D=triton.next_power_of_2(D),
-                           BLOCK_M=max(2, triton.next_power_of_2(M)))
-    return out.to(out_dtype)
+    out = torch.empty(T, D, dtype=out_dtype, device=sources.device)
+    _attn_res_kernel[(T,)](sources, query, out_norm if out_norm is not None else query, out, sources.stride(0),
+                           sources.stride(1), out.stride(0), M, D, eps, HAS_OUT_NORM=out_norm is not None,
+                           BLOCK_D=triton.next_power_of_2(D), BLOCK_M=max(2, triton.next_power_of_2(M)))
+    return out
