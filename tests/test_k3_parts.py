@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from k3serve.make_model import make_model
-from k3serve.model.attn_res import AttnResMixer
+from k3serve.model.attn_res import AttnResMixer, AttnResState
 from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk
 from k3serve.model.layers import glu_activation
 from k3serve.model.loader import load_model
@@ -85,6 +85,28 @@ def test_attn_res_mix_matches_formula():
     # one source is passed through exactly
     s = torch.randn(3, d)
     assert torch.equal(mixer([s]), s)
+
+
+@pytest.mark.parametrize("num_layers,block", [(6, 2), (7, 3), (4, 4), (5, 1)])
+def test_attn_res_serving_buffer_keeps_the_same_sources_as_the_list_form(num_layers, block):
+    """Serving keeps blocks and partial in one buffer updated in place (no stack per mixer); every
+    mixer must see bit for bit the sources of the list form, the partial rounded to bf16 after
+    every addition as there."""
+    g = torch.Generator().manual_seed(num_layers * 10 + block)
+    emb = torch.randn(5, 8, generator=g).bfloat16()
+    listed, buffered = (AttnResState(emb, block, num_layers, use_buffer=u) for u in (False, True))
+    assert buffered.buffer is not None and listed.buffer is None
+    m = None
+    for i in range(num_layers):
+        assert torch.equal(torch.stack(listed.token_mixer_sources(i, m)), buffered.token_mixer_sources(i, m))
+        a = torch.randn(5, 8, generator=g).bfloat16()
+        assert torch.equal(torch.stack(listed.channel_mixer_sources(i, a)), buffered.channel_mixer_sources(i, a))
+        m = torch.randn(5, 8, generator=g).bfloat16()
+    assert torch.equal(torch.stack(listed.final_sources(m)), buffered.final_sources(m))
+    mixer = AttnResMixer(8, 1e-5, torch.float32)
+    mixer.proj.data.normal_(generator=g)
+    mixer.norm.data.uniform_(0.5, 1.5, generator=g)
+    assert torch.equal(mixer(listed._sources()), mixer(buffered._sources()))
 
 
 @pytest.mark.parametrize("groups,topk_group,k", [(1, 1, 4), (4, 2, 4), (8, 3, 6)])

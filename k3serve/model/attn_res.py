@@ -32,10 +32,10 @@ class AttnResMixer(nn.Module):
     def folded_query(self) -> torch.Tensor:
         return self.query if self.query is not None else self.proj.float()[0] * self.norm.float()
 
-    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, sources: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         if len(sources) == 1:
             return sources[0].float()
-        v = torch.stack(sources).float()  # [m, T, d]
+        v = _stacked(sources).float()  # [m, T, d]
         w = self.folded_query()  # gamma folded into the query
         scores = (v * w).sum(-1) * torch.rsqrt(v.pow(2).mean(-1) + self.eps)  # [m, T]
         alpha = torch.softmax(scores, dim=0)
@@ -49,33 +49,66 @@ class AttnResMixer(nn.Module):
                 and (out_norm is None or out_norm.eps == self.eps)):
             from ..ops.attn_res_triton import attn_res_mix
 
-            return attn_res_mix(torch.stack(sources), self.folded_query(), self.eps,
+            return attn_res_mix(_stacked(sources), self.folded_query(), self.eps,
                                 None if out_norm is None else out_norm.weight, out_dtype)
         mixed = self(sources)
         return mixed.to(out_dtype) if out_norm is None else out_norm(mixed, out_dtype=out_dtype)
 
 
+def _stacked(sources: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    return sources if isinstance(sources, torch.Tensor) else torch.stack(sources)
+
+
 class AttnResState:
     """The reference bookkeeping for one forward pass: stored blocks and the running partial,
-    the partial rounded to the activation dtype after every addition (bit-close to the reference)."""
+    the partial rounded to the activation dtype after every addition (bit-close to the reference).
 
-    def __init__(self, embeddings: torch.Tensor, block_size: int):
+    Serving (autograd off) keeps the blocks and the partial as consecutive slots of one [n, T, d]
+    buffer, updated in place, so every mixer's sources are one tensor view: no stack (a copy of all
+    sources) per mixer call. Training keeps a list (in-place updates would break autograd)."""
+
+    def __init__(self, embeddings: torch.Tensor, block_size: int, num_layers: int, use_buffer: bool | None = None):
         self.block_size = block_size
         self.blocks: list[torch.Tensor] = []
         self.partial = embeddings
+        self.buffer = None
+        self.n_blocks = 0
+        if not torch.is_grad_enabled() if use_buffer is None else use_buffer:
+            self.buffer = embeddings.new_empty(-(-num_layers // block_size) + 1, *embeddings.shape)
+            self.buffer[0].copy_(embeddings)
 
-    def token_mixer_sources(self, layer: int, prev_ffn_out: torch.Tensor | None) -> list[torch.Tensor]:
+    def _add_to_partial(self, x: torch.Tensor) -> None:
+        if self.buffer is None:
+            self.partial = self.partial + x
+        else:
+            self.buffer[self.n_blocks].add_(x)
+
+    def _sources(self, with_partial: bool = True) -> list[torch.Tensor] | torch.Tensor:
+        if self.buffer is None:
+            return self.blocks + [self.partial] if with_partial else list(self.blocks)
+        return self.buffer[: self.n_blocks + with_partial]
+
+    def token_mixer_sources(self, layer: int, prev_ffn_out: torch.Tensor | None) -> list[torch.Tensor] | torch.Tensor:
         if layer > 0:
-            self.partial = self.partial + prev_ffn_out
-        if layer % self.block_size == 0:
-            self.blocks.append(self.partial)
-            return self.blocks[:-1] + [self.partial]
-        return self.blocks + [self.partial]
+            self._add_to_partial(prev_ffn_out)
+        if layer % self.block_size == 0:  # the partial becomes a stored block (the mixer reads it once)
+            if self.buffer is None:
+                self.blocks.append(self.partial)
+            else:
+                self.n_blocks += 1
+            return self._sources(with_partial=False)
+        return self._sources()
 
-    def channel_mixer_sources(self, layer: int, attn_out: torch.Tensor) -> list[torch.Tensor]:
-        self.partial = attn_out if layer % self.block_size == 0 else self.partial + attn_out
-        return self.blocks + [self.partial]
+    def channel_mixer_sources(self, layer: int, attn_out: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
+        if layer % self.block_size == 0:  # a new block's partial starts from the mixer output
+            if self.buffer is None:
+                self.partial = attn_out
+            else:
+                self.buffer[self.n_blocks].copy_(attn_out)
+        else:
+            self._add_to_partial(attn_out)
+        return self._sources()
 
-    def final_sources(self, last_ffn_out: torch.Tensor) -> list[torch.Tensor]:
-        self.partial = self.partial + last_ffn_out
-        return self.blocks + [self.partial]
+    def final_sources(self, last_ffn_out: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
+        self._add_to_partial(last_ffn_out)
+        return self._sources()

@@ -91,7 +91,7 @@ class K3ForCausalLM(nn.Module):
         requires_grad=False, so no graph is built unless a trainer turns gradients on."""
         h = self.model.embed_tokens(batch.input_ids)
         B = self.config.attn_res_block_size
-        res = AttnResState(h, B) if B else None
+        res = AttnResState(h, B, len(self.model.layers)) if B else None
         m = x = None
         layers = self.model.layers
         for i, layer in enumerate(layers):
