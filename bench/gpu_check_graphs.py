@@ -169,8 +169,21 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
                   key=lambda r: -r["ms"])
     del pool
     torch.cuda.empty_cache()
-    return {"batch": batch, "context": ctx, "kernels": sum(r["count"] for r in rows),
-            "kernel_ms": round(sum(r["ms"] for r in rows), 3), "top": rows[:top]}
+    total = sum(r["ms"] for r in rows)
+    families: dict[str, float] = {}
+    for r in rows:
+        fam = next((f for f, keys in FAMILIES if any(k in r["kernel"].lower() for k in keys)), "other")
+        families[fam] = families.get(fam, 0.0) + r["ms"]
+    return {"batch": batch, "context": ctx, "kernels": sum(r["count"] for r in rows), "kernel_ms": round(total, 3),
+            "share": {f: f"{100 * ms / total:.1f} %" for f, ms in sorted(families.items(), key=lambda x: -x[1])},
+            "top": rows[:top]}
+
+
+# Kernel name fragments by what they serve: the share of a decode step each family takes
+# ([gpu-kernels] asks the AttnRes mixers to stay under 2 % of the layer time).
+FAMILIES = (("attn_res", ("attn_res",)), ("moe", ("grouped_gemm", "_route", "align_by_expert")),
+            ("mla", ("_mla_",)), ("kda", ("kda", "fused_recurrent", "chunk_")), ("norm", ("norm",)),
+            ("dense gemm", ("gemm", "cutlass", "sm90", "nvjet", "cublas", "gemv")))
 
 
 def main() -> None:
@@ -201,7 +214,7 @@ def main() -> None:
         res["profile"] = [kernel_profile(model, rng, b, 4096, pool_bytes) for b in (1, 64)]
     for prof in res.get("profile", []):
         print(f"\nbatch {prof['batch']}, context {prof['context']}: {prof['kernels']} kernels, "
-              f"{prof['kernel_ms']} ms of kernel time\n| kernel | count | ms |\n|---|---|---|")
+              f"{prof['kernel_ms']} ms of kernel time; share: {prof['share']}\n| kernel | count | ms |\n|---|---|---|")
         for r in prof["top"]:
             print(f"| {r['kernel']} | {r['count']} | {r['ms']} |")
     Path(args.out).mkdir(parents=True, exist_ok=True)

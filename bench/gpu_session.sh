@@ -37,9 +37,10 @@ case "$1" in
     step engine "$(left 570)" python3 bench/gpu_check_engine.py
     tail -c 2500 "$OUT/model.log"; tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log"
     tar czf "$OUT/checks.tgz" -C /tmp/gpu_work . ;;
-  kernels)
-    step kernels "$(left 580)" python3 -m bench.kernels
-    tail -c 8000 "$OUT/kernels.log" ;;
+  kernels)  # then where a K3 decode step's time goes, by kernel family (AttnRes share: target < 2 %)
+    step kernels 450 python3 -m bench.kernels
+    step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
+    tail -c 8000 "$OUT/kernels.log"; grep -A3 "kernels, " "$OUT/profile_slice.log" ;;
   e2e)
     step e2e "$(left 580)" python3 -m bench.e2e --out /tmp/gpu_work
     tail -c 8000 "$OUT/e2e.log"
