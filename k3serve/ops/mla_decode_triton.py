@@ -13,11 +13,12 @@ Reference: ``mla_ref.mla_absorbed_ref``. Checked on CPU with ``TRITON_INTERPRET=
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .autotune import autotuned
 
 
 @triton.jit
@@ -78,23 +79,20 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _decode_configs() -> list:
-    """Heads per program (the latent tile is loaded once per head block), key tile and warps:
-    picked on the GPU at first use of each shape. Under the CPU interpreter, one config."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=2)
-            for bh, bn, w in ((16, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 8), (64, 32, 16))]
-
-
 def _heads_that_fit(configs, named_args, **kwargs):
     """No head block wider than the heads (rounded up to a power of two, at least 16)."""
     cap = max(16, triton.next_power_of_2(named_args["H"]))
     return [c for c in configs if c.kwargs["BLOCK_H"] <= cap] or configs[:1]
 
 
-_mla_decode_tuned = triton.autotune(_decode_configs(), key=["H", "NUM_SPLITS", "D_C", "D_PE", "PAGE"],
-                                    prune_configs_by={"early_config_prune": _heads_that_fit})(_mla_decode_split_kernel)
+# Heads per program (the latent tile is loaded once per head block), key tile and warps, picked on
+# the GPU at first use of each shape.
+_mla_decode_tuned = autotuned(
+    _mla_decode_split_kernel,
+    [triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=2)
+     for bh, bn, w in ((16, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 8), (64, 32, 16))],
+    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
+    key=["H", "NUM_SPLITS", "D_C", "D_PE", "PAGE"], prune=_heads_that_fit)
 
 
 def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) -> int:

@@ -13,11 +13,11 @@ Reference: ``moe_ref.experts_ref``. Checked on CPU with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .autotune import autotuned
 
 
 
@@ -107,17 +107,12 @@ def _grouped_gemm_kernel(
              mask=valid[:, None] & cmask[None, :])
 
 
-def _gemm_configs() -> list:
-    """Tile width and pipelining, picked on the GPU at first use of each shape (Triton's
-    autotuner times each, ~1 s a config to compile). Under the CPU interpreter, one config."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4))]
-
-
-_grouped_gemm_tuned = triton.autotune(_gemm_configs(), key=["N", "K", "MXFP4", "GLU", "BLOCK_M", "BLOCK_K"])(
-    _grouped_gemm_kernel)
+# Tile width and pipelining, picked on the GPU at first use of each shape (~1 s a config to compile).
+_grouped_gemm_tuned = autotuned(
+    _grouped_gemm_kernel,
+    [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+     for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4))],
+    triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1), key=["N", "K", "MXFP4", "GLU", "BLOCK_M", "BLOCK_K"])
 
 
 @triton.jit
