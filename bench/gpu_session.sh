@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh train     # tiny model: ~8 min of training on the H200 (issue tiny-model)
 #   bash bench/gpu_session.sh checks    # correctness: model vs fp32 reference, CUDA graphs, engine
 #   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
+#   bash bench/gpu_session.sh sweep     # MoE / MLA tile sweeps, k3-slice decode-step profile
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
@@ -41,6 +42,11 @@ case "$1" in
     step kernels 450 python3 -m bench.kernels
     step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
     tail -c 8000 "$OUT/kernels.log"; grep -A3 "kernels, " "$OUT/profile_slice.log" ;;
+  sweep)  # MoE and MLA tile sweeps (each variant checked, then timed), then the k3-slice step profile
+    step moe "$(left 330)" python3 -m bench.kernels_moe
+    step mla "$(left 470)" python3 -m bench.kernels_mla
+    step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
+    tail -c 9000 "$OUT/moe.log"; tail -c 5000 "$OUT/mla.log"; grep -A3 "kernels, " "$OUT/profile_slice.log" ;;
   e2e)
     step e2e "$(left 580)" python3 -m bench.e2e --out /tmp/gpu_work
     tail -c 8000 "$OUT/e2e.log"

@@ -2,8 +2,12 @@
 
 Checks the Triton split-KV kernel against the plain-torch absorbed reference on fresh random
 paged caches (several shapes), then times it at the issue's shape (B >= 16, 32K context, 96 heads,
-576-wide bf16 latent) next to the torch einsum baseline, as achieved TB/s on the latent bytes and
-the fraction of a device-to-device copy measured in the same run.
+576-wide bf16 latent), as achieved TB/s on the latent bytes and the fraction of a device-to-device
+copy measured in the same run, and as TFLOP/s against the bf16 matmul ceiling: with 96 heads the
+absorbed decode does 2 x 96 x (576 + 512) flops per 1,152 latent bytes, ~363 flop/byte, above the
+H200's ~165 flop/byte ridge, so it is compute-bound there and the copy ceiling is out of reach
+whatever the kernel (at 16 heads a GPU, e.g. 96 heads over TP=6, it is memory-bound). A sweep
+over head block, key tile, warps and stages at both head counts picks the autotuner's candidates.
 
 Usage: python bench/kernels_mla.py
 """
@@ -11,13 +15,15 @@ Usage: python bench/kernels_mla.py
 import torch
 import triton
 
-from bench.ceilings import copy_tbs
+import sys
 
-from k3serve.ops.mla_decode_triton import default_num_splits, mla_decode
+from bench.ceilings import copy_tbs, matmul_tflops
+
+from k3serve.ops.mla_decode_triton import _mla_decode_tuned, default_num_splits, mla_decode
 from k3serve.ops.mla_ref import mla_absorbed_ref
 
 
-def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True):
+def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None):
     g = torch.Generator(device="cuda").manual_seed(B * 7 + H)
     pages_per = -(-ctx // page)
     latent = torch.randn(B * pages_per, page, rkv + dr, device="cuda", generator=g).bfloat16()
@@ -26,7 +32,7 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True):
     q = torch.randn(B, H, rkv + dr, device="cuda", generator=g)
     scale = 192 ** -0.5
     splits = splits or default_num_splits(B, H, pages_per * page, torch.cuda.get_device_properties(0).multi_processor_count)
-    run = lambda: mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits)  # noqa: E731
+    run = lambda: mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits, tiles=tiles)  # noqa: E731
     out = run()
     row = {"B": B, "H": H, "ctx": ctx, "splits": splits}
     if check:
@@ -36,20 +42,49 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True):
         row["rel_err"] = ((out - ref).norm() / ref.norm()).item()
     ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
     nbytes = B * ctx * (rkv + dr) * 2
-    row.update(ms=ms, tbs=nbytes / (ms * 1e-3) / 1e12)
+    row.update(ms=ms, tbs=nbytes / (ms * 1e-3) / 1e12, tflops=2 * B * H * ctx * (2 * rkv + dr) / (ms * 1e-3) / 1e12)
+    c = getattr(_mla_decode_tuned, "best_config", None)
+    if tiles is None and c is not None:
+        row["config"] = f"{c.kwargs['BLOCK_H']},{c.kwargs['BLOCK_N']},{c.num_warps},{c.num_stages}"
     return row
 
 
+SWEEP = [(16, 32, 4, 2), (16, 64, 4, 3), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2),
+         (64, 64, 8, 2), (64, 32, 8, 3), (64, 16, 4, 2), (64, 32, 4, 2), (64, 64, 4, 2), (64, 128, 8, 1), (64, 64, 16, 2),
+         (16, 32, 2, 3), (16, 64, 4, 2)]
+
+
 def main():
-    ceil = copy_tbs()
-    print(f"copy ceiling {ceil:.2f} TB/s")
+    ceil, mm = copy_tbs(), matmul_tflops()
+    print(f"copy ceiling {ceil:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    head = ("| B | heads | context | splits | tiles (BLOCK_H, BLOCK_N, warps, stages) | time ms | latent TB/s | % of copy "
+            "| TFLOP/s | % of matmul | rel err |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def show(r):
+        print(f"| {r['B']} | {r['H']} | {r['ctx']} | {r['splits']} | {r.get('config', 'autotuned')} | {r['ms']:.3f} | "
+              f"{r['tbs']:.2f} | {100 * r['tbs'] / ceil:.0f} % | {r['tflops']:.0f} | {100 * r['tflops'] / mm:.0f} % | "
+              f"{r.get('rel_err', float('nan')):.2e} |", flush=True)
+
+    if "--no-sweep" not in sys.argv:
+        print(head)
+        for B, H in ((16, 96), (64, 16)):
+            for bh, bn, w, st in SWEEP:
+                if bh > max(16, triton.next_power_of_2(H)):
+                    continue
+                try:
+                    r = case(B, H, 32768, check=False, tiles=dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st))
+                except Exception as exc:  # a tile that does not fit is skipped
+                    print(f"| {B} | {H} | 32768 | | {bh},{bn},{w},{st} | failed: {type(exc).__name__}: {str(exc)[:200]!r} ||||||")
+                    continue
+                r["config"] = f"{bh},{bn},{w},{st}"
+                show(r)
     rows = [case(2, 16, 300, check=True), case(3, 96, 1000, check=True), case(16, 96, 4096, check=True)]
     rows += [case(B, 96, 32768, check=False) for B in (16, 32, 64)]
-    print("| B | heads | context | splits | time ms | latent TB/s | % of copy | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows += [case(B, 16, 32768, check=False) for B in (16, 64)]
+    print("\nautotuned (as the model calls it):")
+    print(head)
     for r in rows:
-        print(f"| {r['B']} | {r['H']} | {r['ctx']} | {r['splits']} | {r['ms']:.3f} | {r['tbs']:.2f} | "
-              f"{100 * r['tbs'] / ceil:.0f} % | {r.get('rel_err', float('nan')):.2e} |")
+        show(r)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
 """Routed-expert kernel check + timing on the GPU ([gpu-kernels] item 3; not a CI test).
 
-The Triton grouped GEMM (MXFP4 dequantised in registers, and bf16) against the plain-torch
-per-expert reference on fresh random routing, then timed on K3's latent experts (896 experts,
-top-16, width 3584, intermediate 3072): decode 1..64 tokens as TB/s on the expert bytes actually
-read (targets >= 60 % of copy), prefill 8K tokens as TFLOP/s (target >= 50 % of the bf16 matmul
-ceiling), each next to the reference loop and with both ceilings measured in the same run.
+The Triton grouped GEMM (MXFP4 upcast in registers by tl.dot_scaled, and bf16) against the
+plain-torch per-expert reference on fresh random routing, then timed on K3's latent experts (896
+MXFP4 experts, top-16, width 3584, intermediate 3072): decode 1..64 tokens as TB/s on the expert
+bytes actually read (target >= 60 % of copy), prefill 8K tokens as TFLOP/s (target >= 50 % of the
+bf16 matmul ceiling), each next to the reference loop and with both ceilings measured in the same
+run. A sweep over tile shapes and MMA orientation comes first (every variant checked against the
+reference, so a fast wrong tile cannot win); its winners are the autotuner's candidates
+(``moe_triton.GROUPED_GEMM_CONFIGS``). Kimi-Linear's bf16 experts (256, top-8, 2304 x 1024) get
+the same decode sweep.
 
-Usage: python bench/kernels_moe.py
+Usage: python bench/kernels_moe.py [--no-sweep]
 """
+
+import sys
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -16,7 +23,61 @@ from bench.ceilings import copy_tbs, matmul_tflops
 
 from k3serve.model.loader import load_model
 from k3serve.ops.moe_ref import experts_ref
-from k3serve.ops.moe_triton import experts_triton
+from k3serve.ops.moe_triton import _grouped_gemm_tuned, experts_triton
+
+# (block_m, BLOCK_N, SWAP_AB, BLOCK_K, warps, stages)
+DECODE_VARIANTS = ([(16, bn, swap, bk, 4, st) for bn in (32, 64, 128) for swap in (False, True) for bk in (128, 256)
+                    for st in (3, 4)]
+                   + [(16, 128, False, 128, 8, 3), (16, 128, True, 128, 8, 3), (16, 256, True, 128, 8, 3),
+                      (16, 32, True, 256, 2, 4), (16, 32, False, 256, 2, 4)])
+PREFILL_VARIANTS = [(bm, bn, swap, bk, w, 3) for bm, bn in ((64, 128), (128, 128), (64, 256)) for swap in (False, True)
+                    for bk in (64, 128) for w in (4, 8) if not (bn == 256 and bk == 128)]
+
+
+def routing(moe, d, T):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    xin = torch.randn(T, d, device="cuda", generator=g).bfloat16()
+    w, ids = moe.gate(xin)
+    return xin, w, ids
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def sweep(ex, cases, variants, copy, mm, label):
+    """Every variant on every (tokens, x, weights, ids, reference) case: checked, then timed."""
+    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages)")
+    print("| tokens | variant | ms | TB/s | % copy | TFLOP/s | % matmul | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
+    for T, z, w, ids, ref in cases:
+        gbytes = int(torch.unique(ids).numel()) * per_expert / 1e9
+        flops = 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
+        for bm, bn, swap, bk, nw, st in variants:
+            tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
+            run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles)  # noqa: E731
+            try:
+                err = rel(run(), ref) if ref is not None else float("nan")
+                ms = triton.testing.do_bench(run, warmup=5, rep=60, return_mode="median")
+            except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
+                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
+                continue
+            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st} | {ms:.3f} | {gbytes / ms:.2f} | "
+                  f"{100 * gbytes / ms / copy:.0f} % | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
+                  f"{err:.2e} |", flush=True)
+
+
+def kimi_linear_experts():
+    """Kimi-Linear-48B's routed experts (bf16, 256 x [1024, 2304]), random, without the model."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    E, inter, d = 256, 1024, 2304
+    w = {n: (torch.randn(E, *shape, device="cuda", generator=g) * shape[1] ** -0.5).bfloat16()
+         for n, shape in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter)))}
+    ex = SimpleNamespace(num_experts=E, dtype=torch.bfloat16, mxfp4=False, intermediate=inter, out_features=d,
+                         act=("silu", 1.0, None), **w)
+    ex.expert = lambda e: (ex.w1[e], ex.w2[e], ex.w3[e])
+    return ex
 
 
 def main():
@@ -26,24 +87,44 @@ def main():
     moe = model.model.layers[1].block_sparse_moe
     ex = moe.experts
     d = model.config.hidden_size
+    ref_of = lambda z, w, ids: experts_ref(z, w, ids, ex.expert, *ex.act)  # noqa: E731
+    cases = {}
+    for T in (1, 16, 64, 8192):
+        xin, w, ids = routing(moe, d, T)
+        z = moe.routed_expert_down_proj(xin)
+        cases[T] = (T, z, w, ids, ref_of(z, w, ids))  # 8K tokens too: the prefill tiles are checked
+    if "--no-sweep" not in sys.argv:
+        sweep(ex, [cases[T] for T in (1, 16, 64)], DECODE_VARIANTS, copy, mm, "K3 MXFP4 experts, decode")
+        sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill")
+        kl = kimi_linear_experts()
+        kl_cases = []
+        for T in (1, 16, 64):
+            g = torch.Generator(device="cuda").manual_seed(T)
+            ids = torch.stack([torch.randperm(kl.num_experts, device="cuda", generator=g)[:8] for _ in range(T)])
+            w = torch.rand(T, 8, device="cuda", generator=g)
+            z = torch.randn(T, 2304, device="cuda", generator=g).bfloat16()
+            kl_cases.append((T, z, w, ids, experts_ref(z.float(), w, ids, lambda e: tuple(t.float() for t in kl.expert(e)),
+                                                       *kl.act)))
+        sweep(kl, kl_cases, DECODE_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
+    print("\nautotuned default (experts_triton as the model calls it):")
     print("| tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for T in (1, 16, 64, 8192):
-        g = torch.Generator(device="cuda").manual_seed(T)
-        xin = torch.randn(T, d, device="cuda", generator=g).bfloat16()
-        w, ids = moe.gate(xin)
-        z = moe.routed_expert_down_proj(xin)
+    for T, z, w, ids, ref in cases.values():
         ours = lambda: experts_triton(z, w, ids, ex)  # noqa: E731
-        ref = lambda: experts_ref(z, w, ids, ex.expert, *ex.act)  # noqa: E731
-        err = ((ours() - ref()).norm() / ref().norm()).item() if T <= 64 else float("nan")
+        err = rel(ours(), ref) if ref is not None else float("nan")
         t_ours = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")
-        t_ref = triton.testing.do_bench(ref, warmup=3, rep=20, return_mode="median") if T <= 64 else float("nan")
+        t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
+                                        return_mode="median") if T <= 64 else float("nan")
         hit = int(torch.unique(ids).numel())
         per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
         gbytes = hit * per_expert / 1e9
         flops = 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
         print(f"| {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
-              f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | {100 * flops / t_ours / 1e9 / mm:.0f} % |")
+              f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | {100 * flops / t_ours / 1e9 / mm:.0f} % |",
+              flush=True)
+
+    for key, c in _grouped_gemm_tuned.cache.items():  # what the autotuner picked per shape
+        print(f"tuned {key}: {c.kwargs} warps {c.num_warps} stages {c.num_stages}")
 
 
 if __name__ == "__main__":

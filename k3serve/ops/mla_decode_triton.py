@@ -25,7 +25,7 @@ from .autotune import autotuned
 def _mla_decode_split_kernel(
     Q, KV, BT, SL, O, LSE,
     stride_qb, stride_qh, stride_kvp, stride_kvt, stride_btb, stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh, scale, H, NUM_SPLITS,
+    stride_lb, stride_lh, scale, H, NUM_SPLITS, CTX_BUCKET,
     PAGE: tl.constexpr, D_C: tl.constexpr, D_PE: tl.constexpr,
     D_C_P: tl.constexpr, D_PE_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -86,13 +86,16 @@ def _heads_that_fit(configs, named_args, **kwargs):
 
 
 # Heads per program (the latent tile is loaded once per head block), key tile and warps, picked on
-# the GPU at first use of each shape.
+# the GPU at first use of each shape: the winners of bench/kernels_mla.py's sweep on the H200 (96
+# heads: 64 / 64 / 8 warps, 1.7x the next; 16 heads: 16 / 32 / 4 warps). Keyed also on the table
+# width rounded up to a power of two (CTX_BUCKET, not read by the kernel): a config tuned on short
+# tables was 1.7x slower at 32K.
 _mla_decode_tuned = autotuned(
     _mla_decode_split_kernel,
     [triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=2)
-     for bh, bn, w in ((16, 32, 4), (32, 32, 8), (32, 64, 8), (64, 32, 8), (64, 32, 16))],
+     for bh, bn, w in ((16, 32, 4), (32, 32, 4), (32, 64, 8), (64, 64, 8))],
     triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
-    key=["H", "NUM_SPLITS", "D_C", "D_PE", "PAGE"], prune=_heads_that_fit)
+    key=["H", "NUM_SPLITS", "CTX_BUCKET", "D_C", "D_PE", "PAGE"], prune=_heads_that_fit)
 
 
 def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) -> int:
@@ -104,12 +107,12 @@ def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) 
 
 
 def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               kv_lora_rank: int, scale: float, num_splits: int | None = None, block_h: int | None = None,
-               block_n: int = 32) -> torch.Tensor:
+               kv_lora_rank: int, scale: float, num_splits: int | None = None, tiles: dict | None = None) -> torch.Tensor:
     """q_abs [B, H, rkv+dr]; latent_pages [num_pages, page, rkv+dr] (any page stride); block_table
     [B, max_pages]; seq_lens [B] (tokens to attend, >= 1). Returns the latent-space output
     [B, H, rkv] fp32 (unabsorb through W_UV afterwards). ``num_splits`` None: from the batch, the
-    heads and the table's width (static for a CUDA graph); ``block_h`` None: autotuned."""
+    heads and the table's width (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps,
+    num_stages) None: autotuned."""
     B, H, width = q_abs.shape
     d_pe = width - kv_lora_rank
     if latent_pages.stride(2) != 1 or latent_pages.stride(1) != width:
@@ -121,16 +124,12 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
         num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], _sm_count(q_abs.device))
     partial = torch.empty(B, H, num_splits, kv_lora_rank, dtype=torch.float32, device=q_abs.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_abs.device)
-    if block_h is None:
-        kernel, tiles = _mla_decode_tuned, {}
-    else:
-        kernel, tiles = _mla_decode_split_kernel, dict(BLOCK_H=max(16, min(block_h, triton.next_power_of_2(H))),
-                                                       BLOCK_N=block_n)
+    kernel, tiles = (_mla_decode_tuned, {}) if tiles is None else (_mla_decode_split_kernel, tiles)
     kernel[lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]), num_splits)](
         q_abs, latent_pages, block_table, seq_lens, partial, lse,
         q_abs.stride(0), q_abs.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), scale, H,
-        NUM_SPLITS=num_splits, PAGE=latent_pages.shape[1], D_C=kv_lora_rank, D_PE=d_pe,
+        num_splits, triton.next_power_of_2(block_table.shape[1] * latent_pages.shape[1]), PAGE=latent_pages.shape[1], D_C=kv_lora_rank, D_PE=d_pe,
         D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)), D_PE_P=max(16, triton.next_power_of_2(d_pe)),
         **tiles,
     )

@@ -50,16 +50,46 @@ def _mx_group(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we, str
 
 
 @triton.jit
+def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
+                         MXFP4: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ W[e][cols, k0:k0+BLOCK_K]^T (or its transpose with SWAP_AB). MXFP4 goes through
+    tl.dot_scaled: Triton upcasts the E2M1 codes and E8M0 scales to bf16 in registers on Hopper
+    (no FP4 tensor cores) with its own conversion, far fewer instructions than a decode written
+    here, and the packed tile is loaded [cols, BLOCK_K / 2] straight from the checkpoint layout.
+    SWAP_AB computes W @ a^T: the weight tile becomes the M side of the MMA, so a decode step's
+    handful of rows per expert sits on the small N side instead of padding M to 16 or 64."""
+    if MXFP4:
+        kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        w = tl.load(W + e * stride_we + cols[:, None] * stride_wn + kh[None, :], mask=cmask[:, None], other=0)
+        s = tl.load(S + e * stride_se + cols[:, None] * stride_sn + ks[None, :], mask=cmask[:, None], other=127)
+        if SWAP_AB:  # (one return per path: Triton 3.6 also traces a return after a taken constexpr if)
+            acc = tl.dot_scaled(w, s, "e2m1", tl.trans(a), None, "bf16", acc=acc)
+        else:
+            acc = tl.dot_scaled(a, None, "bf16", tl.trans(w), s, "e2m1", acc=acc)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(W + e * stride_we + cols[:, None] * stride_wn + kk[None, :], mask=cmask[:, None], other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(w.to(a.dtype), tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     num_assign, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
-    MXFP4: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr,
+    LINEAR_CLIP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
-    epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). MXFP4 weights are decoded in registers
-    one 32-wide scale group at a time (BLOCK_K a multiple of 32)."""
+    epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). MXFP4 weights are upcast in registers:
+    by tl.dot_scaled for bf16 activations (DOT_SCALED), else decoded here one 32-wide scale group
+    at a time (fp32 activations: the exact path the CPU tests hold to 1e-5)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
@@ -68,29 +98,34 @@ def _grouped_gemm_kernel(
     tok = tl.where(valid, rows // top_k, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # The grid may still hold blocks of padding only (a batch whose experts each get a few rows);
     # valid rows lead each block, so its first row says whether any is valid. An empty block skips
     # the K loop: it must not stream its expert's weights.
     k_end = tl.where(tl.load(ROWS + pid_m * BLOCK_M) < num_assign, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
-        if MXFP4:
+        if MXFP4 and not DOT_SCALED:
             for g in tl.static_range(BLOCK_K // 32):
-                acc += _mx_group(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we, stride_wn,
+                part = _mx_group(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we, stride_wn,
                                  stride_se, stride_sn)
+                acc += tl.trans(part) if SWAP_AB else part
                 if GLU:
-                    acc_up += _mx_group(X, W_UP, S_UP, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
-                                        stride_wn, stride_se, stride_sn)
+                    part = _mx_group(X, W_UP, S_UP, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
+                                     stride_wn, stride_se, stride_sn)
+                    acc_up += tl.trans(part) if SWAP_AB else part
         else:
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(X + tok[:, None] * stride_xt + ks[None, :], mask=valid[:, None], other=0.0)
-            w_ptr = e * stride_we + cols[:, None] * stride_wn + ks[None, :]
-            w = tl.load(W + w_ptr, mask=cmask[:, None], other=0.0)
-            acc += tl.dot(a, tl.trans(w.to(a.dtype))).to(tl.float32)
+            a = tl.load(X + tok[:, None] * stride_xt + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
+                        other=0.0)
+            acc = _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
+                                       MXFP4, SWAP_AB, BLOCK_K)
             if GLU:
-                wu = tl.load(W_UP + w_ptr, mask=cmask[:, None], other=0.0)
-                acc_up += tl.dot(a, tl.trans(wu.to(a.dtype))).to(tl.float32)
+                acc_up = _weight_tile_product(a, W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se,
+                                              stride_sn, acc_up, MXFP4, SWAP_AB, BLOCK_K)
     if GLU:
         sig = tl.sigmoid(acc)
         if SITU:
@@ -101,18 +136,27 @@ def _grouped_gemm_kernel(
             acc = gate * up
         else:
             acc = acc * sig * acc_up
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if HAS_ROW_SCALE:  # the routing weight of each assignment, applied in the epilogue
         acc = acc * tl.load(ROW_SCALE + tl.where(valid, rows, 0), mask=valid, other=0.0)[:, None]
     tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc.to(OUT.dtype.element_ty),
              mask=valid[:, None] & cmask[None, :])
 
 
-# Tile width and pipelining, picked on the GPU at first use of each shape (~1 s a config to compile).
+# Tile width, orientation and pipelining, picked on the GPU at first use of each shape (~1 s a
+# config to compile): the winners of bench/kernels_moe.py's sweep on the H200 (RESULTS.md, fifth
+# session). MXFP4 decode: 64 wide, 4 warps, 3 stages (K3's 16 to 64 tokens); 32 wide, 2 warps,
+# swapped (1 token). MXFP4 prefill: 128 wide, 8 warps (row blocks of 128). bf16 decode: any of
+# them is within a few % at 16-64 tokens.
+GROUPED_GEMM_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
+    for bn, swap, w, st in ((64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3),
+                            (128, False, 4, 4))]
 _grouped_gemm_tuned = autotuned(
-    _grouped_gemm_kernel,
-    [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-     for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4))],
-    triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1), key=["N", "K", "MXFP4", "GLU", "BLOCK_M", "BLOCK_K"])
+    _grouped_gemm_kernel, GROUPED_GEMM_CONFIGS,
+    triton.Config({"BLOCK_N": 32, "SWAP_AB": False}, num_warps=4, num_stages=1),
+    key=["N", "K", "MXFP4", "DOT_SCALED", "GLU", "BLOCK_M", "BLOCK_K"])
 
 
 @triton.jit
@@ -254,18 +298,22 @@ def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
-                 block_n: int | None = None, block_k: int | None = None, up: tuple | None = None,
+                 block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``. ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
     [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
     epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights).
-    ``block_n`` None: the autotuned tile width (and warps, stages) for this shape."""
+    ``tiles`` (BLOCK_N, SWAP_AB, num_warps, num_stages) None: autotuned for this shape. MXFP4 with
+    bf16 activations goes through tl.dot_scaled, with K tiles of up to 128 (64 packed bytes a
+    weight row); fp32 activations take the exact hand-decoded path."""
     mx = scale is not None
+    dot_scaled = mx and x.dtype == torch.bfloat16
     K = x.shape[1]
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
-        block_k = next((b for b in (64, 32, 16) if K % b == 0 and not (mx and b % 32)), 64)
+        widths = (128, 64, 32) if dot_scaled else (64, 32, 16)
+        block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
     if K % block_k or (mx and block_k % 32):
         raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and of 32 for MXFP4)")
     out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
@@ -277,13 +325,13 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     # and number at most num_assign: at batch 1 that is 16 blocks of the ~840 the buffer has room
     # for (K3, top-16 of 896), so ~98 % of the programs are never launched.
     row_blocks = min(rows.numel() // block_m, num_assign)
-    kernel, tiles = (_grouped_gemm_tuned, {}) if block_n is None else (_grouped_gemm_kernel, {"BLOCK_N": block_n})
+    kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, tiles)
     kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]))](
         x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
         float(beta), float(linear_beta or 1.0),
-        MXFP4=mx, GLU=up is not None, SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
+        MXFP4=mx, DOT_SCALED=dot_scaled, GLU=up is not None, SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
         HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, **tiles,
     )
     return out
@@ -293,12 +341,12 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
                    **blocks) -> torch.Tensor:
     """Drop-in for ``moe_ref.experts_ref`` over a ``model.moe.RoutedExperts``: gate/up GEMM, GLU,
     down GEMM, weighted sum (fp32). No host sync. Row blocks of 16 while experts see a few rows
-    each (decode); of 64 once they see dozens (prefill), so each decoded weight tile serves 4x the
-    rows."""
+    each (decode); of 64 once they see dozens and 128 past a hundred (prefill), so each upcast
+    weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64 on the H200)."""
     T, top_k = ids.shape
     E = experts.num_experts
-    if block_m is None:
-        block_m = 16 if T * top_k < 16 * E else 64
+    if block_m is None:  # rows per expert on average: a few (decode), dozens, or a hundred and more
+        block_m = 16 if T * top_k < 16 * E else 64 if T * top_k < 128 * E else 128
     rows, block_expert = sort_by_expert(ids, E, block_m)
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
