@@ -97,7 +97,11 @@ def slice_decode(model, batches, contexts, copy_ceiling) -> list[dict]:
             pool = UnifiedPool(model.config, B * (lay.slot_bytes + pages_per * lay.page_bytes) + (1 << 20),
                                model.dtype, "cuda", PAGE)
             slots = [pool.alloc_slot() for _ in range(B)]
-            chunks = [SeqChunk([1], ctx, slots[i], [pool.alloc_page() for _ in range(pages_per)]) for i in range(B)]
+            # a different token per sequence: identical tokens route every row to the same 16
+            # experts and would time a batch as if it read one token's experts
+            tokens = torch.randint(0, model.config.vocab_size - 300, (B,), generator=torch.Generator().manual_seed(B))
+            chunks = [SeqChunk([int(tokens[i])], ctx, slots[i], [pool.alloc_page() for _ in range(pages_per)])
+                      for i in range(B)]
 
             def eager():
                 with torch.inference_mode():

@@ -1,14 +1,15 @@
 """Routed-expert kernel check + timing on the GPU ([gpu-kernels] item 3; not a CI test).
 
-The Triton grouped GEMM (MXFP4 upcast in registers by tl.dot_scaled, and bf16) against the
-plain-torch per-expert reference on fresh random routing, then timed on K3's latent experts (896
-MXFP4 experts, top-16, width 3584, intermediate 3072): decode 1..64 tokens as TB/s on the expert
+The Triton grouped GEMM (MXFP4 upcast in registers by tl.dot_scaled or by the word-wide bit
+upcast "swar", and bf16) against the plain-torch per-expert reference on fresh random routing,
+then timed on K3's latent experts (896 MXFP4 experts, top-16, width 3584, intermediate 3072):
+decode 1..64 tokens as TB/s on the expert
 bytes actually read (target >= 60 % of copy), prefill 8K tokens as TFLOP/s (target >= 50 % of the
 bf16 matmul ceiling), each next to the reference loop and with both ceilings measured in the same
 run. A sweep over tile shapes and MMA orientation comes first (every variant checked against the
 reference, so a fast wrong tile cannot win); its winners are the autotuner's candidates
 (``moe_triton.GROUPED_GEMM_CONFIGS``). Kimi-Linear's bf16 experts (256, top-8, 2304 x 1024) get
-the same decode sweep.
+a short decode sweep.
 
 Usage: python bench/kernels_moe.py [--no-sweep]
 """
@@ -25,13 +26,15 @@ from k3serve.model.loader import load_model
 from k3serve.ops.moe_ref import experts_ref
 from k3serve.ops.moe_triton import _grouped_gemm_tuned, experts_triton
 
-# (block_m, BLOCK_N, SWAP_AB, BLOCK_K, warps, stages)
-DECODE_VARIANTS = ([(16, bn, swap, bk, 4, st) for bn in (32, 64, 128) for swap in (False, True) for bk in (128, 256)
-                    for st in (3, 4)]
-                   + [(16, 128, False, 128, 8, 3), (16, 128, True, 128, 8, 3), (16, 256, True, 128, 8, 3),
-                      (16, 32, True, 256, 2, 4), (16, 32, False, 256, 2, 4)])
-PREFILL_VARIANTS = [(bm, bn, swap, bk, w, 3) for bm, bn in ((64, 128), (128, 128), (64, 256)) for swap in (False, True)
-                    for bk in (64, 128) for w in (4, 8) if not (bn == 256 and bk == 128)]
+# (block_m, BLOCK_N, SWAP_AB, BLOCK_K, warps, stages, MXFP4 upcast). The fifth session's sweep
+# (RESULTS.md) covered dot_scaled over these tiles; its best are kept as the baseline here.
+DECODE_VARIANTS = ([(16, 64, False, 128, 4, 3, "dot_scaled"), (16, 32, True, 256, 2, 4, "dot_scaled")]
+                   + [(16, bn, swap, bk, w, st, "swar") for bn in (32, 64, 128) for swap in (False, True)
+                      for bk in (128, 256) for w, st in ((4, 3), (4, 4), (2, 4)) if not (bn == 128 and bk == 256)])
+PREFILL_VARIANTS = ([(128, 128, False, 128, 8, 3, "dot_scaled"), (64, 128, False, 64, 4, 3, "dot_scaled")]
+                    + [(bm, bn, swap, 128, w, 3, "swar") for bm in (64, 128) for bn in (64, 128)
+                       for swap in (False, True) for w in (4, 8)])
+BF16_VARIANTS = [(16, 64, False, 128, 4, 3, None), (16, 32, False, 128, 4, 3, None), (16, 128, True, 128, 8, 3, None)]
 
 
 def routing(moe, d, T):
@@ -47,23 +50,23 @@ def rel(a, b):
 
 def sweep(ex, cases, variants, copy, mm, label):
     """Every variant on every (tokens, x, weights, ids, reference) case: checked, then timed."""
-    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages)")
+    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages, upcast)")
     print("| tokens | variant | ms | TB/s | % copy | TFLOP/s | % matmul | rel err |")
     print("|---|---|---|---|---|---|---|---|")
     per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
     for T, z, w, ids, ref in cases:
         gbytes = int(torch.unique(ids).numel()) * per_expert / 1e9
         flops = 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
-        for bm, bn, swap, bk, nw, st in variants:
+        for bm, bn, swap, bk, nw, st, upcast in variants:
             tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
-            run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles)  # noqa: E731
+            run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles, upcast=upcast)  # noqa: E731
             try:
                 err = rel(run(), ref) if ref is not None else float("nan")
                 ms = triton.testing.do_bench(run, warmup=5, rep=60, return_mode="median")
             except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
-                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
+                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{upcast} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
                 continue
-            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st} | {ms:.3f} | {gbytes / ms:.2f} | "
+            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{upcast} | {ms:.3f} | {gbytes / ms:.2f} | "
                   f"{100 * gbytes / ms / copy:.0f} % | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
                   f"{err:.2e} |", flush=True)
 
@@ -105,24 +108,28 @@ def main():
             z = torch.randn(T, 2304, device="cuda", generator=g).bfloat16()
             kl_cases.append((T, z, w, ids, experts_ref(z.float(), w, ids, lambda e: tuple(t.float() for t in kl.expert(e)),
                                                        *kl.act)))
-        sweep(kl, kl_cases, DECODE_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
-    print("\nautotuned default (experts_triton as the model calls it):")
-    print("| tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for T, z, w, ids, ref in cases.values():
-        ours = lambda: experts_triton(z, w, ids, ex)  # noqa: E731
-        err = rel(ours(), ref) if ref is not None else float("nan")
-        t_ours = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")
-        t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
-                                        return_mode="median") if T <= 64 else float("nan")
-        hit = int(torch.unique(ids).numel())
-        per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
-        gbytes = hit * per_expert / 1e9
-        flops = 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
-        print(f"| {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
-              f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | {100 * flops / t_ours / 1e9 / mm:.0f} % |",
-              flush=True)
-
+        sweep(kl, kl_cases, BF16_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
+    print("\nautotuned tiles (experts_triton as the model calls it; upcast: K3SERVE_MXFP4_UPCAST):")
+    print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for upcast in ("dot_scaled", "swar"):
+        for T, z, w, ids, ref in cases.values():
+            ours = lambda: experts_triton(z, w, ids, ex, upcast=upcast)  # noqa: E731
+            try:
+                err = rel(ours(), ref)
+                t_ours = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")
+            except Exception as exc:  # the other upcast's figures must still print
+                print(f"| {upcast} | {T} | failed: {type(exc).__name__}: {str(exc)[:300]!r} |||||||||", flush=True)
+                continue
+            t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
+                                            return_mode="median") if T <= 64 and upcast == "dot_scaled" else float("nan")
+            hit = int(torch.unique(ids).numel())
+            per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
+            gbytes = hit * per_expert / 1e9
+            flops = 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
+            print(f"| {upcast} | {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
+                  f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | "
+                  f"{100 * flops / t_ours / 1e9 / mm:.0f} % |", flush=True)
     for key, c in _grouped_gemm_tuned.cache.items():  # what the autotuner picked per shape
         print(f"tuned {key}: {c.kwargs} warps {c.num_warps} stages {c.num_stages}")
 
