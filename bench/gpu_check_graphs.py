@@ -147,15 +147,18 @@ def engine_match(model, rng, n_prompts) -> dict:
     return res
 
 
-def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int = 25) -> dict:
-    """Where a decode step's GPU time goes: the eager step (the same kernels a graph replays) under
-    the profiler, kernels grouped by name. The sum of kernel time vs the graph step's wall time
-    says how much is launch gaps; the count is the number of graph nodes."""
+def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int = 25, new_tokens: int = 1) -> dict:
+    """Where a step's GPU time goes: the eager step (for decode, the same kernels a graph
+    replays) under the profiler, kernels grouped by name. The sum of kernel time vs the graph
+    step's wall time says how much is launch gaps; the count is the number of graph nodes.
+    ``new_tokens`` > 1: a prefill step instead, ``batch`` fresh prompts of that many tokens."""
     from torch.profiler import ProfilerActivity, profile
 
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
-    max_pages = -(-(ctx + 16) // PAGE)
-    chunks = [SeqChunk([rng.randrange(1000)], ctx, pool.alloc_slot(), [pool.alloc_page() for _ in range(max_pages)])
+    max_pages = -(-(ctx + new_tokens + 16) // PAGE)
+    start = ctx if new_tokens == 1 else 0
+    chunks = [SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(new_tokens)], start,
+                       pool.alloc_slot(), [pool.alloc_page() for _ in range(max_pages)])
               for _ in range(batch)]
     eager_step(model, pool, chunks)
     torch.cuda.synchronize()
@@ -175,7 +178,7 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
     for r in rows:
         fam = next((f for f, keys in FAMILIES if any(k in r["kernel"].lower() for k in keys)), "other")
         families[fam] = families.get(fam, 0.0) + r["ms"]
-    return {"batch": batch, "context": ctx, "kernels": sum(r["count"] for r in rows), "kernel_ms": round(total, 3),
+    return {"batch": batch, "context": ctx, "new_tokens": new_tokens, "kernels": sum(r["count"] for r in rows), "kernel_ms": round(total, 3),
             "share": {f: f"{100 * ms / total:.1f} %" for f, ms in sorted(families.items(), key=lambda x: -x[1])},
             "top": rows[:top]}
 
@@ -194,7 +197,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, engine, profile")
+                    help="comma-separated subset of check, timing, engine, profile, profile_prefill")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     rng = random.Random(0)
@@ -213,8 +216,12 @@ def main() -> None:
         print(json.dumps(res["engine"]))
     if "profile" in parts:
         res["profile"] = [kernel_profile(model, rng, b, 4096, pool_bytes) for b in (1, 64)]
+    if "profile_prefill" in parts:  # the engine's default 8192-token step: 4 prompts of 2048, 1 of 8192
+        res["profile"] = res.get("profile", []) + [kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
+                                                   for b, n in ((4, 2048), (1, 8192))]
     for prof in res.get("profile", []):
-        print(f"\nbatch {prof['batch']}, context {prof['context']}: {prof['kernels']} kernels, "
+        print(f"\nbatch {prof['batch']} x {prof['new_tokens']} new tokens, context {prof['context']}: "
+              f"{prof['kernels']} kernels, "
               f"{prof['kernel_ms']} ms of kernel time; share: {prof['share']}\n| kernel | count | ms |\n|---|---|---|")
         for r in prof["top"]:
             print(f"| {r['kernel']} | {r['count']} | {r['ms']} |")

@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh checks    # correctness: model vs fp32 reference, CUDA graphs, engine
 #   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
 #   bash bench/gpu_session.sh sweep     # MoE / MLA tile sweeps, k3-slice decode-step profile
+#   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
@@ -47,6 +48,10 @@ case "$1" in
     step mla "$(left 470)" python3 -m bench.kernels_mla
     step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
     tail -c 9000 "$OUT/moe.log"; tail -c 5000 "$OUT/mla.log"; grep -A3 "kernels, " "$OUT/profile_slice.log" ;;
+  profile48)  # where kimi-linear-48b's decode (batch 1, 64) and 8K-token prefill steps spend GPU time
+    step profile48 "$(left 580)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts profile,profile_prefill --out /tmp/gpu_work
+    grep -A12 "kernels, " "$OUT/profile48.log" ;;
   e2e)
     step e2e "$(left 580)" python3 -m bench.e2e --out /tmp/gpu_work
     tail -c 8000 "$OUT/e2e.log"
@@ -75,6 +80,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|e2e|engine|agentic"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
