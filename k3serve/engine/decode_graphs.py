@@ -15,7 +15,6 @@ slow for long contexts). ``capture_blockers`` names what is missing; the engine 
 from __future__ import annotations
 
 import logging
-import os
 from itertools import chain
 
 import numpy as np
@@ -24,6 +23,7 @@ import torch
 from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
+from ..ops.backend import triton_enabled
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 def capture_blockers(device: torch.device) -> list[str]:
     """Why decode steps of this process cannot be captured (empty: they can)."""
-    why = []
     if device.type != "cuda":
-        why.append("not a CUDA device")
-    if os.environ.get("K3SERVE_MOE_BACKEND", "torch") != "triton":
+        return ["not a CUDA device"]
+    why = []
+    if not triton_enabled("MOE", device):
         why.append("the torch MoE reference syncs on expert counts (set K3SERVE_MOE_BACKEND=triton)")
-    if os.environ.get("K3SERVE_MLA_BACKEND", "torch") != "triton":
+    if not triton_enabled("MLA", device):
         why.append("the torch MLA decode attends over the full table width (set K3SERVE_MLA_BACKEND=triton)")
     return why
 

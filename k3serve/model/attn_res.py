@@ -5,11 +5,11 @@ Everything here is per token and transient within one forward pass; nothing is c
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
+from ..ops.backend import triton_enabled
 from .layers import RMSNorm
 
 
@@ -44,8 +44,8 @@ class AttnResMixer(nn.Module):
     def mix_and_norm(self, sources: list[torch.Tensor], out_norm: RMSNorm | None,
                      out_dtype: torch.dtype) -> torch.Tensor:
         """The mix followed by the next sublayer's RMSNorm (None: the final mixer, no norm). On CUDA
-        with K3SERVE_ATTNRES_BACKEND=triton (opt-in until timed) one fused pass per token."""
-        if (sources[0].is_cuda and os.environ.get("K3SERVE_ATTNRES_BACKEND") == "triton" and len(sources) <= 16
+        with the Triton backend (ops/backend.py) one fused pass per token."""
+        if (triton_enabled("ATTNRES", sources[0].device) and len(sources) <= 16
                 and (out_norm is None or out_norm.eps == self.eps)):
             from ..ops.attn_res_triton import attn_res_mix
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.backend import triton_enabled
 from ..ops.kda import kda_core
 from ..ops.kda_ref import kda_gate
 from ..ops.short_conv import short_conv_ref
@@ -61,9 +61,8 @@ class KDAMixer(nn.Module):
         conv_w = self.conv_w if self.conv_w is not None else torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d])
         f = self.f_b_proj(f_a)
         gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
-        if (x.is_cuda and batch.num_decodes == batch.num_seqs and not D & (D - 1)  # the kernel tiles need 2^n
-                and os.environ.get("K3SERVE_KDA_BACKEND") == "triton"):
-            # Opt-in until timed on the GPU: the whole mixer step in one fused kernel.
+        if (batch.num_decodes == batch.num_seqs and not D & (D - 1)  # the kernel tiles need 2^n
+                and triton_enabled("KDA", x.device)):  # the whole mixer step in one fused kernel
             from ..ops.kda_decode_triton import kda_decode_fused
 
             y = kda_decode_fused(qkv, conv_w, cache.conv, batch.has_context, f, b, self.A_log, self.dt_bias,

@@ -6,11 +6,12 @@ loader or the dummy initialiser fills them, so the model is never held twice.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..ops.backend import triton_enabled
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype=None) -> torch.Tensor:
@@ -27,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype
 
 
 def _norm_kernel_on(x: torch.Tensor) -> bool:
-    return x.is_cuda and not torch.is_grad_enabled() and os.environ.get("K3SERVE_NORM_BACKEND") == "triton"
+    return not torch.is_grad_enabled() and triton_enabled("NORM", x.device)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:

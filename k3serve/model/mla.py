@@ -6,13 +6,13 @@ per-head K/V); prefill chunks use the expanded form. No rotary embedding anywher
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from ..ops import mla_ref
+from ..ops.backend import triton_enabled
 from .batch import ForwardBatch, MLALayerCache
 from .layers import Linear, LinearGroup, RMSNorm
 
@@ -68,8 +68,7 @@ class MLAMixer(nn.Module):
         nd = batch.num_decodes
         w = self.kv_b_proj.weight
         w_dec = self.w_kv_b_f32 if self.w_kv_b_f32 is not None else w  # absorbed decode runs in fp32
-        if nd and q.is_cuda and os.environ.get("K3SERVE_MLA_BACKEND", "torch") == "triton":
-            # Opt-in until verified on the GPU (bench/kernels_mla.py): split-KV Triton decode.
+        if nd and triton_enabled("MLA", q.device):  # split-KV Triton decode
             from ..ops.mla_decode_triton import mla_decode
 
             q_abs = mla_ref.absorb_query(q[:nd], w_dec, self.rkv, self.nope)
@@ -89,7 +88,7 @@ class MLAMixer(nn.Module):
             s, e = batch.token_range(i)
             ctx = batch.context_lens_host[i]
             lat = mla_ref.gather_latent(latent_pages, batch.block_table[i], ctx + e - s)
-            if q.is_cuda and os.environ.get("K3SERVE_MLA_BACKEND", "torch") == "triton":
+            if triton_enabled("MLA", q.device):
                 from ..ops.mla_prefill_triton import mla_prefill  # flash-style, no T x S scores
 
                 out[s:e] = mla_prefill(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)

@@ -7,13 +7,13 @@ use in the reference path.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.backend import triton_enabled
 from ..ops.moe_ref import experts_ref, route
 from ..ops.mxfp4 import dequantize_mxfp4
 from .layers import Linear, LinearGroup, RMSNorm, glu_activation
@@ -54,8 +54,7 @@ class Router(nn.Module):
         if self.training:  # the trainer's bias update (quantile balancing) reads the batch's scores
             self.last_logits = logits.detach()
         a = self.args
-        if (logits.is_cuda and a["num_groups"] == 1 and not torch.is_grad_enabled()
-                and os.environ.get("K3SERVE_MOE_BACKEND", "torch") == "triton"):
+        if a["num_groups"] == 1 and not torch.is_grad_enabled() and triton_enabled("MOE", logits.device):
             from ..ops.moe_triton import route_triton  # one launch instead of ~7
 
             return route_triton(logits, self.e_score_correction_bias, a["top_k"], a["renormalize"], a["scaling"],
@@ -95,8 +94,7 @@ class RoutedExperts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and os.environ.get("K3SERVE_MOE_BACKEND", "torch") == "triton":
-            # Opt-in until verified and timed on the GPU (bench/kernels_moe.py).
+        if triton_enabled("MOE", x.device):
             from ..ops.moe_triton import experts_triton
 
             return experts_triton(x, weights, ids, self)

@@ -1,0 +1,49 @@
+"""Per-op backend choice (k3serve/ops/backend.py): CPU always runs the reference, CUDA follows
+the environment or the default, and a misspelt choice is an error rather than a silent slow path."""
+
+import pytest
+import torch
+
+from k3serve.engine.decode_graphs import capture_blockers
+from k3serve.ops import backend
+
+
+@pytest.mark.parametrize("op", ["MOE", "MLA", "KDA", "NORM", "ATTNRES"])
+def test_environment_picks_the_backend_on_cuda_only(op, monkeypatch):
+    monkeypatch.setenv(f"K3SERVE_{op}_BACKEND", "triton")
+    assert backend.triton_enabled(op, "cuda")
+    assert not backend.triton_enabled(op, "cpu")  # CI's tested path whatever the environment
+    monkeypatch.setenv(f"K3SERVE_{op}_BACKEND", "torch")
+    assert not backend.triton_enabled(op, torch.device("cuda", 0))
+    for default in (False, True):
+        monkeypatch.setattr(backend, "TRITON_BY_DEFAULT", default)
+        monkeypatch.delenv(f"K3SERVE_{op}_BACKEND")
+        assert backend.triton_enabled(op, "cuda") is default
+        monkeypatch.setenv(f"K3SERVE_{op}_BACKEND", "auto")
+        assert backend.triton_enabled(op, "cuda") is default
+        assert not backend.triton_enabled(op, "cpu")
+
+
+def test_bad_choices_are_errors(monkeypatch):
+    monkeypatch.setenv("K3SERVE_MOE_BACKEND", "trition")
+    with pytest.raises(ValueError, match="K3SERVE_MOE_BACKEND='trition'"):
+        backend.triton_enabled("MOE", "cuda")
+    with pytest.raises(ValueError, match="K3SERVE_MOE_BACKEND"):  # also on CPU: the typo is reported at once
+        backend.triton_enabled("MOE", "cpu")
+    monkeypatch.setenv("K3SERVE_KDA_BACKEND", "fla")  # KDA's extra choice: fla-core without our fused decode
+    assert not backend.triton_enabled("KDA", "cuda")
+    monkeypatch.setenv("K3SERVE_MLA_BACKEND", "fla")
+    with pytest.raises(ValueError):
+        backend.triton_enabled("MLA", "cuda")
+    with pytest.raises(ValueError, match="unknown op"):
+        backend.triton_enabled("ROPE", "cuda")
+
+
+def test_capture_blockers_follow_the_backends(monkeypatch):
+    assert capture_blockers(torch.device("cpu")) == ["not a CUDA device"]
+    monkeypatch.setattr(backend, "TRITON_BY_DEFAULT", False)
+    monkeypatch.delenv("K3SERVE_MOE_BACKEND", raising=False)
+    monkeypatch.setenv("K3SERVE_MLA_BACKEND", "triton")
+    assert [("MoE" in w, "MLA" in w) for w in capture_blockers(torch.device("cuda"))] == [(True, False)]
+    monkeypatch.setenv("K3SERVE_MOE_BACKEND", "triton")
+    assert capture_blockers(torch.device("cuda")) == []
