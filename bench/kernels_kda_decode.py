@@ -39,6 +39,29 @@ def check(N, H, D, lb):
     return (((o - o_ref[:, 0]).norm() / o_ref.norm()).item(), ((state[slots] - s_ref).norm() / s_ref.norm()).item())
 
 
+FUSED_VARIANTS = [(pf, bv, nw) for pf in (False, True) for bv in (32, 64) for nw in (4, 8)]
+
+
+def fused_check(N, H, D, lb):
+    """Every fused variant on the same inputs: output and state equal to the default's."""
+    q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
+    P = H * D
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(N, 3 * P, device="cuda", generator=g).bfloat16()
+    conv_w = torch.randn(3 * P, 4, device="cuda", generator=g)
+    conv0 = torch.randn(state0.shape[0], 3 * P, 3, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(N, P, device="cuda", generator=g).bfloat16()
+    has = torch.ones(N, dtype=torch.bool, device="cuda")
+    outs = []
+    for pf, bv, nw in [(False, 32, 4)] + FUSED_VARIANTS:
+        st, cs = state0.clone(), conv0.clone()
+        y = kda_decode_fused(x, conv_w, cs, has, f.view(N, P), b, A_log, dt_bias, gate, torch.ones(D, device="cuda"),
+                             1e-5, lb, st, slots, H, block_v=bv, prefetch=pf, num_warps=nw)
+        outs.append((y, st))
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    return max(max(rel(y, outs[0][0]), rel(st, outs[0][1])) for y, st in outs[1:])
+
+
 def timing(N, H, D, lb=-5.0):
     q, k, v, f, b, A_log, dt_bias, state, slots = inputs(N, H, D, max(N, 8), 7)
     ours = lambda: kda_decode(q, k, v, f, b, A_log, dt_bias, lb, D ** -0.5, state, slots)  # noqa: E731
@@ -54,6 +77,13 @@ def timing(N, H, D, lb=-5.0):
     fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                      torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
     row["fused_ms"] = triton.testing.do_bench(fused, warmup=25, rep=200, return_mode="median")
+    # fused-kernel variants: (prefetch the next value block, value block width, warps)
+    row["fused_variants"] = {}
+    for pf, bv, nw in FUSED_VARIANTS:
+        run = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
+                                       torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H, block_v=bv,
+                                       prefetch=pf, num_warps=nw)
+        row["fused_variants"][(pf, bv, nw)] = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -76,6 +106,7 @@ def main():
         print("check", shape, "rel err out/state: %.2e / %.2e" % check(*shape))
     print("| N | H | D | ours ms | ours TB/s | % copy | fused mixer ms | fla ms | fla TB/s | % copy |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for N in (1, 64, 256):
         r = timing(N, 96, 128)
         tb = lambda ms: r["bytes"] / (ms * 1e-3) / 1e12  # noqa: E731
@@ -83,6 +114,13 @@ def main():
                else f"{r.get('fla_error')} | | ")
         print(f"| {N} | 96 | 128 | {r['ours_ms']:.3f} | {tb(r['ours_ms']):.2f} | {100 * tb(r['ours_ms']) / ceil:.0f} % | "
               f"{r['fused_ms']:.3f} | {fla} |")
+        rows.append((N, r))
+    print("\nfused mixer variants (prefetch, value block, warps), variants vs default rel err "
+          f"{fused_check(64, 96, 128, -5.0):.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
+    for N, r in rows:
+        for var, ms in r["fused_variants"].items():
+            tbs = r["bytes"] / (ms * 1e-3) / 1e12
+            print(f"| {N} | {var} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |")
 
 
 if __name__ == "__main__":

@@ -77,16 +77,17 @@ FUSED = textwrap.dedent('''
         g = kda_gate(f.view(N, H, D), A_log, dt_bias, lb)
         o = kda_core(q, k, v, g, torch.sigmoid(b), D ** -0.5, state_r, batch, backend="torch")
         y_ref = (rms_norm(o, onw, 1e-5, torch.float32) * torch.sigmoid(gate.view(N, H, D))).reshape(N, P)
-        conv_t, state_t = conv0.clone(), state0.clone()
         # The kernel gets strided rows: column slices of one projection output, as the model's fused GEMM gives.
         packed = torch.cat([x, f, b, gate, torch.zeros(N, 3)], dim=-1)
         xs, fs, bs, gs = packed[:, :3 * P], packed[:, 3 * P:4 * P], packed[:, 4 * P:4 * P + H], packed[:, 4 * P + H:-3]
         assert not xs.is_contiguous() and torch.equal(gs, gate)
-        y = kda_decode_fused(xs, conv_w, conv_t, torch.tensor(ctx) > 0, fs, bs, A_log, dt_bias, gs, onw, 1e-5, lb,
-                             state_t, slots, H)
-        worst = max(worst, ((y - y_ref).norm() / y_ref.norm()).item(),
-                    ((state_t - state_r).norm() / state_r.norm()).item(),
-                    ((conv_t - conv_r).norm() / conv_r.norm()).item())
+        for prefetch, bv in ((False, 32), (True, 32), (True, 8)):  # prefetch over 1, 2 and 4 value blocks
+            conv_t, state_t = conv0.clone(), state0.clone()
+            y = kda_decode_fused(xs, conv_w, conv_t, torch.tensor(ctx) > 0, fs, bs, A_log, dt_bias, gs, onw, 1e-5, lb,
+                                 state_t, slots, H, block_v=bv, prefetch=prefetch)
+            worst = max(worst, ((y - y_ref).norm() / y_ref.norm()).item(),
+                        ((state_t - state_r).norm() / state_r.norm()).item(),
+                        ((conv_t - conv_r).norm() / conv_r.norm()).item())
     print(worst)
 ''')
 

@@ -97,10 +97,13 @@ def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride
 def _kda_decode_fused_kernel(
     X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, Y,
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
-    D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One program per (sequence, head): conv update of the head's q/k/v channels, SiLU, gates,
-    L2 norms, the state update over all value blocks, and the gated RMSNorm of the output."""
+    L2 norms, the state update over all value blocks, and the gated RMSNorm of the output.
+    PREFETCH loads value block vb + 1 before block vb is stored: the compiler cannot move a load
+    above a store to the same tensor by itself, so without it each block's load waits for the
+    previous block's compute and store (the state traffic is the whole cost of this kernel)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     P = H * D
@@ -123,11 +126,21 @@ def _kda_decode_fused_kernel(
     beta = tl.sigmoid(tl.load(BETA + n * stride_b + h).to(tl.float32))
     # ---- delta rule over the value blocks (v picked per block from the conv output) -----
     sumsq = 0.0
+    s_rows = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D
+    # a fresh sequence starts from zeros, whatever its slot holds
+    nxt = tl.where(has > 0, tl.load(s_rows + tl.arange(0, BV)[None, :]), 0.0)
     for vb in tl.static_range(D // BV):
         dv = vb * BV + tl.arange(0, BV)
         v = tl.sum(tl.where(dk[:, None] == dv[None, :], v_all[:, None], 0.0), 0)  # v[dv]
-        s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
-        s = tl.where(has > 0, tl.load(s_ptr), 0.0)  # a fresh sequence starts from zeros, whatever the slot holds
+        s_ptr = s_rows + dv[None, :]
+        if PREFETCH:
+            s = nxt
+            if vb + 1 < D // BV:
+                nxt = tl.where(has > 0, tl.load(s_ptr + BV), 0.0)
+        elif vb == 0:
+            s = nxt
+        else:
+            s = tl.where(has > 0, tl.load(s_ptr), 0.0)
         s = s * decay[:, None]
         r = v - tl.sum(s * k[:, None], 0)
         s = s + beta * k[:, None] * r[None, :]
@@ -147,12 +160,14 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
                      f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 32,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, prefetch: bool = False,
+                     num_warps: int = 4) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
     context start from zeros; ``has_ctx`` [N], bool or int32); f, gate [N, P]; beta_logits [N, H].
-    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj."""
+    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``prefetch``,
+    ``block_v`` and ``num_warps``: the variants bench/kernels_kda_decode.py times."""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -171,6 +186,7 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         gate, o_norm_w.float().contiguous(), state, slots, o_scratch, y,
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
-        eps, H, D=D, W=W, BV=min(block_v, D), USE_LOWER_BOUND=lower_bound is not None,
+        eps, H, D=D, W=W, BV=min(block_v, D), USE_LOWER_BOUND=lower_bound is not None, PREFETCH=prefetch,
+        num_warps=num_warps,
     )
     return y
