@@ -3,12 +3,14 @@ no FP4 tensor cores) or plain bf16 weights, and the MoE built on it.
 
 Token-to-expert assignments are sorted by expert on the device and padded per expert to the row
 block, so one launch covers every active expert: program (row block, column tile) multiplies its
-block of gathered activation rows by its expert's weight tile. MXFP4 bytes are unpacked (low nibble
-= even input), decoded from E2M1 and scaled by 2^(E8M0 - 127) per 32 inputs inside the K loop, so
-only 4.25 bits per weight cross the memory bus.
+block of gathered activation rows by its expert's weight tile. MXFP4 bytes (low nibble = even
+input) are upcast to bf16 and scaled by 2^(E8M0 - 127) per 32 inputs inside the K loop, so only
+4.25 bits per weight cross the memory bus. Three upcasts: tl.dot_scaled (bf16 activations, the
+default), the word-wide "swar" bit upcast (bf16 activations, opt-in until timed), and an exact
+fp32 decode for fp32 activations (the CPU tests' 1e-5 path).
 
 Reference: ``moe_ref.experts_ref``. Checked on CPU with ``TRITON_INTERPRET=1``
-(tests/test_moe_triton.py); speed is [gpu-kernels] work.
+(tests/test_moe_triton.py); timed and swept on the H200 by bench/kernels_moe.py (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import triton
 import triton.language as tl
 
 from .autotune import autotuned
-
 
 
 @triton.jit
