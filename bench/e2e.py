@@ -27,9 +27,10 @@ import torch
 import triton
 
 # The fast path is what is timed: every Triton kernel on (set any of these to "torch" to compare).
-for _k in ("K3SERVE_MOE_BACKEND", "K3SERVE_MLA_BACKEND", "K3SERVE_KDA_BACKEND", "K3SERVE_ATTNRES_BACKEND",
-           "K3SERVE_NORM_BACKEND"):
-    os.environ.setdefault(_k, "triton")
+from k3serve.ops.backend import OPS  # noqa: E402  (reads no environment at import)
+
+for _op in OPS:
+    os.environ.setdefault(f"K3SERVE_{_op}_BACKEND", "triton")
 
 from k3serve.cache.pool import PoolLayout, UnifiedPool  # noqa: E402
 from k3serve.engine.decode_graphs import DecodeGraphs, capture_blockers  # noqa: E402

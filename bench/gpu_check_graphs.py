@@ -8,7 +8,7 @@
 4. Profile: the kernels of one decode step (batch 1 and 64, context 4096) by name, count and time.
 
 Capture needs the Triton MoE and MLA decode (the torch references sync / size on the host), so the
-script sets K3SERVE_MOE_BACKEND=triton, K3SERVE_MLA_BACKEND=triton, K3SERVE_KDA_BACKEND=triton K3SERVE_NORM_BACKEND=triton and K3SERVE_ATTNRES_BACKEND=triton.
+script sets every K3SERVE_<OP>_BACKEND to triton (ops/backend.py: MoE, MLA, KDA, norms, AttnRes, GLU).
 
 Usage: python bench/gpu_check_graphs.py [--preset kimi-linear-48b] [--out DIR]
 """
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-for _k in ("K3SERVE_MOE_BACKEND", "K3SERVE_MLA_BACKEND", "K3SERVE_KDA_BACKEND", "K3SERVE_NORM_BACKEND",
-           "K3SERVE_ATTNRES_BACKEND"):
-    os.environ.setdefault(_k, "triton")
+from k3serve.ops.backend import OPS  # noqa: E402  (reads no environment at import)
+
+for _op in OPS:
+    os.environ.setdefault(f"K3SERVE_{_op}_BACKEND", "triton")
 
 from k3serve.cache.pool import UnifiedPool  # noqa: E402
 from k3serve.engine.decode_graphs import DecodeGraphs  # noqa: E402

@@ -192,7 +192,7 @@ def main() -> None:
         """backend: torch (reference), auto (fla for KDA), or triton (every opt-in Triton kernel)."""
         def make():
             os.environ["K3SERVE_KDA_BACKEND"] = backend
-            for op in ("MLA", "MOE", "ATTNRES", "NORM"):
+            for op in ("MLA", "MOE", "ATTNRES", "NORM", "GLU"):
                 os.environ[f"K3SERVE_{op}_BACKEND"] = "triton" if backend == "triton" else "torch"
             return model_fn(device, dtype)
         return make

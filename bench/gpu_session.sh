@@ -20,6 +20,7 @@ T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/fla_core-*.whl || { echo "fla-core wheel missing under .whl/"; exit 3; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+all_triton() { for op in MOE MLA KDA NORM ATTNRES GLU; do export "K3SERVE_${op}_BACKEND=triton"; done; }
 left() { echo $(( ${1:-570} - ($(date +%s) - T0) )); }
 step() {  # step NAME SECONDS CMD...: run CMD with a timeout, log to $OUT/NAME.log
   local name=$1 secs=$2; shift 2
@@ -57,20 +58,20 @@ case "$1" in
     tail -c 8000 "$OUT/e2e.log"
     tar czf "$OUT/e2e.tgz" -C /tmp/gpu_work . ;;
   engine)  # the engine-vs-model-alone check (short), then k3-slice 256 requests with what is left
-    export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
+    all_triton
     step engine_check 200 python3 bench/gpu_check_engine.py
     step engine_slice "$(left 585)" python3 bench/engine_throughput.py --preset k3-slice --num-prompts 256 \
       --max-num-batched-tokens 8192 --max-seconds "$(( $(left 585) - 160 ))" --sync-timings --json /tmp/gpu_work/slice.json
     tail -c 2500 "$OUT/engine_check.log"; cat /tmp/gpu_work/*.json ;;
   agentic)  # seed 002's trace (many turns, long growing context, short outputs) scaled to one GPU
-    export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
+    all_triton
     step agentic "${AGENTIC_SECONDS:-470}" python3 bench/engine_throughput.py --agentic --preset kimi-linear-48b --sessions 8 \
       --turns 12 --system-len 4096 --min-input 500 --max-input 2000 --min-output 30 --max-output 90 \
       --max-num-batched-tokens 8192 --warmup-runs 1 --json /tmp/gpu_work/agentic.json
     [ -n "$AGENTIC_ONLY" ] || step graphs_engine "$(left 585)" python3 bench/gpu_check_graphs.py --parts engine --out /tmp/gpu_work
     cat /tmp/gpu_work/agentic.json; tail -c 1500 "$OUT/graphs_engine.log" ;;
   debug)  # small-kernel checks at prefill sizes, graph replay check, agentic workload with blocking launches
-    export K3SERVE_MOE_BACKEND=triton K3SERVE_MLA_BACKEND=triton K3SERVE_NORM_BACKEND=triton K3SERVE_KDA_BACKEND=triton
+    all_triton
     step graphs_check 150 python3 bench/gpu_check_graphs.py --parts check,engine --out /tmp/gpu_work
     step kernels_small 120 python3 -m bench.kernels_small
     step kernels_moe 90 python3 -m bench.kernels_moe

@@ -1,8 +1,8 @@
 """The small fused decode-path kernels on the GPU ([gpu-kernels]; not a CI test): RMSNorm, residual
-add + RMSNorm, MoE routing and expert alignment, each checked against its torch form on fresh
-random inputs and timed next to it at decode sizes. They are launch-bound: the figure that matters
-is microseconds per call (one launch instead of ~6 / ~7 / ~20), with bytes / copy ceiling shown for
-the norms.
+add + RMSNorm, the GLU activation, MoE routing and expert alignment, each checked against its
+torch form on fresh random inputs and timed next to it at decode sizes. They are launch-bound: the
+figure that matters is microseconds per call (one launch instead of ~6 / ~10 / ~7 / ~20), with
+bytes / copy ceiling shown for the norms.
 
 Usage: python -m bench.kernels_small
 """
@@ -13,7 +13,8 @@ import torch
 import triton
 
 from bench.ceilings import copy_tbs
-from k3serve.model.layers import RMSNorm, rms_norm
+from k3serve.model.layers import RMSNorm, glu_activation, rms_norm
+from k3serve.ops.glu_triton import glu_triton
 from k3serve.ops.moe_ref import route
 from k3serve.ops.moe_triton import route_triton, sort_by_expert, sort_by_expert_torch
 from k3serve.ops.norm_triton import add_rms_norm_triton, rms_norm_triton
@@ -58,6 +59,17 @@ def main() -> None:
             t_ours = _us(lambda: add_rms_norm_triton(x, d, norm.weight, 1e-5))
             t_ref = _us(lambda: norm(x + d))
             print(f"| add + rms_norm | {T}x{D} | {t_ours:.1f} | {t_ref:.1f} | residual bit-equal: {same} |")
+    # GLU of the shared experts / dense MLPs: Kimi-Linear SiLU (1024 wide), K3 SiTU (2 x 3072 shared, 33792 dense)
+    for T, n, act, beta, lb in ((1, 1024, "silu", 1.0, None), (1, 6144, "situ", 4.0, 25.0),
+                                (1, 33792, "situ", 4.0, 25.0), (64, 6144, "situ", 4.0, 25.0),
+                                (8192, 1024, "silu", 1.0, None)):
+        fused = torch.randn(T, 2 * n, device="cuda", generator=g).bfloat16() * 3
+        gate, up = fused[:, :n], fused[:, n:]
+        ref = glu_activation(gate.float(), up.float(), act, beta, lb)
+        err = ((glu_triton(gate, up, act, beta, lb).float() - ref).norm() / ref.norm()).item()
+        t_ours = _us(lambda: glu_triton(gate, up, act, beta, lb))
+        t_ref = _us(lambda: glu_activation(gate, up, act, beta, lb))
+        print(f"| {act}-GLU | {T}x{n} | {t_ours:.1f} | {t_ref:.1f} | rel err {err:.1e} |")
     for T, E, K, scaling in ((1, 256, 8, 2.446), (64, 256, 8, 2.446), (512, 256, 8, 2.446), (8192, 256, 8, 2.446),
                              (1, 896, 16, 2.5), (256, 896, 16, 2.5)):
         logits = torch.randn(T, E, device="cuda", generator=g) * 2

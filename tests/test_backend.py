@@ -8,7 +8,7 @@ from k3serve.engine.decode_graphs import capture_blockers
 from k3serve.ops import backend
 
 
-@pytest.mark.parametrize("op", ["MOE", "MLA", "KDA", "NORM", "ATTNRES"])
+@pytest.mark.parametrize("op", ["MOE", "MLA", "KDA", "NORM", "ATTNRES", "GLU"])
 def test_environment_picks_the_backend_on_cuda_only(op, monkeypatch):
     monkeypatch.setenv(f"K3SERVE_{op}_BACKEND", "triton")
     assert backend.triton_enabled(op, "cuda")
@@ -47,3 +47,15 @@ def test_capture_blockers_follow_the_backends(monkeypatch):
     assert [("MoE" in w, "MLA" in w) for w in capture_blockers(torch.device("cuda"))] == [(True, False)]
     monkeypatch.setenv("K3SERVE_MOE_BACKEND", "triton")
     assert capture_blockers(torch.device("cuda")) == []
+
+
+def test_engine_refuses_a_misspelt_backend_before_loading(monkeypatch):
+    from k3serve.engine.engine import LLMEngine
+
+    monkeypatch.setenv("K3SERVE_NORM_BACKEND", "tritn")
+    with pytest.raises(ValueError, match="K3SERVE_NORM_BACKEND='tritn'"):
+        LLMEngine.from_pretrained(preset="tiny", device="cpu")
+    monkeypatch.delenv("K3SERVE_NORM_BACKEND")
+    monkeypatch.setenv("K3SERVE_MXFP4_UPCAST", "lut")
+    with pytest.raises(ValueError, match="K3SERVE_MXFP4_UPCAST='lut'"):
+        LLMEngine.from_pretrained(preset="tiny", device="cpu")

@@ -385,11 +385,14 @@ class LLMEngine:
 
 
 def validate_startup(model, preset, config: EngineConfig, device=None) -> None:
-    """The planner's layout and memory checks, run before a single weight is read."""
+    """The planner's layout and memory checks and the kernel-backend environment, run before a
+    single weight is read."""
     from ..config import ModelConfig
+    from ..ops.backend import check_environment
     from ..plan import validate_layout
     from ..presets import preset_config
 
+    check_environment()
     mcfg = ModelConfig.from_pretrained(model) if model is not None else ModelConfig.from_dict(preset_config(preset))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mem = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else None

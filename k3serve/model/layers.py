@@ -57,6 +57,10 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float =
     """GLU in fp32, cast back. silu: silu(a)*b. situ (SiTU-GLU, K3):
     [beta*tanh(a/beta) * sigmoid(a)] * [linear_beta*tanh(b/linear_beta)]; the sigmoid sees the
     unclipped a, and b is unclipped when linear_beta is None."""
+    if not torch.is_grad_enabled() and triton_enabled("GLU", gate.device):
+        from ..ops.glu_triton import glu_triton  # one launch instead of 5 (SiLU) to ~10 (SiTU)
+
+        return glu_triton(gate, up, act, beta, linear_beta)
     a, b = gate.float(), up.float()
     if act == "silu":
         y = F.silu(a) * b

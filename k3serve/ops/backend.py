@@ -1,6 +1,6 @@
 """Which implementation an op runs on a tensor's device: the plain-torch reference or Triton.
 
-``K3SERVE_<OP>_BACKEND`` picks per op (OP: MOE, MLA, KDA, NORM, ATTNRES): ``triton`` or ``torch``
+``K3SERVE_<OP>_BACKEND`` picks per op (OP: MOE, MLA, KDA, NORM, ATTNRES, GLU): ``triton`` or ``torch``
 (KDA also ``fla``: fla-core's kernels without our fused decode), ``auto`` or unset for the default.
 CPU tensors always take the reference, the path CI tests. On CUDA the default is
 ``TRITON_BY_DEFAULT``: off until bench/gpu_check_model.py passes on the H200 with every Triton
@@ -17,7 +17,9 @@ import torch
 
 TRITON_BY_DEFAULT = False
 _CHOICES = {"MOE": ("triton", "torch"), "MLA": ("triton", "torch"), "NORM": ("triton", "torch"),
-            "ATTNRES": ("triton", "torch"), "KDA": ("triton", "torch", "fla")}
+            "ATTNRES": ("triton", "torch"), "GLU": ("triton", "torch"), "KDA": ("triton", "torch", "fla")}
+
+OPS = tuple(_CHOICES)
 
 
 def triton_enabled(op: str, device: torch.device | str) -> bool:
@@ -31,3 +33,23 @@ def triton_enabled(op: str, device: torch.device | str) -> bool:
     if torch.device(device).type != "cuda":
         return False
     return TRITON_BY_DEFAULT if choice == "auto" else choice == "triton"
+
+
+MXFP4_UPCASTS = ("dot_scaled", "swar")  # how the Triton MoE turns MXFP4 into bf16 (ops/moe_triton.py)
+
+
+def mxfp4_upcast(choice: str | None = None) -> str:
+    """``choice``, else ``K3SERVE_MXFP4_UPCAST``, else dot_scaled (swar is opt-in until timed)."""
+    upcast = choice or os.environ.get("K3SERVE_MXFP4_UPCAST") or "dot_scaled"
+    if upcast not in MXFP4_UPCASTS:
+        where = "upcast" if choice else "K3SERVE_MXFP4_UPCAST"
+        raise ValueError(f"{where}={upcast!r}: expected one of {', '.join(MXFP4_UPCASTS)}")
+    return upcast
+
+
+def check_environment() -> None:
+    """Every ``K3SERVE_<OP>_BACKEND`` and ``K3SERVE_MXFP4_UPCAST`` value is one this build knows:
+    run at startup, so a typo stops the server before weights load, not at its first request."""
+    for op in _CHOICES:
+        triton_enabled(op, "cpu")
+    mxfp4_upcast()

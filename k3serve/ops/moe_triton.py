@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from .autotune import autotuned
+from .backend import mxfp4_upcast
+from .glu_triton import glu
 
 
 @triton.jit
@@ -198,15 +200,7 @@ def _grouped_gemm_kernel(
                 acc_up = _weight_tile_product(a, W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se,
                                               stride_sn, acc_up, WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K)
     if GLU:
-        sig = tl.sigmoid(acc)
-        if SITU:
-            gate = beta * (2.0 * tl.sigmoid(2.0 * acc / beta) - 1.0) * sig  # beta * tanh(a / beta) * sigmoid(a)
-            up = acc_up
-            if LINEAR_CLIP:
-                up = linear_beta * (2.0 * tl.sigmoid(2.0 * acc_up / linear_beta) - 1.0)
-            acc = gate * up
-        else:
-            acc = acc * sig * acc_up
+        acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP)
     if SWAP_AB:
         acc = tl.trans(acc)
     if HAS_ROW_SCALE:  # the routing weight of each assignment, applied in the epilogue
@@ -382,9 +376,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     to 128 (64 packed bytes a weight row); fp32 activations take the exact hand-decoded path."""
     mx = scale is not None
     K = x.shape[1]
-    upcast = upcast or os.environ.get("K3SERVE_MXFP4_UPCAST", "dot_scaled")
-    if upcast not in ("dot_scaled", "swar"):
-        raise ValueError(f"unknown MXFP4 upcast {upcast!r} (dot_scaled or swar)")
+    upcast = mxfp4_upcast(upcast)
     weights = ("bf16" if not mx else "mx_decode" if x.dtype != torch.bfloat16
                else "mx_swar" if upcast == "swar" and K % 128 == 0 else "mx_dot_scaled")
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)

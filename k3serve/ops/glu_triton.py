@@ -1,0 +1,61 @@
+"""The GLU activation of the dense MLPs and shared experts in one Triton pass: the torch form is
+5 launches for SiLU-GLU and ~10 for K3's SiTU-GLU (casts, tanh, sigmoid, products, cast back),
+per MLP per step. ``glu`` is also the epilogue of the routed experts' grouped GEMM.
+
+Reference: ``model.layers.glu_activation`` (same contract). Checked on CPU with
+``TRITON_INTERPRET=1`` (tests/test_glu_triton.py). On CUDA with the Triton backend for GLU
+(ops/backend.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def glu(a, b, beta, linear_beta, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr):
+    """fp32 a (gate), b (up) -> silu(a) * b, or SiTU-GLU: beta tanh(a / beta) sigmoid(a) times b,
+    b clipped to linear_beta tanh(b / linear_beta) when LINEAR_CLIP."""
+    if SITU:
+        if LINEAR_CLIP:
+            b = linear_beta * _tanh(b / linear_beta)
+        y = beta * _tanh(a / beta) * tl.sigmoid(a) * b
+    else:
+        y = a * tl.sigmoid(a) * b
+    return y
+
+
+@triton.jit
+def _glu_kernel(G, U, Y, n_cols, stride_g, stride_u, stride_y, beta, linear_beta,
+                SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    a = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    y = glu(a, b, beta, linear_beta, SITU, LINEAR_CLIP)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def glu_triton(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0,
+               linear_beta: float | None = None) -> torch.Tensor:
+    """``glu_activation`` in one launch: gate, up [..., I] (rows may be strided, e.g. the two
+    halves of one fused gate|up GEMM; the last dim must be dense) -> [..., I] in gate's dtype."""
+    if act not in ("silu", "situ"):
+        raise ValueError(f"unknown activation {act!r}")
+    n = gate.shape[-1]
+    g2, u2 = (t.reshape(-1, n) if t.stride(-1) == 1 else t.contiguous().reshape(-1, n) for t in (gate, up))
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    if g2.shape[0]:
+        block = min(1024, triton.next_power_of_2(n))
+        _glu_kernel[(g2.shape[0], triton.cdiv(n, block))](
+            g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0), float(beta), float(linear_beta or 1.0),
+            SITU=act == "situ", LINEAR_CLIP=linear_beta is not None, BLOCK=block)
+    return out.view(gate.shape)
