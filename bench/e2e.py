@@ -27,10 +27,7 @@ import torch
 import triton
 
 # The fast path is what is timed: every Triton kernel on (set any of these to "torch" to compare).
-from k3serve.ops.backend import OPS  # noqa: E402  (reads no environment at import)
-
-for _op in OPS:
-    os.environ.setdefault(f"K3SERVE_{_op}_BACKEND", "triton")
+os.environ.setdefault("K3SERVE_BACKEND", "triton")  # every op (ops/backend.py); per-op variables still win
 
 from k3serve.cache.pool import PoolLayout, UnifiedPool  # noqa: E402
 from k3serve.engine.decode_graphs import DecodeGraphs, capture_blockers  # noqa: E402

@@ -20,7 +20,7 @@ T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/fla_core-*.whl || { echo "fla-core wheel missing under .whl/"; exit 3; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-all_triton() { for op in MOE MLA KDA NORM ATTNRES GLU; do export "K3SERVE_${op}_BACKEND=triton"; done; }
+all_triton() { export K3SERVE_BACKEND=triton; }  # every Triton kernel (k3serve/ops/backend.py)
 left() { echo $(( ${1:-570} - ($(date +%s) - T0) )); }
 step() {  # step NAME SECONDS CMD...: run CMD with a timeout, log to $OUT/NAME.log
   local name=$1 secs=$2; shift 2

@@ -59,3 +59,20 @@ def test_engine_refuses_a_misspelt_backend_before_loading(monkeypatch):
     monkeypatch.setenv("K3SERVE_MXFP4_UPCAST", "lut")
     with pytest.raises(ValueError, match="K3SERVE_MXFP4_UPCAST='lut'"):
         LLMEngine.from_pretrained(preset="tiny", device="cpu")
+
+
+def test_one_variable_sets_every_op_and_per_op_choices_win(monkeypatch):
+    for op in backend.OPS:
+        monkeypatch.delenv(f"K3SERVE_{op}_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "TRITON_BY_DEFAULT", False)
+    monkeypatch.setenv("K3SERVE_BACKEND", "triton")
+    assert all(backend.triton_enabled(op, "cuda") for op in backend.OPS)
+    assert not any(backend.triton_enabled(op, "cpu") for op in backend.OPS)
+    monkeypatch.setenv("K3SERVE_MLA_BACKEND", "torch")  # a per-op choice overrides the global one
+    assert not backend.triton_enabled("MLA", "cuda") and backend.triton_enabled("MOE", "cuda")
+    monkeypatch.setattr(backend, "TRITON_BY_DEFAULT", True)
+    monkeypatch.setenv("K3SERVE_BACKEND", "torch")
+    assert not backend.triton_enabled("MOE", "cuda")
+    monkeypatch.setenv("K3SERVE_BACKEND", "fast")
+    with pytest.raises(ValueError, match="K3SERVE_BACKEND='fast'"):
+        backend.triton_enabled("MOE", "cpu")

@@ -40,9 +40,11 @@ def capture_blockers(device: torch.device) -> list[str]:
         return ["not a CUDA device"]
     why = []
     if not triton_enabled("MOE", device):
-        why.append("the torch MoE reference syncs on expert counts (set K3SERVE_MOE_BACKEND=triton)")
+        why.append("the torch MoE reference syncs on expert counts (set K3SERVE_BACKEND=triton or "
+                   "K3SERVE_MOE_BACKEND=triton)")
     if not triton_enabled("MLA", device):
-        why.append("the torch MLA decode attends over the full table width (set K3SERVE_MLA_BACKEND=triton)")
+        why.append("the torch MLA decode attends over the full table width (set K3SERVE_BACKEND=triton or "
+                   "K3SERVE_MLA_BACKEND=triton)")
     return why
 
 

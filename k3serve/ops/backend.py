@@ -1,12 +1,12 @@
 """Which implementation an op runs on a tensor's device: the plain-torch reference or Triton.
 
-``K3SERVE_<OP>_BACKEND`` picks per op (OP: MOE, MLA, KDA, NORM, ATTNRES, GLU): ``triton`` or ``torch``
-(KDA also ``fla``: fla-core's kernels without our fused decode), ``auto`` or unset for the default.
-CPU tensors always take the reference, the path CI tests. On CUDA the default is
-``TRITON_BY_DEFAULT``: off until bench/gpu_check_model.py passes on the H200 with every Triton
-kernel on (whole model, bf16 vs the fp32 reference; each kernel's own check already passes), so
-that flipping one constant is the whole switch. A misspelt value is an error, not a silent
-fallback to the slow path.
+``K3SERVE_<OP>_BACKEND`` picks per op (OP: MOE, MLA, KDA, NORM, ATTNRES, GLU): ``triton`` or
+``torch`` (KDA also ``fla``: fla-core's kernels without our fused decode), ``auto`` or unset for
+the default, which ``K3SERVE_BACKEND=triton|torch`` sets for every op at once. CPU tensors always
+take the reference, the path CI tests. On CUDA the default is otherwise ``TRITON_BY_DEFAULT``: off
+until bench/gpu_check_model.py passes on the H200 with every Triton kernel on (whole model, bf16
+vs the fp32 reference; each kernel's own check already passes), so that flipping one constant is
+the whole switch. A misspelt value is an error, not a silent fallback to the slow path.
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ def triton_enabled(op: str, device: torch.device | str) -> bool:
     choice = os.environ.get(var, "auto") or "auto"
     if choice != "auto" and choice not in _CHOICES[op]:
         raise ValueError(f"{var}={choice!r}: expected one of {', '.join(('auto',) + _CHOICES[op])}")
+    every = os.environ.get("K3SERVE_BACKEND", "auto") or "auto"
+    if every not in ("auto", "triton", "torch"):
+        raise ValueError(f"K3SERVE_BACKEND={every!r}: expected one of auto, triton, torch")
     if torch.device(device).type != "cuda":
         return False
+    if choice == "auto":
+        choice = every
     return TRITON_BY_DEFAULT if choice == "auto" else choice == "triton"
 
 
