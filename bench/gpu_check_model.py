@@ -26,6 +26,7 @@ import torch
 
 from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk
 from k3serve.model.loader import load_model
+from k3serve.ops import backend as kernel_backend
 from k3serve.ops import kda as kda_ops
 from k3serve.ops.kda_ref import kda_gate
 
@@ -191,9 +192,9 @@ def main() -> None:
     def with_backend(model_fn, device, dtype, backend):
         """backend: torch (reference), auto (fla for KDA), or triton (every opt-in Triton kernel)."""
         def make():
-            os.environ["K3SERVE_KDA_BACKEND"] = backend
+            kernel_backend.override("KDA", backend)
             for op in ("MLA", "MOE", "ATTNRES", "NORM", "GLU"):
-                os.environ[f"K3SERVE_{op}_BACKEND"] = "triton" if backend == "triton" else "torch"
+                kernel_backend.override(op, "triton" if backend == "triton" else "torch")
             return model_fn(device, dtype)
         return make
 

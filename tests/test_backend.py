@@ -8,33 +8,61 @@ from k3serve.engine.decode_graphs import capture_blockers
 from k3serve.ops import backend
 
 
+@pytest.fixture(autouse=True)
+def fresh_snapshot(monkeypatch):
+    """The backend reads the environment into a snapshot: each test re-reads after changing it,
+    and the next test starts from the real environment again."""
+    yield
+    monkeypatch.undo()
+    backend.reload()
+
+
+def set_env(monkeypatch, **values):
+    for k, v in values.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    backend.reload()
+
+
 @pytest.mark.parametrize("op", ["MOE", "MLA", "KDA", "NORM", "ATTNRES", "GLU"])
 def test_environment_picks_the_backend_on_cuda_only(op, monkeypatch):
-    monkeypatch.setenv(f"K3SERVE_{op}_BACKEND", "triton")
+    var = f"K3SERVE_{op}_BACKEND"
+    set_env(monkeypatch, K3SERVE_BACKEND=None, **{var: "triton"})
     assert backend.triton_enabled(op, "cuda")
     assert not backend.triton_enabled(op, "cpu")  # CI's tested path whatever the environment
-    monkeypatch.setenv(f"K3SERVE_{op}_BACKEND", "torch")
+    set_env(monkeypatch, **{var: "torch"})
     assert not backend.triton_enabled(op, torch.device("cuda", 0))
     for default in (False, True):
         monkeypatch.setattr(backend, "TRITON_BY_DEFAULT", default)
-        monkeypatch.delenv(f"K3SERVE_{op}_BACKEND")
+        set_env(monkeypatch, **{var: None})
         assert backend.triton_enabled(op, "cuda") is default
-        monkeypatch.setenv(f"K3SERVE_{op}_BACKEND", "auto")
+        set_env(monkeypatch, **{var: "auto"})
         assert backend.triton_enabled(op, "cuda") is default
         assert not backend.triton_enabled(op, "cpu")
+
+
+def test_the_environment_is_read_into_a_snapshot(monkeypatch):
+    set_env(monkeypatch, K3SERVE_BACKEND=None, K3SERVE_MOE_BACKEND="triton")
+    assert backend.triton_enabled("MOE", "cuda")
+    monkeypatch.setenv("K3SERVE_MOE_BACKEND", "torch")  # not re-read on the hot path ...
+    assert backend.triton_enabled("MOE", "cuda")
+    backend.reload()  # ... until reloaded (every engine start does)
+    assert not backend.triton_enabled("MOE", "cuda")
 
 
 def test_bad_choices_are_errors(monkeypatch):
     monkeypatch.setenv("K3SERVE_MOE_BACKEND", "trition")
     with pytest.raises(ValueError, match="K3SERVE_MOE_BACKEND='trition'"):
-        backend.triton_enabled("MOE", "cuda")
-    with pytest.raises(ValueError, match="K3SERVE_MOE_BACKEND"):  # also on CPU: the typo is reported at once
-        backend.triton_enabled("MOE", "cpu")
-    monkeypatch.setenv("K3SERVE_KDA_BACKEND", "fla")  # KDA's extra choice: fla-core without our fused decode
-    assert not backend.triton_enabled("KDA", "cuda")
+        backend.reload()
+    with pytest.raises(ValueError, match="K3SERVE_MOE_BACKEND='trition'"):
+        backend.check_environment()
+    set_env(monkeypatch, K3SERVE_MOE_BACKEND=None, K3SERVE_KDA_BACKEND="fla")  # fla-core without our fused decode
+    assert not backend.triton_enabled("KDA", "cuda") and backend.choice("KDA") == "fla"
     monkeypatch.setenv("K3SERVE_MLA_BACKEND", "fla")
-    with pytest.raises(ValueError):
-        backend.triton_enabled("MLA", "cuda")
+    with pytest.raises(ValueError, match="K3SERVE_MLA_BACKEND='fla'"):
+        backend.reload()
     with pytest.raises(ValueError, match="unknown op"):
         backend.triton_enabled("ROPE", "cuda")
 
@@ -42,10 +70,9 @@ def test_bad_choices_are_errors(monkeypatch):
 def test_capture_blockers_follow_the_backends(monkeypatch):
     assert capture_blockers(torch.device("cpu")) == ["not a CUDA device"]
     monkeypatch.setattr(backend, "TRITON_BY_DEFAULT", False)
-    monkeypatch.delenv("K3SERVE_MOE_BACKEND", raising=False)
-    monkeypatch.setenv("K3SERVE_MLA_BACKEND", "triton")
+    set_env(monkeypatch, K3SERVE_BACKEND=None, K3SERVE_MOE_BACKEND=None, K3SERVE_MLA_BACKEND="triton")
     assert [("MoE" in w, "MLA" in w) for w in capture_blockers(torch.device("cuda"))] == [(True, False)]
-    monkeypatch.setenv("K3SERVE_MOE_BACKEND", "triton")
+    set_env(monkeypatch, K3SERVE_MOE_BACKEND="triton")
     assert capture_blockers(torch.device("cuda")) == []
 
 
@@ -62,17 +89,15 @@ def test_engine_refuses_a_misspelt_backend_before_loading(monkeypatch):
 
 
 def test_one_variable_sets_every_op_and_per_op_choices_win(monkeypatch):
-    for op in backend.OPS:
-        monkeypatch.delenv(f"K3SERVE_{op}_BACKEND", raising=False)
+    set_env(monkeypatch, K3SERVE_BACKEND="triton", **{f"K3SERVE_{op}_BACKEND": None for op in backend.OPS})
     monkeypatch.setattr(backend, "TRITON_BY_DEFAULT", False)
-    monkeypatch.setenv("K3SERVE_BACKEND", "triton")
     assert all(backend.triton_enabled(op, "cuda") for op in backend.OPS)
     assert not any(backend.triton_enabled(op, "cpu") for op in backend.OPS)
-    monkeypatch.setenv("K3SERVE_MLA_BACKEND", "torch")  # a per-op choice overrides the global one
+    set_env(monkeypatch, K3SERVE_MLA_BACKEND="torch")  # a per-op choice overrides the global one
     assert not backend.triton_enabled("MLA", "cuda") and backend.triton_enabled("MOE", "cuda")
     monkeypatch.setattr(backend, "TRITON_BY_DEFAULT", True)
-    monkeypatch.setenv("K3SERVE_BACKEND", "torch")
+    set_env(monkeypatch, K3SERVE_BACKEND="torch")
     assert not backend.triton_enabled("MOE", "cuda")
     monkeypatch.setenv("K3SERVE_BACKEND", "fast")
     with pytest.raises(ValueError, match="K3SERVE_BACKEND='fast'"):
-        backend.triton_enabled("MOE", "cpu")
+        backend.reload()

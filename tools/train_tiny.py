@@ -40,6 +40,7 @@ from k3serve.config import ModelConfig  # noqa: E402
 from k3serve.make_model import special_tokens  # noqa: E402
 from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk  # noqa: E402
 from k3serve.model.k3 import K3ForCausalLM  # noqa: E402
+from k3serve.ops import backend  # noqa: E402
 from k3serve.ops import kda as kda_ops  # noqa: E402
 from k3serve.model.weights import _full_shape, checkpoint_dtype, checkpoint_targets, load_dummy  # noqa: E402
 from k3serve.ops.mxfp4 import quantize_mxfp4  # noqa: E402
@@ -390,10 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         return _main(argv)
     finally:
-        if prev is None:
-            os.environ.pop("K3SERVE_KDA_BACKEND", None)
-        else:
-            os.environ["K3SERVE_KDA_BACKEND"] = prev
+        backend.override("KDA", prev)
 
 
 def _main(argv: list[str] | None) -> dict:
@@ -422,7 +420,7 @@ def _main(argv: list[str] | None) -> dict:
                     help="only (re)write heldout_sample.txt, eval.json and the card of an existing --out")
     args = ap.parse_args(argv)
     kda_ops.REF_CHUNK_SIZE = args.kda_chunk
-    os.environ["K3SERVE_KDA_BACKEND"] = args.kda_backend
+    backend.override("KDA", args.kda_backend)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -473,10 +471,10 @@ def _main(argv: list[str] | None) -> dict:
         try:
             loss = train_loss(model, x, y, autocast)
         except Exception as exc:  # fla's backward untried on this machine: fall back, say so
-            if step > 0 or os.environ["K3SERVE_KDA_BACKEND"] != "fla":
+            if step > 0 or backend.choice("KDA") != "fla":
                 raise
             print(f"KDA training through fla failed ({exc!r}); using the torch reference", flush=True)
-            os.environ["K3SERVE_KDA_BACKEND"] = "torch"
+            backend.override("KDA", "torch")
             loss = train_loss(model, x, y, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
@@ -517,7 +515,7 @@ def _main(argv: list[str] | None) -> dict:
                    "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                    "max_files": args.max_files, "tokens_seen": step * args.batch * args.seq_len,
                    "train_tokens": stream.numel(),
-                   "kda_train_backend": os.environ["K3SERVE_KDA_BACKEND"], "kda_chunk": args.kda_chunk})
+                   "kda_train_backend": backend.choice("KDA"), "kda_chunk": args.kda_chunk})
     (out / "training_log.json").write_text(json.dumps({"result": result, "log": log}, indent=1))
     finalize(out, None, args.seq_len)  # the held-out sample was written before training
     print(json.dumps(result, indent=1))

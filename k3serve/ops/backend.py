@@ -6,7 +6,8 @@ the default, which ``K3SERVE_BACKEND=triton|torch`` sets for every op at once. C
 take the reference, the path CI tests. On CUDA the default is otherwise ``TRITON_BY_DEFAULT``: off
 until bench/gpu_check_model.py passes on the H200 with every Triton kernel on (whole model, bf16
 vs the fp32 reference; each kernel's own check already passes), so that flipping one constant is
-the whole switch. A misspelt value is an error, not a silent fallback to the slow path.
+the whole switch. A misspelt value is an error, not a silent fallback to the slow path. The
+variables are read once (``reload``; every engine start re-reads them).
 """
 
 from __future__ import annotations
@@ -20,24 +21,53 @@ _CHOICES = {"MOE": ("triton", "torch"), "MLA": ("triton", "torch"), "NORM": ("tr
             "ATTNRES": ("triton", "torch"), "GLU": ("triton", "torch"), "KDA": ("triton", "torch", "fla")}
 
 OPS = tuple(_CHOICES)
+_resolved: dict[str, str] | None = None  # op -> auto | triton | torch | fla, read by reload()
 
 
-def triton_enabled(op: str, device: torch.device | str) -> bool:
-    """Whether ``op`` runs its Triton kernel for tensors on ``device``."""
-    if op not in _CHOICES:
-        raise ValueError(f"unknown op {op!r}; one of {sorted(_CHOICES)}")
-    var = f"K3SERVE_{op}_BACKEND"
-    choice = os.environ.get(var, "auto") or "auto"
-    if choice != "auto" and choice not in _CHOICES[op]:
-        raise ValueError(f"{var}={choice!r}: expected one of {', '.join(('auto',) + _CHOICES[op])}")
+def reload() -> dict[str, str]:
+    """Reads and checks the environment; ``triton_enabled`` answers from this snapshot (it sits
+    on every layer's path: ~100 lookups an eager step). Engines call it when they start; call it
+    after changing the variables in a running process."""
+    global _resolved
     every = os.environ.get("K3SERVE_BACKEND", "auto") or "auto"
     if every not in ("auto", "triton", "torch"):
         raise ValueError(f"K3SERVE_BACKEND={every!r}: expected one of auto, triton, torch")
-    if torch.device(device).type != "cuda":
+    resolved = {}
+    for op, choices in _CHOICES.items():
+        var = f"K3SERVE_{op}_BACKEND"
+        choice = os.environ.get(var, "auto") or "auto"
+        if choice != "auto" and choice not in choices:
+            raise ValueError(f"{var}={choice!r}: expected one of {', '.join(('auto',) + choices)}")
+        resolved[op] = every if choice == "auto" else choice
+    _resolved = resolved
+    return resolved
+
+
+def override(op: str, value: str | None) -> None:
+    """Sets (None: unsets) ``K3SERVE_<op>_BACKEND`` in this process and re-reads the snapshot."""
+    var = f"K3SERVE_{op}_BACKEND"
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+    reload()
+
+
+def choice(op: str) -> str:
+    """The configured choice for ``op``: auto (the default), triton, torch, or fla (KDA)."""
+    if op not in _CHOICES:
+        raise ValueError(f"unknown op {op!r}; one of {sorted(_CHOICES)}")
+    return (_resolved or reload())[op]
+
+
+def triton_enabled(op: str, device: torch.device | str) -> bool:
+    """Whether ``op`` runs its Triton kernel for tensors on ``device`` (CPU: never)."""
+    c = (_resolved or reload()).get(op)
+    if c is None:
+        raise ValueError(f"unknown op {op!r}; one of {sorted(_CHOICES)}")
+    if (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cuda":
         return False
-    if choice == "auto":
-        choice = every
-    return TRITON_BY_DEFAULT if choice == "auto" else choice == "triton"
+    return TRITON_BY_DEFAULT if c == "auto" else c == "triton"
 
 
 MXFP4_UPCASTS = ("dot_scaled", "swar")  # how the Triton MoE turns MXFP4 into bf16 (ops/moe_triton.py)
@@ -53,8 +83,8 @@ def mxfp4_upcast(choice: str | None = None) -> str:
 
 
 def check_environment() -> None:
-    """Every ``K3SERVE_<OP>_BACKEND`` and ``K3SERVE_MXFP4_UPCAST`` value is one this build knows:
-    run at startup, so a typo stops the server before weights load, not at its first request."""
-    for op in _CHOICES:
-        triton_enabled(op, "cpu")
+    """Re-reads the environment and checks every ``K3SERVE_BACKEND`` / ``K3SERVE_<OP>_BACKEND`` /
+    ``K3SERVE_MXFP4_UPCAST`` value: run at startup, so a typo stops the server before weights
+    load, not at its first request."""
+    reload()
     mxfp4_upcast()

@@ -8,12 +8,12 @@ slot pool [num_slots, H, K, V] fp32 and are read at, and written back to, each s
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 
 from ..model.batch import ForwardBatch
 from . import fla_backend
+from .backend import choice
 from .kda_ref import kda_chunked_ref, kda_recurrent_ref, l2norm
 
 # Chunk length of the reference prefill. 64 matches fla; CPU training (tools/train_tiny.py) runs
@@ -26,7 +26,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     """q, k (post conv, L2-normalised here), g (log decay), all [T, H, K]; v [T, H, V]; beta [T, H].
     ``state`` [num_slots, H, K, V] is updated in place at ``batch.kda_slots``. Returns o [T, H, V]
     (fp32 from the reference, v's dtype from fla)."""
-    backend = backend or os.environ.get("K3SERVE_KDA_BACKEND", "auto")  # auto | torch | fla | triton
+    backend = backend or choice("KDA")  # auto | torch | fla | triton
     if backend in ("auto", "triton"):  # "triton" fuses decode-only steps in the mixer; the rest is auto
         backend = "fla" if q.is_cuda and fla_backend.available() else "torch"
     if backend == "fla":
