@@ -42,21 +42,27 @@ def check(N, H, D, lb):
 FUSED_VARIANTS = [(pf, bv, nw) for pf in (False, True) for bv in (32, 64) for nw in (4, 8)]
 
 
+def mixer_inputs(N, H, D, num_slots, seed):
+    """The fused mixer's other inputs: pre-conv q|k|v, conv weights and states, output gate."""
+    P = H * D
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(N, 3 * P, device="cuda", generator=g).bfloat16()
+    conv_w = torch.randn(3 * P, 4, device="cuda", generator=g)
+    conv_state = torch.randn(num_slots, 3 * P, 3, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(N, P, device="cuda", generator=g).bfloat16()
+    return x, conv_w, conv_state, gate, torch.ones(N, dtype=torch.bool, device="cuda")
+
+
 def fused_check(N, H, D, lb):
     """Every fused variant on the same inputs: output and state equal to the default's."""
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
-    P = H * D
-    g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(N, 3 * P, device="cuda", generator=g).bfloat16()
-    conv_w = torch.randn(3 * P, 4, device="cuda", generator=g)
-    conv0 = torch.randn(state0.shape[0], 3 * P, 3, device="cuda", generator=g).bfloat16()
-    gate = torch.randn(N, P, device="cuda", generator=g).bfloat16()
-    has = torch.ones(N, dtype=torch.bool, device="cuda")
+    x, conv_w, conv0, gate, has = mixer_inputs(N, H, D, state0.shape[0], 5)
     outs = []
     for pf, bv, nw in [(False, 32, 4)] + FUSED_VARIANTS:
         st, cs = state0.clone(), conv0.clone()
-        y = kda_decode_fused(x, conv_w, cs, has, f.view(N, P), b, A_log, dt_bias, gate, torch.ones(D, device="cuda"),
-                             1e-5, lb, st, slots, H, block_v=bv, prefetch=pf, num_warps=nw)
+        y = kda_decode_fused(x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
+                             torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H, block_v=bv, prefetch=pf,
+                             num_warps=nw)
         outs.append((y, st))
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return max(max(rel(y, outs[0][0]), rel(st, outs[0][1])) for y, st in outs[1:])
@@ -68,12 +74,7 @@ def timing(N, H, D, lb=-5.0):
     row = {"ours_ms": triton.testing.do_bench(ours, warmup=25, rep=200, return_mode="median")}
     # the fully fused mixer step (conv update + gates + norms + delta rule + gated RMSNorm)
     P = H * D
-    g = torch.Generator(device="cuda").manual_seed(11)
-    x = torch.randn(N, 3 * P, device="cuda", generator=g).bfloat16()
-    conv_w = torch.randn(3 * P, 4, device="cuda", generator=g)
-    conv_state = torch.randn(state.shape[0], 3 * P, 3, device="cuda", generator=g).bfloat16()
-    gate = torch.randn(N, P, device="cuda", generator=g).bfloat16()
-    has = torch.ones(N, dtype=torch.bool, device="cuda")
+    x, conv_w, conv_state, gate, has = mixer_inputs(N, H, D, state.shape[0], 11)
     fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                      torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
     row["fused_ms"] = triton.testing.do_bench(fused, warmup=25, rep=200, return_mode="median")
