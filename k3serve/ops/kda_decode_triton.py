@@ -7,10 +7,13 @@ else rides along in registers: one program per (sequence, head, block of value c
 the tile back. q, k are the post-conv activations (normalised here), ``f`` the gate
 pre-activation without dt_bias, ``b`` the beta logits.
 
-Reference: ``kda_ref.kda_recurrent_ref`` + ``kda_ref.kda_gate``. Checked on CPU under
-``TRITON_INTERPRET=1`` (tests/test_kda_decode_triton.py); GPU timing is [gpu-kernels] work.
-The short-conv update is not fused yet: q/k conv windows are shared by every value block of a
-head, so fusing it needs a write-after-all-reads ordering (a follow-up).
+``kda_decode`` is that core step alone (a bandwidth probe for bench/); ``kda_decode_fused`` is
+the whole mixer step the model runs: short-conv update + SiLU, gates, norms, the delta rule and
+the gated RMSNorm, one program per (sequence, head) so the conv state it rewrites is its own.
+
+Reference: ``kda_ref.kda_recurrent_ref`` + ``kda_ref.kda_gate`` (and the mixer's torch path).
+Checked on CPU under ``TRITON_INTERPRET=1`` (tests/test_kda_decode_triton.py); timed on the H200
+by bench/kernels_kda_decode.py (RESULTS.md).
 """
 
 from __future__ import annotations
