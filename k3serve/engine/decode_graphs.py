@@ -7,7 +7,7 @@ the whole forward + lm_head: no Python per layer, no host sync, no allocation. W
 before capture) the same padded step runs eagerly, which is how the CPU tests check the padding.
 
 Capture needs every decode op to be shape-static and sync-free: the Triton MoE
-(``K3SERVE_MOE_BACKEND=triton``; the reference loops over expert counts on the host) and the
+(the Triton MoE backend, ops/backend.py; the reference loops over expert counts on the host) and the
 Triton MLA decode (the reference attends over the table's full width in static mode, correct but
 slow for long contexts). ``capture_blockers`` names what is missing; the engine then stays eager.
 """

@@ -2,7 +2,7 @@
 norm (cast, square, mean, rsqrt, two products, cast back), and a decode step has 2-4 norms a layer.
 
 Reference: ``model.layers.rms_norm`` (same contract). Checked on CPU with ``TRITON_INTERPRET=1``
-(tests/test_norm_triton.py). Opt-in on CUDA: ``K3SERVE_NORM_BACKEND=triton``.
+(tests/test_norm_triton.py). On CUDA with the Triton backend for NORM (ops/backend.py).
 """
 
 from __future__ import annotations
