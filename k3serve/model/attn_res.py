@@ -5,7 +5,6 @@ Everything here is per token and transient within one forward pass; nothing is c
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

@@ -6,7 +6,6 @@ loader or the dummy initialiser fills them, so the model is never held twice.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -6,7 +6,6 @@ per-head K/V); prefill chunks use the expanded form. No rotary embedding anywher
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

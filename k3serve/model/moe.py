@@ -7,7 +7,6 @@ use in the reference path.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
