@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import triton
 
-# The fast path is what is timed: every Triton kernel on (set any of these to "torch" to compare).
+# The fast path is what is timed: every Triton kernel on (K3SERVE_<OP>_BACKEND=torch compares one op).
 os.environ.setdefault("K3SERVE_BACKEND", "triton")  # every op (ops/backend.py); per-op variables still win
 
 from k3serve.cache.pool import PoolLayout, UnifiedPool  # noqa: E402

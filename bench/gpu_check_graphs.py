@@ -183,8 +183,8 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
 
 # Kernel name fragments by what they serve: the share of a decode step each family takes
 # ([gpu-kernels] asks the AttnRes mixers to stay under 2 % of the layer time).
-FAMILIES = (("attn_res", ("attn_res",)), ("moe", ("grouped_gemm", "_route", "align_by_expert")),
-            ("mla", ("_mla_",)), ("kda", ("kda", "fused_recurrent", "chunk_")), ("norm", ("norm",)),
+FAMILIES = (("attn_res", ("attn_res",)), ("glu", ("_glu_kernel",)),
+            ("moe", ("grouped_gemm", "_route", "align_by_expert")), ("mla", ("_mla_",)), ("kda", ("kda", "fused_recurrent", "chunk_")), ("norm", ("norm",)),
             ("dense gemm", ("gemm", "cutlass", "sm90", "nvjet", "cublas", "gemv")))
 
 
