@@ -176,7 +176,8 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
     for r in rows:
         fam = next((f for f, keys in FAMILIES if any(k in r["kernel"].lower() for k in keys)), "other")
         families[fam] = families.get(fam, 0.0) + r["ms"]
-    return {"batch": batch, "context": ctx, "new_tokens": new_tokens, "kernels": sum(r["count"] for r in rows), "kernel_ms": round(total, 3),
+    return {"batch": batch, "context": ctx, "new_tokens": new_tokens, "kernels": sum(r["count"] for r in rows),
+            "kernel_ms": round(total, 3),
             "share": {f: f"{100 * ms / total:.1f} %" for f, ms in sorted(families.items(), key=lambda x: -x[1])},
             "top": rows[:top]}
 
