@@ -46,6 +46,13 @@ def routing(moe, d, T):
     return xin, w, ids
 
 
+def work(ex, ids) -> tuple[int, float, float]:
+    """(experts hit, GB of their weights read, FLOPs) of one routed-expert call."""
+    hit = int(torch.unique(ids).numel())
+    per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
+    return hit, hit * per_expert / 1e9, 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -55,10 +62,8 @@ def sweep(ex, cases, variants, copy, mm, label):
     print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages, upcast)")
     print("| tokens | variant | ms | TB/s | % copy | TFLOP/s | % matmul | rel err |")
     print("|---|---|---|---|---|---|---|---|")
-    per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
     for T, z, w, ids, ref in cases:
-        gbytes = int(torch.unique(ids).numel()) * per_expert / 1e9
-        flops = 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
+        _, gbytes, flops = work(ex, ids)
         for bm, bn, swap, bk, nw, st, upcast in variants:
             tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
             run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles, upcast=upcast)  # noqa: E731
@@ -127,10 +132,7 @@ def main():
                 continue
             t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
                                             return_mode="median") if T <= 64 and upcast == "dot_scaled" else float("nan")
-            hit = int(torch.unique(ids).numel())
-            per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
-            gbytes = hit * per_expert / 1e9
-            flops = 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
+            hit, gbytes, flops = work(ex, ids)
             print(f"| {upcast} | {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
                   f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | "
                   f"{100 * flops / t_ours / 1e9 / mm:.0f} % |", flush=True)

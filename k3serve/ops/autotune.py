@@ -9,8 +9,13 @@ import os
 import triton
 
 
-def autotuned(kernel, candidates: list, interpreted, key: list[str], prune=None):
-    """``kernel`` wrapped by triton.autotune over ``candidates`` (``interpreted`` alone when
+def interpreted() -> bool:
+    """Whether Triton kernels run on its CPU interpreter (no inline PTX, timing meaningless)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def autotuned(kernel, candidates: list, interpreted_config, key: list[str], prune=None):
+    """``kernel`` wrapped by triton.autotune over ``candidates`` (``interpreted_config`` alone when
     interpreting), keyed on the argument names ``key``; ``prune`` filters configs per call."""
-    configs = [interpreted] if os.environ.get("TRITON_INTERPRET") == "1" else candidates
+    configs = [interpreted_config] if interpreted() else candidates
     return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)

@@ -55,16 +55,15 @@ def override(op: str, value: str | None) -> None:
 
 def choice(op: str) -> str:
     """The configured choice for ``op``: auto (the default), triton, torch, or fla (KDA)."""
-    if op not in _CHOICES:
+    c = (_resolved or reload()).get(op)
+    if c is None:
         raise ValueError(f"unknown op {op!r}; one of {sorted(_CHOICES)}")
-    return (_resolved or reload())[op]
+    return c
 
 
 def triton_enabled(op: str, device: torch.device | str) -> bool:
     """Whether ``op`` runs its Triton kernel for tensors on ``device`` (CPU: never)."""
-    c = (_resolved or reload()).get(op)
-    if c is None:
-        raise ValueError(f"unknown op {op!r}; one of {sorted(_CHOICES)}")
+    c = choice(op)
     if (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cuda":
         return False
     return TRITON_BY_DEFAULT if c == "auto" else c == "triton"

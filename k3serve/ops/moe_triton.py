@@ -15,13 +15,11 @@ Reference: ``moe_ref.experts_ref``. Checked on CPU with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .autotune import autotuned
+from .autotune import autotuned, interpreted
 from .backend import mxfp4_upcast
 from .glu_triton import glu
 
@@ -403,7 +401,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
         num_assign, top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
         float(beta), float(linear_beta or 1.0),
-        WEIGHTS=weights, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", GLU=up is not None,
+        WEIGHTS=weights, INTERPRETED=interpreted(), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
         HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, **tiles,
     )
