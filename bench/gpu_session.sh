@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh checks    # correctness: model vs fp32 reference, CUDA graphs, engine
 #   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
 #   bash bench/gpu_session.sh sweep     # MoE / MLA tile sweeps, k3-slice decode-step profile
+#   bash bench/gpu_session.sh moe       # the MoE tile sweep alone
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
@@ -16,7 +17,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/gpu_work
-T0=$(date +%s)
+T0=${T0:-$(date +%s)}  # export T0 to share one budget across sections of one device call
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/fla_core-*.whl || { echo "fla-core wheel missing under .whl/"; exit 3; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -49,10 +50,14 @@ case "$1" in
     step profile_slice "$(left 530)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
     step mla "$(left 585)" python3 -m bench.kernels_mla
     grep -v "failed" "$OUT/moe.log" | tail -c 9000; grep -A3 "kernels, " "$OUT/profile_slice.log"; tail -c 3000 "$OUT/mla.log" ;;
-  profile48)  # where kimi-linear-48b's decode (batch 1, 64) and 8K-token prefill steps spend GPU time
+  profile48)  # where kimi-linear-48b's decode (batch 1, 64) and 8K-token prefill steps spend GPU time,
+              # next to the graph-replayed step's wall time (kernel time vs launch gaps)
     step profile48 "$(left 580)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
-      --parts profile,profile_prefill --out /tmp/gpu_work
-    grep -A12 "kernels, " "$OUT/profile48.log" ;;
+      --parts timing,profile,profile_prefill --iters 10 --out /tmp/gpu_work
+    grep -A6 "| context" "$OUT/profile48.log"; grep -A14 "kernels, " "$OUT/profile48.log" ;;
+  moe)  # the MoE tile sweep alone (swar vs dot_scaled, Kimi bf16 prefill), autotuned table
+    step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe
+    grep -v "failed" "$OUT/moe.log" | tail -c 9000 ;;
   e2e)
     step e2e "$(left 580)" python3 -m bench.e2e --out /tmp/gpu_work
     tail -c 8000 "$OUT/e2e.log"
@@ -81,6 +86,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
