@@ -55,7 +55,7 @@ case "$1" in
     step profile48 "$(left 580)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts timing,profile,profile_prefill --iters 10 --out /tmp/gpu_work
     grep -A6 "| context" "$OUT/profile48.log"; grep -A14 "kernels, " "$OUT/profile48.log" ;;
-  moe)  # the MoE tile sweep alone (swar vs dot_scaled, Kimi bf16 prefill), autotuned table
+  moe)  # the MoE tile sweep alone (K3 MXFP4, Kimi bf16 prefill), autotuned table
     step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe
     grep -v "failed" "$OUT/moe.log" | tail -c 9000 ;;
   e2e)

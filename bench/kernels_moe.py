@@ -1,7 +1,6 @@
 """Routed-expert kernel check + timing on the GPU ([gpu-kernels] item 3; not a CI test).
 
-The Triton grouped GEMM (MXFP4 upcast in registers by tl.dot_scaled or by the word-wide bit
-upcast "swar", and bf16) against the plain-torch per-expert reference on fresh random routing,
+The Triton grouped GEMM (MXFP4 upcast in registers by tl.dot_scaled, and bf16) against the plain-torch per-expert reference on fresh random routing,
 then timed on K3's latent experts (896 MXFP4 experts, top-16, width 3584, intermediate 3072):
 decode 1..64 tokens as TB/s on the expert
 bytes actually read (target >= 60 % of copy), prefill 8K tokens as TFLOP/s (target >= 50 % of the
@@ -26,16 +25,12 @@ from k3serve.model.loader import load_model
 from k3serve.ops.moe_ref import experts_ref
 from k3serve.ops.moe_triton import _grouped_gemm_tuned, experts_triton
 
-# (block_m, BLOCK_N, SWAP_AB, BLOCK_K, warps, stages, MXFP4 upcast). The fifth session's sweep
-# (RESULTS.md) covered dot_scaled over these tiles; its best are kept as the baseline here.
-DECODE_VARIANTS = ([(16, 64, False, 128, 4, 3, "dot_scaled"), (16, 32, True, 256, 2, 4, "dot_scaled")]
-                   + [(16, bn, swap, bk, w, st, "swar") for bn in (32, 64) for swap in (False, True)
-                      for bk in (128, 256) for w, st in ((4, 3), (2, 4))])
-PREFILL_VARIANTS = ([(128, 128, False, 128, 8, 3, "dot_scaled"), (64, 128, False, 64, 4, 3, "dot_scaled")]
-                    + [(bm, 128, swap, 128, w, 3, "swar") for bm in (64, 128) for swap in (False, True)
-                       for w in (4, 8)])
-BF16_VARIANTS = [(16, 64, False, 128, 4, 3, None), (16, 32, False, 128, 4, 3, None), (16, 128, True, 128, 8, 3, None)]
-BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st, None) for bm, bn in ((64, 128), (128, 128), (128, 256))
+# (block_m, BLOCK_N, SWAP_AB, BLOCK_K, warps, stages). The fifth session's sweep (RESULTS.md)
+# covered dot_scaled over many tiles; its best are kept here as the autotuner's candidates' check.
+DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 32, True, 128, 2, 4)]
+PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)]
+BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3)]
+BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st) for bm, bn in ((64, 128), (128, 128), (128, 256))
                          for w, st in ((4, 3), (8, 3), (8, 4))]
 
 
@@ -59,21 +54,21 @@ def rel(a, b):
 
 def sweep(ex, cases, variants, copy, mm, label):
     """Every variant on every (tokens, x, weights, ids, reference) case: checked, then timed."""
-    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages, upcast)")
+    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages)")
     print("| tokens | variant | ms | TB/s | % copy | TFLOP/s | % matmul | rel err |")
     print("|---|---|---|---|---|---|---|---|")
     for T, z, w, ids, ref in cases:
         _, gbytes, flops = work(ex, ids)
-        for bm, bn, swap, bk, nw, st, upcast in variants:
+        for bm, bn, swap, bk, nw, st in variants:
             tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
-            run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles, upcast=upcast)  # noqa: E731
+            run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles)  # noqa: E731
             try:
                 err = rel(run(), ref) if ref is not None else float("nan")
                 ms = triton.testing.do_bench(run, warmup=5, rep=60, return_mode="median")
             except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
-                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{upcast} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
+                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
                 continue
-            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{upcast} | {ms:.3f} | {gbytes / ms:.2f} | "
+            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st} | {ms:.3f} | {gbytes / ms:.2f} | "
                   f"{100 * gbytes / ms / copy:.0f} % | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
                   f"{err:.2e} |", flush=True)
 
@@ -119,24 +114,19 @@ def main():
             sweep(kl, kl_cases[:3], BF16_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
         # the same grouped GEMM without any upcast: what its structure allows at prefill
         sweep(kl, kl_cases[3:], BF16_PREFILL_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, prefill")
-    print("\nautotuned tiles (experts_triton as the model calls it; upcast: K3SERVE_MXFP4_UPCAST):")
-    print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for upcast in ("dot_scaled", "swar"):
-        for T, z, w, ids, ref in cases.values():
-            ours = lambda: experts_triton(z, w, ids, ex, upcast=upcast)  # noqa: E731
-            try:
-                err = rel(ours(), ref)
-                t_ours = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")
-            except Exception as exc:  # the other upcast's figures must still print
-                print(f"| {upcast} | {T} | failed: {type(exc).__name__}: {str(exc)[:300]!r} |||||||||", flush=True)
-                continue
-            t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
-                                            return_mode="median") if T <= 64 and upcast == "dot_scaled" else float("nan")
-            hit, gbytes, flops = work(ex, ids)
-            print(f"| {upcast} | {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
-                  f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | "
-                  f"{100 * flops / t_ours / 1e9 / mm:.0f} % |", flush=True)
+    print("\nautotuned tiles (experts_triton as the model calls it):")
+    print("| tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for T, z, w, ids, ref in cases.values():
+        ours = lambda: experts_triton(z, w, ids, ex)  # noqa: E731
+        err = rel(ours(), ref)
+        t_ours = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")
+        t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
+                                        return_mode="median") if T <= 64 else float("nan")
+        hit, gbytes, flops = work(ex, ids)
+        print(f"| {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
+              f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | "
+              f"{100 * flops / t_ours / 1e9 / mm:.0f} % |", flush=True)
     for key, c in _grouped_gemm_tuned.cache.items():  # what the autotuner picked per shape
         print(f"tuned {key}: {c.kwargs} warps {c.num_warps} stages {c.num_stages}")
 

@@ -69,21 +69,8 @@ def triton_enabled(op: str, device: torch.device | str) -> bool:
     return TRITON_BY_DEFAULT if c == "auto" else c == "triton"
 
 
-MXFP4_UPCASTS = ("dot_scaled", "swar")  # how the Triton MoE turns MXFP4 into bf16 (ops/moe_triton.py)
-
-
-def mxfp4_upcast(choice: str | None = None) -> str:
-    """``choice``, else ``K3SERVE_MXFP4_UPCAST``, else dot_scaled (swar is opt-in until timed)."""
-    upcast = choice or os.environ.get("K3SERVE_MXFP4_UPCAST") or "dot_scaled"
-    if upcast not in MXFP4_UPCASTS:
-        where = "upcast" if choice else "K3SERVE_MXFP4_UPCAST"
-        raise ValueError(f"{where}={upcast!r}: expected one of {', '.join(MXFP4_UPCASTS)}")
-    return upcast
-
-
 def check_environment() -> None:
-    """Re-reads the environment and checks every ``K3SERVE_BACKEND`` / ``K3SERVE_<OP>_BACKEND`` /
-    ``K3SERVE_MXFP4_UPCAST`` value: run at startup, so a typo stops the server before weights
+    """Re-reads the environment and checks every ``K3SERVE_BACKEND`` / ``K3SERVE_<OP>_BACKEND``
+    value: run at startup, so a typo stops the server before weights
     load, not at its first request."""
     reload()
-    mxfp4_upcast()

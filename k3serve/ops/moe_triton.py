@@ -5,9 +5,9 @@ Token-to-expert assignments are sorted by expert on the device and padded per ex
 block, so one launch covers every active expert: program (row block, column tile) multiplies its
 block of gathered activation rows by its expert's weight tile. MXFP4 bytes (low nibble = even
 input) are upcast to bf16 and scaled by 2^(E8M0 - 127) per 32 inputs inside the K loop, so only
-4.25 bits per weight cross the memory bus. Three upcasts: tl.dot_scaled (bf16 activations, the
-default), the word-wide "swar" bit upcast (bf16 activations, opt-in until timed), and an exact
-fp32 decode for fp32 activations (the CPU tests' 1e-5 path).
+4.25 bits per weight cross the memory bus. Two upcasts: tl.dot_scaled for bf16 activations, and an
+exact fp32 decode for fp32 activations (the CPU tests' 1e-5 path). (A hand-written word-wide bit
+upcast, "swar", was 1.3x slower at decode and 3x at prefill on the H200: RESULTS.md, sixth session.)
 
 Reference: ``moe_ref.experts_ref``. Checked on CPU with ``TRITON_INTERPRET=1``
 (tests/test_moe_triton.py); timed and swept on the H200 by bench/kernels_moe.py (RESULTS.md).
@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from .autotune import autotuned, interpreted
-from .backend import mxfp4_upcast
 from .glu_triton import glu
 
 
@@ -50,67 +49,6 @@ def _mx_group(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we, str
     w_even = (_e2m1(packed & 15) * factor).to(a_even.dtype)
     w_odd = (_e2m1(packed >> 4) * factor).to(a_even.dtype)
     return tl.dot(a_even, tl.trans(w_even)).to(tl.float32) + tl.dot(a_odd, tl.trans(w_odd)).to(tl.float32)
-
-
-@triton.jit
-def _mx_pair(words, factor, J: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Codes 8i + J and 8i + J + 4 of each int32 word (8 E2M1 codes, low nibble first) as two
-    bf16 tensors, scaled by ``factor`` (bf16 bits of 2^(s - 127) in both halves). Both codes of
-    a pair need the same shifts: the magnitude bits land on bf16 bits 6..8 / 22..24 and the sign on
-    15 / 31, giving two bf16 numbers equal to the code's value times 2^-126 (code 1 is then a bf16
-    subnormal); two mul.bf16x2 by 2^126 and by the scale make them exact. About four integer ops
-    and one multiply per code, against ~15 for tl.dot_scaled's upcast on Hopper (RESULTS.md)."""
-    if J < 2:
-        mag = words << (6 - 4 * J)
-    else:
-        mag = words >> (4 * J - 6)  # arithmetic shift: the copied sign bits fall outside the mask
-    pair = (mag & 0x01C001C0) | ((words << (12 - 4 * J)) & -2147450880)  # sign mask 0x80008000 as int32
-    if INTERPRETED:  # CPU: the same bits, then the same two multiplies in fp32 (no inline PTX here)
-        f = ((factor & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-        lo = ((pair & 0xFFFF) << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37 * f  # * 2^126 * 2^(s-127)
-        hi = (pair & -65536).to(tl.float32, bitcast=True) * 8.507059173023462e37 * f
-    else:
-        lo, hi = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, bias;
-            mov.b32 bias, 0x7E807E80;
-            mul.rn.bf16x2 t, $2, bias;
-            mul.rn.bf16x2 t, t, $3;
-            mov.b32 {$0, $1}, t;
-            }""",
-            "=h,=h,r,r", [pair, factor], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    return lo, hi
-
-
-@triton.jit
-def _swar_tile_product(X, tok, valid, stride_xt, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se,
-                       stride_sn, acc, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc + x_rows @ W[e][cols, k0:k0+BLOCK_K]^T for MXFP4 read as int32 words (``W`` is the
-    packed tensor viewed as int32). Eight MMAs of K = BLOCK_K / 8, one per code position J in a
-    word, each against the activations at columns k0 + 8i + J: no shuffle of the upcast values."""
-    i = tl.arange(0, BLOCK_K // 8)
-    words = tl.load(W + e * stride_we + cols[:, None] * stride_wn + (k0 // 8 + i)[None, :], mask=cmask[:, None],
-                    other=0)
-    # a word's 8 codes share one scale: each scale byte is read for its 4 words (L1 hits)
-    sc = tl.load(S + e * stride_se + cols[:, None] * stride_sn + (k0 // 32 + i // 4)[None, :], mask=cmask[:, None],
-                 other=127).to(tl.int32)
-    f16 = tl.where(sc == 0, 0x40, sc << 7)  # bf16 bits of 2^(s - 127) (s = 0: the subnormal 2^-127)
-    factor = f16 | (f16 << 16)
-    x_row = X + tok[:, None] * stride_xt + (k0 + 8 * i)[None, :]
-    for j in tl.static_range(4):
-        lo, hi = _mx_pair(words, factor, j, INTERPRETED)
-        a_lo = tl.load(x_row + j, mask=valid[:, None], other=0.0)
-        a_hi = tl.load(x_row + j + 4, mask=valid[:, None], other=0.0)
-        if INTERPRETED:
-            a_lo = a_lo.to(tl.float32)
-            a_hi = a_hi.to(tl.float32)
-        if SWAP_AB:
-            acc = tl.dot(lo, tl.trans(a_lo), acc)
-            acc = tl.dot(hi, tl.trans(a_hi), acc)
-        else:
-            acc = tl.dot(a_lo, tl.trans(lo), acc)
-            acc = tl.dot(a_hi, tl.trans(hi), acc)
-    return acc
 
 
 @triton.jit
@@ -152,9 +90,9 @@ def _grouped_gemm_kernel(
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
     epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). WEIGHTS: "bf16"; or MXFP4 upcast in
-    registers, for bf16 activations by tl.dot_scaled ("mx_dot_scaled") or by word-wide bit
-    arithmetic ("mx_swar"), for fp32 activations decoded here one 32-wide scale group at a time
-    ("mx_decode": the exact path the CPU tests hold to 1e-5)."""
+    registers, for bf16 activations by tl.dot_scaled ("mx_dot_scaled"), for fp32 activations
+    decoded here one 32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold
+    to 1e-5)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
@@ -183,12 +121,6 @@ def _grouped_gemm_kernel(
                     part = _mx_group(X, W_UP, S_UP, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
                                      stride_wn, stride_se, stride_sn)
                     acc_up += tl.trans(part) if SWAP_AB else part
-        elif WEIGHTS == "mx_swar":
-            acc = _swar_tile_product(X, tok, valid, stride_xt, W, S, e, cols, cmask, k0, stride_we, stride_wn,
-                                     stride_se, stride_sn, acc, SWAP_AB, BLOCK_K, INTERPRETED)
-            if GLU:
-                acc_up = _swar_tile_product(X, tok, valid, stride_xt, W_UP, S_UP, e, cols, cmask, k0, stride_we,
-                                            stride_wn, stride_se, stride_sn, acc_up, SWAP_AB, BLOCK_K, INTERPRETED)
         else:
             a = tl.load(X + tok[:, None] * stride_xt + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
                         other=0.0)
@@ -363,29 +295,22 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
                  block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
-                 row_scale: torch.Tensor | None = None, upcast: str | None = None) -> torch.Tensor:
+                 row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``. ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
     [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
     epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights).
     ``tiles`` (BLOCK_N, SWAP_AB, num_warps, num_stages) None: autotuned for this shape. MXFP4 with
-    bf16 activations is upcast by ``upcast`` ("dot_scaled", or "swar": word-wide bit arithmetic,
-    K a multiple of 128; None: ``K3SERVE_MXFP4_UPCAST``, default dot_scaled), with K tiles of up
-    to 128 (64 packed bytes a weight row); fp32 activations take the exact hand-decoded path."""
+    bf16 activations goes through tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight
+    row); fp32 activations take the exact hand-decoded path."""
     mx = scale is not None
     K = x.shape[1]
-    upcast = mxfp4_upcast(upcast)
-    weights = ("bf16" if not mx else "mx_decode" if x.dtype != torch.bfloat16
-               else "mx_swar" if upcast == "swar" and K % 128 == 0 else "mx_dot_scaled")
+    weights = "bf16" if not mx else "mx_decode" if x.dtype != torch.bfloat16 else "mx_dot_scaled"
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
         block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
-    if K % block_k or (mx and block_k % 32) or (weights == "mx_swar" and block_k % 128):
-        raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and of 32 for MXFP4, "
-                         f"of 128 for the swar upcast)")
-    if weights == "mx_swar":  # 8 codes a word
-        weight = weight.view(torch.int32)
-        up = (up[0].view(torch.int32), up[1]) if up is not None else None
+    if K % block_k or (mx and block_k % 32):
+        raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and of 32 for MXFP4)")
     out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     s = scale if mx else weight
     w_up, s_up = up if up is not None else (weight, s)
