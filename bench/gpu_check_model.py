@@ -49,21 +49,27 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int) -> None
     batch = ForwardBatch.build(chunks, page_size=64, device=dev)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
     q, k, v = (r(T, H, D).bfloat16() for _ in range(3))
-    g = kda_gate(r(T, H, D) * 3, torch.rand(H, generator=gen, device=dev) * 2.5, r(H * D), lower_bound)
+    f = (r(T, H, D) * 3).bfloat16()  # the gate pre-activation, bf16 as the projection makes it
+    gate = (torch.rand(H, generator=gen, device=dev) * 2.5, r(H * D), lower_bound)
+    g = kda_gate(f, *gate)
     beta = torch.rand(T, H, generator=gen, device=dev)
     pool = r(12, H, D, D) * 0.1
     outs = {}
-    for backend in ("torch", "fla"):
+    # fla twice: with the decay passed, and computed from f inside its chunk kernel (the model's call)
+    for name, backend, in_kernel in (("torch", "torch", False), ("fla", "fla", False), ("fla_gate", "fla", True)):
         st = pool.clone()
         inp = [x.float() if backend == "torch" else x for x in (q, k, v)]
         torch.cuda.synchronize()
-        o = kda_ops.kda_core(*inp, g, beta, D ** -0.5, st, batch, backend=backend)
-        outs[backend] = (o.float(), st)
-    (o_ref, s_ref), (o_fla, s_fla) = outs["torch"], outs["fla"]
+        o = kda_ops.kda_core(*inp, f if in_kernel else g, beta, D ** -0.5, st, batch, backend=backend,
+                             gate=gate if in_kernel else None)
+        outs[name] = (o.float(), st)
+    o_ref, s_ref = outs["torch"]
     untouched = [i for i in range(12) if i not in slots]
-    ROWS.append(dict(check="kda_core fla vs torch ref", shape=f"H={H} D={D} T={T} lb={lower_bound}",
-                     rel_err_out=rel(o_fla, o_ref), rel_err_state=rel(s_fla[slots], s_ref[slots]),
-                     untouched_slots_equal=bool(torch.equal(s_fla[untouched], pool[untouched]))))
+    for name in ("fla", "fla_gate"):
+        o_fla, s_fla = outs[name]
+        ROWS.append(dict(check=f"kda_core {name} vs torch ref", shape=f"H={H} D={D} T={T} lb={lower_bound}",
+                         rel_err_out=rel(o_fla, o_ref), rel_err_state=rel(s_fla[slots], s_ref[slots]),
+                         untouched_slots_equal=bool(torch.equal(s_fla[untouched], pool[untouched]))))
 
 
 def _prompts(vocab: int, lens, seed: int):

@@ -148,3 +148,26 @@ def test_reference_core_stays_fp32_under_a_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cast = kda_core(q, k, v, g, beta, K ** -0.5, cast_state, batch, backend="torch")
     assert cast.dtype == torch.float32 and torch.equal(cast, plain) and torch.equal(cast_state, plain_state)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_core_computes_the_decay_from_the_gate_pre_activation(lower_bound):
+    """kda_core(gate=(A_log, dt_bias, lower_bound)) takes f and computes kda_gate(f) itself (fla does
+    it inside its chunk kernel): the same output and states as passing the decay."""
+    from k3serve.model.batch import ForwardBatch, SeqChunk
+    from k3serve.ops.kda import kda_core
+    from k3serve.ops.kda_ref import kda_gate
+
+    gen = torch.Generator().manual_seed(3)
+    H, K, V = 2, 16, 8
+    batch = ForwardBatch.build([SeqChunk([0], 4, 0, [0]), SeqChunk([0] * 30, 0, 1, [1])], 64, "cpu")
+    q, k, v, _, beta = _inputs(batch.num_tokens, H, K, V, -5.0, gen)
+    f = torch.randn(batch.num_tokens, H, K, generator=gen) * 2
+    A_log, dt_bias = torch.randn(H, generator=gen), torch.randn(H * K, generator=gen)
+    s1, s2 = torch.randn(2, 2, H, K, V, generator=gen).unbind(0)
+    s2.copy_(s1)
+    a = kda_core(q, k, v, f, beta, K ** -0.5, s1, batch, backend="torch", gate=(A_log, dt_bias, lower_bound))
+    b = kda_core(q, k, v, kda_gate(f, A_log, dt_bias, lower_bound), beta, K ** -0.5, s2, batch, backend="torch")
+    assert torch.equal(a, b) and torch.equal(s1, s2)
+    c = kda_core(q, k, v, f, beta, K ** -0.5, s2.clone(), batch, backend="torch")  # f as a decay: differs
+    assert not torch.allclose(a, c)

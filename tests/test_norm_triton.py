@@ -64,3 +64,31 @@ ADD_SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fused_residual_add_and_norm_matches_reference(seed):
     assert worst_error(ADD_SCRIPT, str(seed)) < 1.0
+
+
+GATED_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.model.layers import rms_norm
+    from k3serve.ops.norm_triton import rms_norm_triton
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    for T, H, D, dtype, out_dtype in [(5, 3, 32, torch.float32, torch.float32), (4, 2, 64, torch.bfloat16, torch.bfloat16),
+                                      (1, 4, 16, torch.float32, torch.bfloat16)]:
+        x = (torch.randn(T, H, D, generator=gen) * 3).to(dtype)
+        w = torch.rand(D, generator=gen) + 0.5
+        wide = (torch.randn(T, H * D + 5, generator=gen) * 2).to(dtype)
+        gate = wide[:, 2:2 + H * D]  # a strided split of the fused input projection
+        out = rms_norm_triton(x, w, 1e-5, out_dtype, gate=gate)
+        exact = rms_norm(x, w, 1e-5, torch.float32) * torch.sigmoid(gate.float().view(T, H, D))
+        assert out.shape == x.shape and out.dtype == out_dtype
+        tol = 1e-5 if out_dtype == torch.float32 else 2.0 ** -7
+        worst = max(worst, ((out.float() - exact).norm() / exact.norm()).item() / tol)
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gated_norm_matches_reference(seed):
+    """KDA's output norm times sigmoid(gate), the gate's heads read from a strided [T, H*D] row."""
+    assert worst_error(GATED_SCRIPT, str(seed)) < 1.0

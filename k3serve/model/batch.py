@@ -97,6 +97,12 @@ class ForwardBatch:
         KDA layer's fused decode (in a captured graph, once per replay)."""
         return (self.context_lens > 0).to(torch.int32)
 
+    @cached_property
+    def token_seq(self) -> torch.Tensor:
+        """[T] int64, the sequence of each new token (sizes from the host: no device sync)."""
+        return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.query_start.device),
+                                       self.query_start.diff(), output_size=self.num_tokens)
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_host)

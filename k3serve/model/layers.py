@@ -26,6 +26,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype
     return y.to(out_dtype or x.dtype)
 
 
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """KDA's output: rms_norm(x) * sigmoid(gate) in fp32, cast once; x [T, H, D], gate [T, H*D]."""
+    if _norm_kernel_on(x):
+        from ..ops.norm_triton import rms_norm_triton  # one launch instead of ~9
+
+        return rms_norm_triton(x, weight, eps, out_dtype, gate=gate)
+    y = rms_norm(x, weight, eps, torch.float32) * torch.sigmoid(gate.float().reshape(x.shape))
+    return y.to(out_dtype)
+
+
 def _norm_kernel_on(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and triton_enabled("NORM", x.device)
 

@@ -92,12 +92,18 @@ class RoutedExperts(nn.Module):
             for n in ("w1", "w2", "w3")
         )
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, norm: RMSNorm | None = None,
+                add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Per token sum_k weights_k * expert_k(x) (fp32), then RMSNorm ``norm`` and / or ``+ add``,
+        cast to ``out_dtype`` (None: fp32). The Triton path does the sum, norm, add and cast in one
+        launch and rounds once; the reference rounds before the add, as the layer used to."""
         if triton_enabled("MOE", x.device):
             from ..ops.moe_triton import experts_triton
 
-            return experts_triton(x, weights, ids, self)
-        return experts_ref(x, weights, ids, self.expert, *self.act)
+            return experts_triton(x, weights, ids, self, norm=norm, add=add, out_dtype=out_dtype)
+        r = experts_ref(x, weights, ids, self.expert, *self.act)
+        r = norm(r, out_dtype=out_dtype) if norm is not None else r.to(out_dtype) if out_dtype else r
+        return r + add if add is not None else r
 
 
 class MoE(nn.Module):
@@ -125,13 +131,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self.latent:
-            r = self.experts(self.routed_expert_down_proj(x), weights, ids)
-            if self.routed_expert_norm is not None:
-                r = self.routed_expert_norm(r, out_dtype=x.dtype)
-            routed = self.routed_expert_up_proj(r.to(x.dtype))
-        else:
-            routed = self.experts(x, weights, ids).to(x.dtype)
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
-        return routed
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if not self.latent:  # the shared experts' output joins the routed sum before its one rounding
+            return self.experts(x, weights, ids, add=shared, out_dtype=x.dtype)
+        r = self.experts(self.routed_expert_down_proj(x), weights, ids, norm=self.routed_expert_norm, out_dtype=x.dtype)
+        routed = self.routed_expert_up_proj(r)
+        return routed + shared if shared is not None else routed

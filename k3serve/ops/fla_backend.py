@@ -7,6 +7,10 @@ API facts this relies on (fla-core 0.6.0, checked on an H200, see the model-core
   with ``inplace_final_state=True`` updates the slot pool in place.
 - plain mode takes ``g`` as the activated per-channel log decay, which is safe for any g <= 0
   (the "safe_gate" speed path needs g >= -5 and is left off so one call serves both gate forms).
+- ``use_gate_in_kernel=True`` with ``A_log`` [H], ``dt_bias`` [H*K] and ``lower_bound`` computes
+  the decay from the raw pre-activation inside the chunk cumsum: -exp(A_log) * softplus(f + dt_bias)
+  without a lower bound (Kimi-Linear), lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) with one
+  (K3) -- ``kda_ref.kda_gate``'s two forms.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import functools
 import torch
 
 from ..model.batch import ForwardBatch
+from .kda_ref import kda_gate
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,7 +43,7 @@ def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
 
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             scale: float, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+             scale: float, state: torch.Tensor, batch: ForwardBatch, gate: tuple | None = None) -> torch.Tensor:
     """Same contract as ``ops.kda.kda_core``; q and k are L2-normalised inside the kernels."""
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -48,9 +53,10 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     nd = batch.num_decodes
     if nd:
         _zero_fresh(state, batch, range(nd))
+        g_dec = kda_gate(g[:nd], *gate) if gate is not None else g[:nd]
         o, _ = fused_recurrent_kda_fwd(
             q=q[:nd, None].contiguous(), k=k[:nd, None].contiguous(), v=v[:nd, None].contiguous(),
-            g=g[:nd, None].float().contiguous(), beta=beta[:nd, None].float().contiguous(),
+            g=g_dec[:, None].float().contiguous(), beta=beta[:nd, None].float().contiguous(),
             initial_state=state, scale=scale, inplace_final_state=True,
             ssm_state_indices=batch.kda_slots[:nd], use_qk_l2norm_in_kernel=True,
         )
@@ -62,10 +68,12 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         cu_cpu = torch.zeros(len(qlens) + 1, dtype=torch.long)
         cu_cpu[1:] = torch.tensor(qlens).cumsum(0)
         s = nd  # decode tokens come first, one each
+        in_kernel = {} if gate is None else dict(use_gate_in_kernel=True, A_log=gate[0], dt_bias=gate[1],
+                                                   lower_bound=gate[2])
         o, ht = chunk_kda(
-            q[None, s:], k[None, s:], v[None, s:], g[None, s:].float(), beta[None, s:].float(),
-            scale=scale, initial_state=state[slots], output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu,
+            q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
+            beta[None, s:].float(), scale=scale, initial_state=state[slots], output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu, **in_kernel,
         )
         out[s:] = o[0]
         state[slots] = ht

@@ -14,7 +14,7 @@ import torch
 from ..model.batch import ForwardBatch
 from . import fla_backend
 from .backend import choice
-from .kda_ref import kda_chunked_ref, kda_recurrent_ref, l2norm
+from .kda_ref import kda_chunked_ref, kda_gate, kda_recurrent_ref, l2norm
 
 # Chunk length of the reference prefill. 64 matches fla; CPU training (tools/train_tiny.py) runs
 # faster with 32 because the pairwise-decay tensor is [H, C, C, K].
@@ -22,17 +22,20 @@ REF_CHUNK_SIZE = 64
 
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             scale: float, state: torch.Tensor, batch: ForwardBatch, backend: str | None = None) -> torch.Tensor:
+             scale: float, state: torch.Tensor, batch: ForwardBatch, backend: str | None = None,
+             gate: tuple | None = None) -> torch.Tensor:
     """q, k (post conv, L2-normalised here), g (log decay), all [T, H, K]; v [T, H, V]; beta [T, H].
-    ``state`` [num_slots, H, K, V] is updated in place at ``batch.kda_slots``. Returns o [T, H, V]
-    (fp32 from the reference, v's dtype from fla)."""
+    ``gate`` = (A_log, dt_bias, lower_bound): g is the gate's pre-activation f instead and the
+    decay ``kda_gate(f, ...)`` is computed here (inside fla's chunk kernel for prefill: no fp32
+    [T, H, K] decay tensor in memory). ``state`` [num_slots, H, K, V] is updated in place at
+    ``batch.kda_slots``. Returns o [T, H, V] (fp32 from the reference, v's dtype from fla)."""
     backend = backend or choice("KDA")  # auto | torch | fla | triton
     if backend in ("auto", "triton"):  # "triton" fuses decode-only steps in the mixer; the rest is auto
         backend = "fla" if q.is_cuda and fla_backend.available() else "torch"
     if backend == "fla":
-        return fla_backend.kda_core(q, k, v, g, beta, scale, state, batch)
+        return fla_backend.kda_core(q, k, v, g, beta, scale, state, batch, gate)
     with torch.autocast(q.device.type, enabled=False):  # the reference is fp32, also inside a bf16 trainer
-        return _kda_core_ref(q, k, v, g, beta, scale, state, batch)
+        return _kda_core_ref(q, k, v, kda_gate(g, *gate) if gate is not None else g, beta, scale, state, batch)
 
 
 def _kda_core_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

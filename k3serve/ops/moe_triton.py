@@ -242,9 +242,12 @@ def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_exp
 
 def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the padded length (every expert's last block partly empty): sizes the buffers
-    without a host sync, and keeps a decode step's shapes static for CUDA graphs."""
+    without a host sync, and keeps a decode step's shapes static for CUDA graphs. A non-empty
+    expert's segment has at most as many blocks as rows, so the segments end within num_assign
+    blocks: at batch 1 on Kimi-Linear that is 8 blocks to pad and label, not 248 (the one-program
+    sort took 13 us a layer there, RESULTS.md sixth session)."""
     total = num_assign + num_experts * (block_m - 1)
-    return (total + block_m - 1) // block_m * block_m
+    return min((total + block_m - 1) // block_m, num_assign) * block_m
 
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
@@ -334,13 +337,17 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
 
 
 def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, block_m: int | None = None,
+                   norm=None, add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                    **blocks) -> torch.Tensor:
     """Drop-in for ``moe_ref.experts_ref`` over a ``model.moe.RoutedExperts``: gate/up GEMM, GLU,
-    down GEMM, weighted sum (fp32). No host sync. Row blocks of 16 while experts see a few rows
+    down GEMM, weighted sum (fp32), then ``combine_experts``'s optional norm / add / cast. No host
+    sync. Row blocks of 16 while experts see a few rows
     each (decode); of 64 once they see dozens and 128 past a hundred (prefill), so each upcast
     weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64 on the H200)."""
     T, top_k = ids.shape
     E = experts.num_experts
+    if T == 0:
+        return torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
     if block_m is None:  # rows per expert on average: a few (decode), dozens, or a hundred and more
         block_m = 16 if T * top_k < 16 * E else 64 if T * top_k < 128 * E else 128
     rows, block_expert = sort_by_expert(ids, E, block_m)
@@ -360,4 +367,40 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     # rows of h are assignments already; the routing weights scale the rows in the epilogue
     y = grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m,
                      row_scale=weights.float().flatten().contiguous(), **blocks)
-    return y.view(T, top_k, -1).sum(1)
+    return combine_experts(y, top_k, norm, add, out_dtype)
+
+
+@triton.jit
+def _combine_kernel(Y, NORM_W, ADD, OUT, top_k, D, stride_add, eps, NORM: tl.constexpr, HAS_ADD: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(top_k):
+        acc += tl.load(Y + (t * top_k + j) * D + cols, mask=mask, other=0.0)
+    if NORM:
+        acc = acc / tl.sqrt(tl.sum(acc * acc, 0) / D + eps) * tl.load(NORM_W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        acc += tl.load(ADD + t * stride_add + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + t * D + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per token: the sum of its ``top_k`` weighted expert rows of y [T * top_k, D] (fp32), then
+    ``norm`` (an RMSNorm module: K3's latent norm) and / or ``+ add`` (the shared experts' output),
+    rounded once to ``out_dtype`` (None: fp32). One launch instead of torch's sum, norm, cast and
+    add (4-8 launches a MoE layer)."""
+    D = y.shape[-1]
+    T = y.shape[0] // top_k
+    out = torch.empty(T, D, dtype=out_dtype or torch.float32, device=y.device)
+    if add is not None and add.stride(-1) != 1:
+        add = add.contiguous()
+    if T:
+        w = norm.weight if norm is not None else y
+        a = add if add is not None else y
+        _combine_kernel[(T,)](y, w, a, out, top_k, D, a.stride(0), float(norm.eps) if norm is not None else 0.0,
+                              NORM=norm is not None, HAS_ADD=add is not None, BLOCK=triton.next_power_of_2(D),
+                              num_warps=4 if D <= 4096 else 8)
+    return out

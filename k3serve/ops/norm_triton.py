@@ -13,7 +13,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, GATE, Y, stride_x, stride_y, stride_g, heads, D, eps, HAS_WEIGHT: tl.constexpr,
+                     HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -21,19 +22,29 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constex
     y = x / tl.sqrt(tl.sum(x * x, 0) / D + eps)
     if HAS_WEIGHT:
         y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:  # row = token * heads + head; the gate row of a token holds every head's D values
+        g = tl.load(GATE + (row // heads) * stride_g + (row % heads) * D + cols, mask=mask, other=0.0)
+        y = y * tl.sigmoid(g.to(tl.float32))
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype=None) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype=None,
+                    gate: torch.Tensor | None = None) -> torch.Tensor:
     """gamma * x / sqrt(mean(x^2) + eps) over the last dim, fp32 statistics; any leading shape,
-    rows may be strided (the last dim must be dense)."""
+    rows may be strided (the last dim must be dense). ``gate`` [T, H*D] for x [T, H, D]: the
+    result times sigmoid(gate) (KDA's gated output norm; gate rows may be strided)."""
     D = x.shape[-1]
     rows = x.reshape(-1, D) if x.stride(-1) == 1 else x.contiguous().reshape(-1, D)
     out = torch.empty(rows.shape, dtype=out_dtype or x.dtype, device=x.device)
+    heads = x.shape[-2] if gate is not None else 1
+    if gate is not None and (x.dim() != 3 or gate.shape != (x.shape[0], heads * D) or gate.stride(-1) != 1):
+        raise ValueError(f"gate {tuple(gate.shape)} must be [T, H*D] with dense rows for x {tuple(x.shape)}")
     if rows.shape[0]:
         w = weight if weight is not None else rows  # unused without a weight
-        _rms_norm_kernel[(rows.shape[0],)](rows, w, out, rows.stride(0), out.stride(0), D, eps,
-                                           HAS_WEIGHT=weight is not None, BLOCK=triton.next_power_of_2(D))
+        g = gate if gate is not None else rows
+        _rms_norm_kernel[(rows.shape[0],)](rows, w, g, out, rows.stride(0), out.stride(0), g.stride(0), heads, D,
+                                           eps, HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None,
+                                           BLOCK=triton.next_power_of_2(D))
     return out.view(x.shape)
 
 

@@ -10,6 +10,22 @@ import torch
 import torch.nn.functional as F
 
 from ..model.batch import ForwardBatch
+from .backend import triton_enabled
+
+
+def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch,
+                    plane: int | None = None) -> torch.Tensor:
+    """SiLU(short conv) in x's dtype as planes [C/P, T, P] (``plane`` P; None: C): q, k and v of a
+    KDA layer come out as separate [T, P] planes. The Triton kernel (KDA backend on CUDA) stores
+    them contiguous and rounds once; the reference rounds the conv output, then the SiLU."""
+    T, C = x.shape
+    plane = plane or C
+    if triton_enabled("KDA", x.device):
+        from .short_conv_triton import short_conv_triton
+
+        return short_conv_triton(x, weight, conv_state, batch, silu=True, plane=plane)
+    y = F.silu(short_conv_ref(x, weight, conv_state, batch).float()).to(x.dtype)
+    return y.view(T, C // plane, plane).transpose(0, 1)
 
 
 def short_conv_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
