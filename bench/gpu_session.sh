@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
 #   bash bench/gpu_session.sh sweep     # MoE / MLA tile sweeps, k3-slice decode-step profile
 #   bash bench/gpu_session.sh moe       # the MoE tile sweep alone
+#   bash bench/gpu_session.sh model     # gpu_check_model.py without the k3-slice part
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
@@ -53,8 +54,11 @@ case "$1" in
   profile48)  # where kimi-linear-48b's decode (batch 1, 64) and 8K-token prefill steps spend GPU time,
               # next to the graph-replayed step's wall time (kernel time vs launch gaps)
     step profile48 "$(left 580)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
-      --parts timing,profile,profile_prefill --iters 10 --out /tmp/gpu_work
+      --parts "${PARTS:-timing,profile,profile_prefill}" --iters 10 --out /tmp/gpu_work
     grep -A6 "| context" "$OUT/profile48.log"; grep -A14 "kernels, " "$OUT/profile48.log" ;;
+  model)  # the model vs the fp32 reference only (tiny presets, fla and every Triton kernel)
+    step model "$(left 300)" python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
+    tail -c 5000 "$OUT/model.log" ;;
   moe)  # the MoE tile sweep alone (K3 MXFP4, Kimi bf16 prefill), autotuned table
     step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe
     grep -v "failed" "$OUT/moe.log" | tail -c 9000 ;;
@@ -86,6 +90,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
