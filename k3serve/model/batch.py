@@ -98,6 +98,11 @@ class ForwardBatch:
         return (self.context_lens > 0).to(torch.int32)
 
     @cached_property
+    def latent_page_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset in page) of each new token's latent row: once a step, not per MLA layer."""
+        return self.slot_mapping // self.page_size, self.slot_mapping % self.page_size
+
+    @cached_property
     def token_seq(self) -> torch.Tensor:
         """[T] int64, the sequence of each new token (sizes from the host: no device sync)."""
         return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.query_start.device),

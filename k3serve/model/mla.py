@@ -98,7 +98,7 @@ class MLAMixer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         q, kv_rows, gate = self.project(x)
         # Index by (page, offset), not a flat view: the pool hands out strided per-layer views.
-        page, offset = batch.slot_mapping // batch.page_size, batch.slot_mapping % batch.page_size
+        page, offset = batch.latent_page_offset
         cache.latent[page, offset] = kv_rows.to(cache.latent.dtype)
         o = self.attend(q, batch, cache.latent).reshape(x.shape[0], -1)
         if gate is not None:

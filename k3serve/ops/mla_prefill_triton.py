@@ -13,10 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .autotune import autotuned
+
 
 @triton.jit
 def _mla_prefill_kernel(
-    Q, KN, KP, V, O, context_len, Tq, S, scale,
+    Q, KN, KP, V, O, context_len, Tq, S, scale, TQ_BUCKET,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot, stride_oh,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     DN_P: tl.constexpr, DR_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -65,10 +67,30 @@ def _padded(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _blocks_that_fit(configs, named_args, **kwargs):
+    """No query block taller than the chunk (rounded up to a power of two, at least 32)."""
+    cap = max(32, named_args["TQ_BUCKET"])
+    return [c for c in configs if c.kwargs["BLOCK_M"] <= cap] or configs[-1:]
+
+
+# Query / key tiles, warps and stages, picked on the GPU per head shape and chunk-length bucket
+# (TQ_BUCKET, not read by the kernel). The first version ran 32 x 32 tiles with 4 warps: 34 ms of
+# a kimi-linear-48b 8K-token prefill for its 7 MLA layers, ~20 % of the matmul ceiling (RESULTS.md,
+# sixth session); FlashAttention-2's Hopper Triton tiles are 128 x 64 with 8 warps.
+_mla_prefill_tuned = autotuned(
+    _mla_prefill_kernel,
+    [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+     for bm, bn, w, st in ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3),
+                           (32, 32, 4, 2))],
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
+    key=["DN", "DR", "DV", "TQ_BUCKET"], prune=_blocks_that_fit)
+
+
 def mla_prefill(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, context_len: int, kv_lora_rank: int,
-                nope_dim: int, scale: float, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+                nope_dim: int, scale: float, tiles: dict | None = None) -> torch.Tensor:
     """Same contract as ``mla_ref.mla_expanded_ref``: q [Tq, Ha, dn+dr]; latent [S, rkv+dr] with
-    S = context_len + Tq; w_kv_b [Ha*(dn+dv), rkv]. Returns o [Tq, Ha, dv] fp32."""
+    S = context_len + Tq; w_kv_b [Ha*(dn+dv), rkv]. Returns o [Tq, Ha, dv] fp32. ``tiles``
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) None: autotuned."""
     Tq, Ha, _ = q.shape
     S = latent.shape[0]
     c, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
@@ -80,12 +102,11 @@ def mla_prefill(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, con
     k_pe = k_pe.to(dt).contiguous()
     dr = q.shape[-1] - nope_dim
     out = torch.empty(Tq, Ha, dv, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(Tq, block_m), Ha)
-    _mla_prefill_kernel[grid](
-        q, k_nope, k_pe, v, out, context_len, Tq, S, scale,
+    kernel, tiles = (_mla_prefill_tuned, {}) if tiles is None else (_mla_prefill_kernel, tiles)
+    kernel[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), Ha)](
+        q, k_nope, k_pe, v, out, context_len, Tq, S, scale, min(triton.next_power_of_2(Tq), 8192),
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        DN=nope_dim, DR=dr, DV=dv, DN_P=_padded(nope_dim), DR_P=_padded(dr), DV_P=_padded(dv),
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        DN=nope_dim, DR=dr, DV=dv, DN_P=_padded(nope_dim), DR_P=_padded(dr), DV_P=_padded(dv), **tiles,
     )
     return out
