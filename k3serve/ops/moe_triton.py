@@ -374,7 +374,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
 def _combine_kernel(Y, NORM_W, ADD, OUT, top_k, D, stride_add, eps, NORM: tl.constexpr, HAS_ADD: tl.constexpr,
                     BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # the norm needs the whole row: one block then
     mask = cols < D
     acc = tl.zeros([BLOCK], tl.float32)
     for j in range(top_k):
@@ -400,7 +400,10 @@ def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | 
     if T:
         w = norm.weight if norm is not None else y
         a = add if add is not None else y
-        _combine_kernel[(T,)](y, w, a, out, top_k, D, a.stride(0), float(norm.eps) if norm is not None else 0.0,
-                              NORM=norm is not None, HAS_ADD=add is not None, BLOCK=triton.next_power_of_2(D),
-                              num_warps=4 if D <= 4096 else 8)
+        # Without the norm, column blocks of 512 spread a decode step's few rows over more SMs
+        # (one program per row took 7 us a layer at batch 1 on kimi-linear, RESULTS.md sixth session).
+        block = triton.next_power_of_2(D) if norm is not None else min(512, triton.next_power_of_2(D))
+        _combine_kernel[(T, triton.cdiv(D, block))](
+            y, w, a, out, top_k, D, a.stride(0), float(norm.eps) if norm is not None else 0.0,
+            NORM=norm is not None, HAS_ADD=add is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8)
     return out
