@@ -189,7 +189,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-slice", action="store_true")
+    ap.add_argument("--backends", default="auto,triton", help="model runs to compare: auto (fla), triton (every kernel)")
     args = ap.parse_args()
+    backends = args.backends.split(",")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for H, D, lb, seed in ((4, 32, -5.0, 0), (32, 128, None, 1), (96, 128, -5.0, 2)):
         check_kda_core(H, D, lb, seed)
@@ -208,7 +210,7 @@ def main() -> None:
         # Weights drawn on the CPU for both runs (CPU and CUDA generators give different streams).
         tiny = lambda dev, dt, mx=mx: load_model(preset="tiny", device="cpu", dtype=dt, seed=0, mxfp4=mx).to(dev)  # noqa: E731
         label = f"tiny{'-mxfp4' if mx else ''}"
-        for backend in ("auto", "triton"):
+        for backend in backends:
             compare_models(f"{label} [{backend}]", with_backend(tiny, "cpu", "float32", "torch"),
                            with_backend(tiny, "cuda", "bfloat16", backend), [13, 100, 41], 8)
             print(ROWS[-1], flush=True)
@@ -216,7 +218,7 @@ def main() -> None:
                         with_backend(tiny, "cuda", "bfloat16", "auto"), 150)
     if not args.skip_slice:
         sl = lambda dev, dt: load_model(preset="k3-slice", device=dev, dtype=dt, seed=0)  # noqa: E731
-        for backend in ("auto", "triton"):
+        for backend in backends:
             compare_models(f"k3-slice [{backend}]", with_backend(sl, "cuda", "float32", "torch"),
                            with_backend(sl, "cuda", "bfloat16", backend), [64, 200], 4)
             print(ROWS[-1], flush=True)

@@ -59,6 +59,12 @@ case "$1" in
   model)  # the model vs the fp32 reference only (tiny presets, fla and every Triton kernel)
     step model "$(left 300)" python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
     tail -c 5000 "$OUT/model.log" ;;
+  debugtiny)  # the tiny model with every Triton kernel, launches blocking, stacks dumped if it stalls;
+              # then the graph-replay check on kimi-linear-48b
+    CUDA_LAUNCH_BLOCKING=1 step tiny 200 timeout -s ABRT 190 python3 -X faulthandler bench/gpu_check_model.py \
+      --skip-slice --backends triton --out /tmp/gpu_work
+    step graphs_check "$(left 580)" python3 bench/gpu_check_graphs.py --parts check --out /tmp/gpu_work
+    tail -c 6000 "$OUT/tiny.log"; tail -c 2000 "$OUT/graphs_check.log" ;;
   moe)  # the MoE tile sweep alone (K3 MXFP4, Kimi bf16 prefill), autotuned table
     step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe
     grep -v "failed" "$OUT/moe.log" | tail -c 9000 ;;
@@ -90,6 +96,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
