@@ -179,7 +179,7 @@ def engine_generate(batches, prompt_len, new_tokens) -> list[dict]:
         dec = (t_end - t_first) / (new_tokens - 1)
         rows.append({"batch": B, "prompt": prompt_len, "new": new_tokens, "ttft_s": round(t_first - t0, 3),
                      "decode_ms_per_step": round(dec * 1e3, 2), "decode_tok_s": round(B / dec, 1),
-                     "graph_steps": eng.runner.graph_steps})
+                     "graph_steps": eng.runner.graph_steps, "overlapped_steps": eng.overlapped_steps})
         print(rows[-1], flush=True)
     del eng
     gc.collect()

@@ -121,9 +121,9 @@ def test_n_samples_share_the_prompt_by_copy(model):
         sched_tokens = []
         orig = eng.runner.execute
 
-        def spy(sched):
+        def spy(sched, *rest):
             sched_tokens.extend(s.num_tokens for s in sched)
-            return orig(sched)
+            return orig(sched, *rest)
         eng.runner.execute = spy
         for out in eng.step():
             final = out

@@ -34,6 +34,15 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def pinned_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 index on ``device`` without a host sync (pinned source, asynchronous copy):
+    a plain torch.tensor(..., device="cuda") waits for the GPU to finish its queue."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def capture_blockers(device: torch.device) -> list[str]:
     """Why decode steps of this process cannot be captured (empty: they can)."""
     if device.type != "cuda":
@@ -80,6 +89,7 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(B, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._copied = None  # CUDA event: the last host -> device copy of the input buffer is done
         if capture:
             self._capture_all()
 
@@ -126,14 +136,22 @@ class DecodeGraphs:
         table[n:b, 0] = self.pool.scratch_page
         return ctx_list + [0] * (b - n)
 
-    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """fp32 logits [n, V] of a decode-only step (``fits(chunks)`` must hold)."""
+    def run(self, chunks: list[SeqChunk], fixup: tuple | None = None) -> torch.Tensor:
+        """fp32 logits [n, V] of a decode-only step (``fits(chunks)`` must hold). ``fixup`` =
+        (rows, source rows, tokens on the device): input ids still on the device (overlap)."""
         n = len(chunks)
         b = self.bucket_for(n)
+        if self._copied is not None:  # the host buffer is rewritten below: its last copy must be done
+            self._copied.synchronize()
         context_lens = self._fill_host(chunks, b)
-        # One copy; rows past b are stale and never read by bucket b. The previous step's copy
-        # has completed: its logits were read back before this step was scheduled.
+        # One copy; rows past b are stale and never read by bucket b.
         self._device_buf.copy_(self._host_buf, non_blocking=True)
+        if self._device_buf.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if fixup is not None:
+            dev = self._device_buf.device
+            self.input_ids[pinned_index(fixup[0], dev)] = fixup[2][pinned_index(fixup[1], dev)]
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]

@@ -47,6 +47,11 @@ class EngineConfig:
     # (on CPU it runs the same padded static steps eagerly, which the tests use).
     decode_graphs: str = "auto"
     max_graph_batch: int = 256
+    # Overlapped scheduling (SGLang's overlap scheduler, vLLM's --async-scheduling): step k+1 is
+    # scheduled and launched before step k's tokens are read back, so host work hides behind the
+    # GPU's. "auto": on CUDA; outputs then arrive one step later. Falls back to plain steps while
+    # a request uses penalties, a grammar or n > 1 before its fork.
+    async_scheduling: str = "auto"
 
 
 @dataclass
@@ -68,6 +73,40 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+
+
+PLACEHOLDER = -1  # a sampled token not yet read back (overlap); the device holds the real one
+
+
+@dataclass
+class _HostTokens:
+    """A step's sampled tokens (and logprobs) copied to the host, ready once ``event`` is."""
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    event: object | None  # torch.cuda.Event; None on CPU (the copies were synchronous)
+
+
+@dataclass
+class _Launched:
+    """A step whose sampling ran (or is queued) on the device."""
+    seqs: list  # Sequence per sampled row
+    positions: list[int]  # where each row's token goes in its sequence's token_ids
+    token_ids: torch.Tensor  # [rows] on the device: the next step's inputs read placeholders from it
+    host: _HostTokens
+
+
+def _to_host(out) -> _HostTokens:
+    """Start copying the sampler's outputs to (pinned) host memory without waiting for them."""
+    tensors = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+    if out.token_ids.device.type != "cuda":
+        return _HostTokens(*tensors, None)
+    host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in tensors]
+    event = torch.cuda.Event()
+    event.record()
+    return _HostTokens(*host, event)
 
 
 class LLMEngine:
@@ -93,6 +132,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.timings = {"schedule": 0.0, "sample": 0.0, "output": 0.0}
         self.steps = 0
+        if cfg.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got {cfg.async_scheduling!r}")
+        self._async = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto" and self.device.type == "cuda")
+        self._pending: _Launched | None = None  # overlap: the launched step whose tokens are unread
+        self.overlapped_steps = 0  # steps launched while the previous one's tokens were unread
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, preset: str | None = None,
@@ -215,28 +259,49 @@ class LLMEngine:
         if req is None:
             return
         for seq in req.seqs:
+            while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # overlap: tokens never to be read
+                seq.token_ids.pop()
+                seq.num_computed = min(seq.num_computed, seq.num_tokens)
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._pending is not None
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. With overlapped scheduling (``async_scheduling``) the step launches
+        the next batch before it reads back the previous one's tokens, and returns the outputs
+        of the previous step: the host's scheduling, input building and output processing then
+        run while the GPU computes, instead of between its steps."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        overlap = self._overlap_now()
         touched: dict[str, Request] = {}
+        if not overlap and self._pending is not None:  # leaving overlap: settle the tokens in flight
+            self._process(self._pending, touched)
+            self._pending = None
+        sched = self.scheduler.schedule()
         for seq in self.scheduler.finished_by_scheduler:
             self._finalize_text(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
         self.scheduler.finished_by_scheduler.clear()
         t1 = time.perf_counter()
-        if sched:
-            logits = self.runner.execute(sched)
-            t2 = time.perf_counter()
-            self._advance(sched, logits, touched)
-            self.timings["sample"] += time.perf_counter() - t2
         self.timings["schedule"] += t1 - t0
+        previous, self._pending = self._pending, None
+        self.overlapped_steps += previous is not None and bool(sched)
+        if sched:
+            logits = self.runner.execute(sched, self._placeholder_fixup(sched, previous))
+            t2 = time.perf_counter()
+            launched = self._launch(sched, logits, overlap)
+            if overlap:
+                self._pending = launched
+            elif launched is not None:
+                self._process(launched, touched)
+            self.timings["sample"] += time.perf_counter() - t2
+        if previous is not None:  # overlap: the previous step's tokens, read back after this launch
+            t2 = time.perf_counter()
+            self._process(previous, touched)
+            self.timings["sample"] += time.perf_counter() - t2
         self.steps += 1
         t3 = time.perf_counter()
         outs = [self._request_output(req) for req in touched.values()]
@@ -246,7 +311,40 @@ class LLMEngine:
         self.timings["output"] += time.perf_counter() - t3
         return outs
 
-    def _advance(self, sched: list[ScheduledSeq], logits: torch.Tensor, touched: dict[str, Request]) -> None:
+    # ---- overlapped scheduling ------------------------------------------------------------
+    def _overlap_now(self) -> bool:
+        """Overlap needs every sampled token's effect to be known on the device or only later on
+        the host: not for penalties (they read the token history), grammars (the mask of a step
+        needs the previous token accepted), or an n > 1 request before its samples fork."""
+        if not self._async:
+            return False
+        for req in self.requests.values():
+            p = req.params
+            if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                    or req.seqs[0].grammar is not None or (len(req.seqs) > 1 and not req.forked)):
+                return False
+        return True
+
+    def _placeholder_fixup(self, sched: list[ScheduledSeq], previous: "_Launched | None"):
+        """(flat positions, rows of ``previous``'s token tensor, that tensor): the inputs of this
+        step that are tokens the previous step sampled and the host has not read yet."""
+        if previous is None:
+            return None
+        dst, src, offset = [], [], 0
+        for s in sched:
+            seq = s.seq
+            if seq.pending is not None and seq.pending[0] is previous:
+                pos = seq.pending[2]
+                if seq.num_computed <= pos < seq.num_computed + s.num_tokens:
+                    dst.append(offset + pos - seq.num_computed)
+                    src.append(seq.pending[1])
+            offset += s.num_tokens
+        return (dst, src, previous.token_ids) if dst else None
+
+    def _launch(self, sched: list[ScheduledSeq], logits: torch.Tensor, overlap: bool) -> "_Launched | None":
+        """Advance the scheduled sequences, sample on the device and start the tokens' copy to the
+        host. With ``overlap`` each sampling sequence gets a placeholder token (the next step reads
+        the real one from the device), and one whose next token ends it by length is held back."""
         sampling = [s for s in sched if s.samples]
         rows_seqs: list[Sequence] = []
         logit_rows: list[int] = []
@@ -267,32 +365,62 @@ class LLMEngine:
         for parent, sib in forks:
             self._fork(parent, sib)
         if not rows_seqs:
-            return
+            return None
         rows = [self._sampling_row(q) for q in rows_seqs]
-        idx = torch.tensor(logit_rows, device=logits.device)
-        step_logits = logits[idx]
+        step_logits = logits
+        if logit_rows != list(range(logits.shape[0])):  # forks repeat a row (an index copy syncs the host)
+            step_logits = logits[torch.tensor(logit_rows, device=logits.device)]
         grammars = [q.grammar for q in rows_seqs]
         if any(g is not None for g in grammars):
             from ..serve.grammar import apply_masks
 
             step_logits = apply_masks(step_logits, grammars)
         out = self.sampler(step_logits, rows)
-        tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        launched = _Launched(rows_seqs, [], out.token_ids, _to_host(out))
+        for j, seq in enumerate(rows_seqs):
+            launched.positions.append(seq.num_tokens)
+            if overlap:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.pending = (launched, j, seq.num_tokens - 1)
+                p = seq.params
+                seq.awaiting_final = ((p.max_tokens is not None and seq.num_output >= p.max_tokens)
+                                      or seq.num_tokens >= self.max_model_len)
+        return launched
+
+    def _process(self, launched: "_Launched", touched: dict[str, Request]) -> None:
+        """The sampled tokens on the host: record them, check stops, collect outputs."""
+        host = launched.host
+        if host.event is not None:
+            host.event.synchronize()
+        tokens = host.token_ids.tolist()
+        lps = host.logprobs.tolist() if host.logprobs is not None else None
+        top_ids = host.top_ids.tolist() if host.top_ids is not None else None
+        top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
         now = time.monotonic()
-        for j, (seq, tok) in enumerate(zip(rows_seqs, tokens)):
-            if seq.finished:
+        for j, (seq, tok, pos) in enumerate(zip(launched.seqs, tokens, launched.positions)):
+            if seq.pending is not None and seq.pending[0] is launched:
+                seq.pending = None
+            if seq.finished:  # aborted, or stopped by the step before (its extra step is dropped)
                 continue
-            seq.token_ids.append(tok)
+            if pos < seq.num_tokens:
+                seq.token_ids[pos] = tok  # the placeholder
+            else:
+                seq.token_ids.append(tok)
+            seq.awaiting_final = False
             seq.first_token_time = seq.first_token_time or now
             if seq.params.logprobs is not None and lps is not None:
                 k = seq.params.logprobs
                 seq.logprobs.append((tok, lps[j], list(zip(top_ids[j][:k], top_lps[j][:k]))))
             if seq.grammar is not None:
                 seq.grammar.accept(tok)
+            # A later step may already hold a placeholder for the next token: the stop checks
+            # count tokens as of this one; if it stops here, that placeholder is dropped (the
+            # sequence's state then covers every token it keeps).
+            ahead = seq.token_ids[pos + 1:]
+            del seq.token_ids[pos + 1:]
             self._check_stop(seq, tok)
+            if not seq.finished:
+                seq.token_ids += ahead
             touched[seq.request_id] = self.requests[seq.request_id]
 
     def _sampling_row(self, q: Sequence) -> SamplingRow:
@@ -367,6 +495,8 @@ class LLMEngine:
         outs = []
         for seq in req.seqs:
             ids = seq.output_ids
+            if ids and ids[-1] == PLACEHOLDER:  # overlap: the token of the step in flight is not out yet
+                ids = ids[:-1]
             delta_ids = ids[seq.emitted_tokens:]
             delta_text = seq.text[seq.emitted_text:]
             seq.emitted_tokens, seq.emitted_text = len(ids), len(seq.text)

@@ -46,6 +46,10 @@ class Sequence:
     detok: object | None = None
     stopper: object | None = None
     grammar: object | None = None  # per-sample grammar matcher state (structured output)
+    # Overlapped scheduling: (launched step, its row, position) of a token still on the device,
+    # and whether that token ends the sequence whatever it is (max_tokens / max_model_len).
+    pending: tuple | None = None
+    awaiting_final: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,7 @@ import torch
 from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import DecodeGraphs, pinned_index
 from .scheduler import ScheduledSeq
 
 
@@ -37,18 +37,22 @@ class ModelRunner:
         return ForwardBatch.build(self.chunks(sched), self.pool.layout.page_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: list[ScheduledSeq]) -> torch.Tensor:
-        """Runs the step; returns fp32 logits [num sampling sequences, V] in ``sched`` order."""
+    def execute(self, sched: list[ScheduledSeq], fixup: tuple | None = None) -> torch.Tensor:
+        """Runs the step; returns fp32 logits [num sampling sequences, V] in ``sched`` order.
+        ``fixup`` = (flat positions, rows, tokens on the device): input tokens the previous step
+        sampled that the host has not read yet (overlapped scheduling), copied in on the device."""
         t0 = time.perf_counter()
         if self.graphs is not None and all(s.samples for s in sched):
             chunks = self.chunks(sched)
             if self.graphs.fits(chunks):
-                logits = self.graphs.run(chunks)
+                logits = self.graphs.run(chunks, fixup)
                 self._forward_done()
                 self.timings["forward"] += time.perf_counter() - t0
                 self.graph_steps += 1
                 return logits
         batch = self.build_batch(sched)
+        if fixup is not None:
+            batch.input_ids[pinned_index(fixup[0], self.device)] = fixup[2][pinned_index(fixup[1], self.device)]
         want = torch.tensor([i for i, s in enumerate(sched) if s.samples], dtype=torch.int64, device=self.device)
         t1 = time.perf_counter()
         hidden = self.model(batch, self.pool.handles)

@@ -135,6 +135,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out) < self.max_num_seqs:
             seq = self.running[i]
+            if seq.awaiting_final:  # overlap: its last token is on the way and ends it; nothing to run
+                i += 1
+                continue
             if self.prefix is not None:
                 self.prefix.before_step(seq)  # a pending turn checkpoint is copied before it is overwritten
             n = self._chunk(seq, budget)
