@@ -65,6 +65,11 @@ case "$1" in
       --skip-slice --backends triton --out /tmp/gpu_work
     step graphs_check "$(left 580)" python3 bench/gpu_check_graphs.py --parts check --out /tmp/gpu_work
     tail -c 6000 "$OUT/tiny.log"; tail -c 2000 "$OUT/graphs_check.log" ;;
+  engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine), then the tiny debug
+    step e2e_engine "${ENGINE_SECONDS:-200}" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
+    CUDA_LAUNCH_BLOCKING=1 step tiny "$(left "${TINY_UNTIL:-320}")" timeout -s ABRT "$(left "$(( ${TINY_UNTIL:-320} - 10 ))")" \
+      python3 -X faulthandler bench/gpu_check_model.py --skip-slice --backends triton --out /tmp/gpu_work
+    grep -A6 "### engine_48b" "$OUT/e2e_engine.log"; tail -c 5000 "$OUT/tiny.log" ;;
   moe)  # the MoE tile sweep alone (K3 MXFP4, Kimi bf16 prefill), autotuned table
     step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe
     grep -v "failed" "$OUT/moe.log" | tail -c 9000 ;;
@@ -96,6 +101,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"

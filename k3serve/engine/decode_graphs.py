@@ -24,6 +24,7 @@ from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
 from ..ops.backend import triton_enabled
+from .transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +33,6 @@ def bucket_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to ``max_batch`` (vLLM's capture sizes), ``max_batch`` last."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return sizes + [max_batch]
-
-
-def pinned_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small int64 index on ``device`` without a host sync (pinned source, asynchronous copy):
-    a plain torch.tensor(..., device="cuda") waits for the GPU to finish its queue."""
-    t = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def capture_blockers(device: torch.device) -> list[str]:
@@ -151,7 +143,7 @@ class DecodeGraphs:
             self._copied.record()
         if fixup is not None:
             dev = self._device_buf.device
-            self.input_ids[pinned_index(fixup[0], dev)] = fixup[2][pinned_index(fixup[1], dev)]
+            self.input_ids[to_device(fixup[0], dev)] = fixup[2][to_device(fixup[1], dev)]
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]

@@ -21,6 +21,7 @@ from .request import Request, Sequence, Status, new_request
 from .runner import ModelRunner
 from .sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
+from .transfer import to_device
 from .scheduler import RequestRejected, ScheduledSeq, Scheduler
 
 log = logging.getLogger(__name__)
@@ -368,8 +369,8 @@ class LLMEngine:
             return None
         rows = [self._sampling_row(q) for q in rows_seqs]
         step_logits = logits
-        if logit_rows != list(range(logits.shape[0])):  # forks repeat a row (an index copy syncs the host)
-            step_logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        if logit_rows != list(range(logits.shape[0])):  # forks repeat a row
+            step_logits = logits[to_device(logit_rows, logits.device)]
         grammars = [q.grammar for q in rows_seqs]
         if any(g is not None for g in grammars):
             from ..serve.grammar import apply_masks

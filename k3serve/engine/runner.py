@@ -8,7 +8,8 @@ import torch
 from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
-from .decode_graphs import DecodeGraphs, pinned_index
+from .decode_graphs import DecodeGraphs
+from .transfer import to_device
 from .scheduler import ScheduledSeq
 
 
@@ -52,8 +53,8 @@ class ModelRunner:
                 return logits
         batch = self.build_batch(sched)
         if fixup is not None:
-            batch.input_ids[pinned_index(fixup[0], self.device)] = fixup[2][pinned_index(fixup[1], self.device)]
-        want = torch.tensor([i for i, s in enumerate(sched) if s.samples], dtype=torch.int64, device=self.device)
+            batch.input_ids[to_device(fixup[0], self.device)] = fixup[2][to_device(fixup[1], self.device)]
+        want = to_device([i for i, s in enumerate(sched) if s.samples], self.device)
         t1 = time.perf_counter()
         hidden = self.model(batch, self.pool.handles)
         logits = self.model.compute_logits(hidden[batch.logits_indices[want]])

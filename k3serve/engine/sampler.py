@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from k3serve.engine.sampling_params import SamplingParams
+from k3serve.engine.transfer import to_device
 
 
 @dataclass
@@ -59,7 +60,7 @@ def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -
     Padding uses the id ``vocab`` so it lands in an extra column that is dropped.
     """
     width = max(1, max(len(ids) for ids in id_lists))
-    padded = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in id_lists], dtype=torch.long, device=device)
+    padded = to_device([ids + [vocab] * (width - len(ids)) for ids in id_lists], device)
     counts = torch.zeros(len(id_lists), vocab + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]
@@ -78,8 +79,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         return logits
     vocab, dev = logits.shape[1], logits.device
     sel = [rows[i] for i in picked]
-    idx = torch.tensor(picked, device=dev)
-    col = lambda xs: torch.tensor(xs, dtype=logits.dtype, device=dev).unsqueeze(1)  # noqa: E731
+    idx = to_device(picked, dev)
+    col = lambda xs: to_device(xs, dev, logits.dtype).unsqueeze(1)  # noqa: E731
     rep = col([r.params.repetition_penalty for r in sel])
     freq = col([r.params.frequency_penalty for r in sel])
     pres = col([r.params.presence_penalty for r in sel])
@@ -110,8 +111,8 @@ def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             t_idx += toks
     if r_idx:
         dev = logits.device
-        index = (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev))
-        logits = logits.index_put(index, torch.tensor(float("-inf"), device=dev))
+        index = (to_device(r_idx, dev), to_device(t_idx, dev))
+        logits = logits.index_put(index, torch.full((), float("-inf"), device=dev))
     return logits
 
 
@@ -168,11 +169,11 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             ps = [rows[i].params for i in sampled]
-            s_idx = torch.tensor(sampled, device=dev)
-            temp = torch.tensor([p.temperature for p in ps], device=dev).unsqueeze(1)
-            top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
-            top_p = torch.tensor([p.top_p for p in ps], device=dev)
-            min_p = torch.tensor([p.min_p for p in ps], device=dev)
+            s_idx = to_device(sampled, dev)
+            temp = to_device([p.temperature for p in ps], dev, torch.float32).unsqueeze(1)
+            top_k = to_device([p.top_k for p in ps], dev)
+            top_p = to_device([p.top_p for p in ps], dev, torch.float32)
+            min_p = to_device([p.min_p for p in ps], dev, torch.float32)
             probs = filter_logits(processed[s_idx] / temp, top_k, top_p, min_p,
                                   sort_needed=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
                                   min_p_needed=any(p.min_p > 0 for p in ps)).softmax(dim=-1)

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from ..config import ModelConfig
+from ..engine.transfer import to_device
 
 
 @dataclass
@@ -148,7 +149,7 @@ class ForwardBatch:
         seq_of_token = torch.repeat_interleave(torch.arange(n), qlen_t)
         pos = ctx_t[seq_of_token] + torch.arange(len(ids)) - qstart[seq_of_token]
         slot_mapping = table[seq_of_token, pos // page_size] * page_size + pos % page_size
-        to = lambda t: t.to(device) if device is not None else t  # noqa: E731
+        to = lambda t: to_device(t, device) if device is not None else t  # noqa: E731  (no host sync)
         return cls(
             input_ids=to(ids),
             query_start=to(qstart),

@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from ..engine.transfer import to_device
 from ..model.batch import ForwardBatch
 from .kda_ref import kda_gate
 
@@ -39,7 +40,7 @@ def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
         return
     fresh = [i for i in seqs if batch.context_lens_host[i] == 0]
     if fresh:
-        state[batch.kda_slots[torch.tensor(fresh, device=state.device)]] = 0.0
+        state[batch.kda_slots[to_device(fresh, state.device)]] = 0.0
 
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -73,7 +74,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         o, ht = chunk_kda(
             q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
             beta[None, s:].float(), scale=scale, initial_state=state[slots], output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu, **in_kernel,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=to_device(cu_cpu, q.device), cu_seqlens_cpu=cu_cpu, **in_kernel,
         )
         out[s:] = o[0]
         state[slots] = ht
