@@ -190,10 +190,19 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-slice", action="store_true")
     ap.add_argument("--backends", default="auto,triton", help="model runs to compare: auto (fla), triton (every kernel)")
+    ap.add_argument("--skip-kda", action="store_true", help="skip the kda_core checks (fla autotuning takes a while)")
+    ap.add_argument("--dump-stacks-after", type=float, default=0, help="print every thread's stack after N s "
+                    "(and every N s after that): where a slow run spends its time")
     args = ap.parse_args()
+    if args.dump_stacks_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_stacks_after, repeat=True)
     backends = args.backends.split(",")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for H, D, lb, seed in ((4, 32, -5.0, 0), (32, 128, None, 1), (96, 128, -5.0, 2)):
+        if args.skip_kda:
+            break
         check_kda_core(H, D, lb, seed)
         print(ROWS[-1], flush=True)
 

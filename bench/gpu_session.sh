@@ -37,10 +37,11 @@ case "$1" in
     tail -c 3000 "$OUT/train.log"
     tar czf "$OUT/tiny.tgz" -C /tmp/gpu_work tiny tiny-mxfp4 ;;
   checks)
+    step kernels_check 120 python3 bench/gpu_check_kernels.py
     step model 240 python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
     step graphs "$(left 420)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
     step engine "$(left 570)" python3 bench/gpu_check_engine.py
-    tail -c 2500 "$OUT/model.log"; tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log"
+    tail -c 2500 "$OUT/kernels_check.log"; tail -c 2500 "$OUT/model.log"; tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log"
     tar czf "$OUT/checks.tgz" -C /tmp/gpu_work . ;;
   kernels)  # then where a K3 decode step's time goes, by kernel family (AttnRes share: target < 2 %)
     step kernels 450 python3 -m bench.kernels
@@ -59,12 +60,14 @@ case "$1" in
   model)  # the model vs the fp32 reference only (tiny presets, fla and every Triton kernel)
     step model "$(left 300)" python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
     tail -c 5000 "$OUT/model.log" ;;
-  debugtiny)  # the tiny model with every Triton kernel, launches blocking, stacks dumped if it stalls;
-              # then the graph-replay check on kimi-linear-48b
-    CUDA_LAUNCH_BLOCKING=1 step tiny 200 timeout -s ABRT 190 python3 -X faulthandler bench/gpu_check_model.py \
-      --skip-slice --backends triton --out /tmp/gpu_work
+  debugtiny)  # the kernels at model sizes; the tiny model with every Triton kernel, stacks printed
+              # every 60 s (where the time goes: compiles?); then the graph-replay check on kimi-linear-48b
+    step kernels_check 120 python3 bench/gpu_check_kernels.py
+    step tiny 300 python3 bench/gpu_check_model.py --skip-slice --skip-kda --backends triton \
+      --dump-stacks-after 60 --out /tmp/gpu_work
     step graphs_check "$(left 580)" python3 bench/gpu_check_graphs.py --parts check --out /tmp/gpu_work
-    tail -c 6000 "$OUT/tiny.log"; tail -c 2000 "$OUT/graphs_check.log" ;;
+    tail -c 2500 "$OUT/kernels_check.log"; grep -v "^  File\|^    " "$OUT/tiny.log" | tail -c 3000
+    tail -c 2000 "$OUT/graphs_check.log" ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine), then the tiny debug
     step e2e_engine "${ENGINE_SECONDS:-200}" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     CUDA_LAUNCH_BLOCKING=1 step tiny "$(left "${TINY_UNTIL:-320}")" timeout -s ABRT "$(left "$(( ${TINY_UNTIL:-320} - 10 ))")" \

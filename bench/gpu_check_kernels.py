@@ -1,0 +1,125 @@
+"""GPU check of the single-purpose Triton kernels against their torch references at model sizes
+(run on the H200; not a CI test, where the same kernels run through Triton's interpreter on small
+shapes): the varlen short conv, the gated output norm, the MoE combine, the MLA flash prefill and
+the split-KV MLA decode. Fresh random inputs, mixed decode / prefill batches with cached context.
+
+Usage: python bench/gpu_check_kernels.py   (prints one row per check; exit code 1 if any fails)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from k3serve.model.batch import ForwardBatch, SeqChunk
+from k3serve.model.layers import RMSNorm, rms_norm
+from k3serve.ops import mla_ref
+from k3serve.ops.mla_decode_triton import mla_decode
+from k3serve.ops.mla_prefill_triton import mla_prefill
+from k3serve.ops.moe_triton import combine_experts
+from k3serve.ops.norm_triton import rms_norm_triton
+from k3serve.ops.short_conv import short_conv_ref
+from k3serve.ops.short_conv_triton import short_conv_triton
+
+DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter
+ROWS: list[tuple[str, str, float, float]] = []
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def record(name: str, shape: str, err: float, tol: float) -> None:
+    ROWS.append((name, shape, err, tol))
+    print(f"| {name} | {shape} | {err:.2e} | {tol:.0e} | {'ok' if err <= tol else 'FAIL'} |", flush=True)
+
+
+def check_short_conv(C: int, layout: list[tuple[int, int]], gen: torch.Generator) -> None:
+    chunks = [SeqChunk([0] * q, ctx, slot, list(range(-(-(q + ctx) // 64)))) for slot, (q, ctx) in enumerate(layout)]
+    batch = ForwardBatch.build(chunks, 64, DEV)
+    T = batch.num_tokens
+    x = torch.randn(T, C + 64, generator=gen, device=DEV).bfloat16()[:, 32:32 + C]
+    w = torch.randn(C, 4, generator=gen, device=DEV) * 0.5
+    state = torch.randn(len(layout) + 2, C, 3, generator=gen, device=DEV).bfloat16()
+    ref_state = state.clone()
+    ref = F.silu(short_conv_ref(x, w, ref_state, batch).float())
+    planes = short_conv_triton(x, w, state, batch, plane=C // 3)
+    out = planes.transpose(0, 1).reshape(T, C).float()
+    record("short conv + SiLU", f"C={C}, (new, ctx)={layout}", rel(out, ref), 2e-2)
+    record("short conv state", f"C={C}", float(not torch.equal(state, ref_state)), 0.0)
+
+
+def check_gated_norm(T: int, H: int, D: int, gen: torch.Generator) -> None:
+    x = torch.randn(T, H, D, generator=gen, device=DEV).bfloat16()
+    w = torch.rand(D, generator=gen, device=DEV) + 0.5
+    gate = torch.randn(T, H * D + 100, generator=gen, device=DEV).bfloat16()[:, 50:50 + H * D]
+    out = rms_norm_triton(x, w, 1e-6, torch.bfloat16, gate=gate)
+    ref = rms_norm(x.float(), w, 1e-6, torch.float32) * torch.sigmoid(gate.float().view(T, H, D))
+    record("gated RMSNorm", f"T={T} H={H} D={D}", rel(out, ref), 1e-2)
+
+
+def check_combine(T: int, k: int, D: int, norm: bool, gen: torch.Generator) -> None:
+    y = torch.randn(T * k, D, generator=gen, device=DEV)
+    mod = None
+    if norm:
+        mod = RMSNorm(D, 1e-6, torch.float32, DEV)
+        mod.weight.data = torch.rand(D, generator=gen, device=DEV) + 0.5
+    add = None if norm else torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    out = combine_experts(y, k, mod, add, torch.bfloat16)
+    ref = y.view(T, k, D).sum(1)
+    ref = mod(ref, out_dtype=torch.float32) if mod is not None else ref + add.float()
+    record("MoE combine", f"T={T} k={k} D={D} {'norm' if norm else 'add'}", rel(out, ref), 1e-2)
+
+
+def check_mla_prefill(Ha: int, ctx: int, Tq: int, gen: torch.Generator) -> None:
+    dn, dr, dv, rkv = 128, 64, 128, 512
+    q = torch.randn(Tq, Ha, dn + dr, generator=gen, device=DEV).bfloat16()
+    latent = torch.randn(ctx + Tq, rkv + dr, generator=gen, device=DEV).bfloat16()
+    w = (torch.randn(Ha * (dn + dv), rkv, generator=gen, device=DEV) / rkv ** 0.5).bfloat16()
+    scale = (dn + dr) ** -0.5
+    out = mla_prefill(q, latent, w, ctx, rkv, dn, scale)
+    ref = mla_ref.mla_expanded_ref(q.float(), latent.float(), w.float(), ctx, rkv, dn, scale)
+    record("MLA flash prefill (autotuned)", f"Ha={Ha} ctx={ctx} Tq={Tq}", rel(out, ref), 2e-2)
+
+
+def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator) -> None:
+    rkv, dr, page = 512, 64, 64
+    max_pages = max(-(-n // page) for n in lens) + 2
+    pool = torch.randn(B * max_pages + 5, page, rkv + dr, generator=gen, device=DEV).bfloat16()
+    table = torch.randperm(pool.shape[0], generator=gen, device=DEV)[: B * max_pages].view(B, max_pages)
+    seq_lens = torch.tensor(lens, device=DEV)
+    q = torch.randn(B, H, rkv + dr, generator=gen, device=DEV).bfloat16()
+    out = mla_decode(q, pool, table, seq_lens, rkv, 0.07)
+    S = table.shape[1] * page
+    lat = pool[table].flatten(1, 2).float()
+    mask = torch.arange(S, device=DEV)[None, :] < seq_lens[:, None]
+    ref = mla_ref.mla_absorbed_ref(q.float()[:, None], lat, mask[:, None], rkv, 0.07)[:, 0]
+    record("MLA split-KV decode (default splits)", f"B={B} H={H} lens={lens[:4]}", rel(out, ref), 2e-2)
+
+
+def main() -> int:
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    print(torch.cuda.get_device_name(), "\n| check | shape | rel err | tol | |\n|---|---|---|---|---|")
+    check_short_conv(12288, [(1, 40), (1, 7), (2, 1), (8192, 0), (300, 129)], gen)  # kimi-linear: 3 x 32 x 128
+    check_short_conv(3 * 96 * 128, [(1, 5), (2048, 64), (3, 0)], gen)  # K3 widths
+    check_gated_norm(8192, 32, 128, gen)
+    check_gated_norm(3, 96, 128, gen)
+    for T in (1, 64, 8192):
+        check_combine(T, 8, 2304, False, gen)  # kimi-linear: shared experts added
+    check_combine(16, 16, 3584, True, gen)  # K3 latent: the latent norm
+    check_mla_prefill(32, 0, 2048, gen)
+    check_mla_prefill(32, 700, 300, gen)
+    check_mla_prefill(96, 0, 37, gen)
+    check_mla_decode(1, 32, [4096], gen)
+    check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
+    failed = [r for r in ROWS if r[2] > r[3]]
+    print(f"{len(ROWS) - len(failed)} of {len(ROWS)} checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
