@@ -208,7 +208,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
 @triton.jit
 def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_experts, total_rows,
                             E_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+                            BLOCK_R: tl.constexpr):
     """One program: counting sort of the assignments into per-expert segments padded to BLOCK_M
     rows (``sort_by_expert_torch``'s layout). Row order inside a segment follows the atomics, which
     changes nothing: every row of the grouped GEMM is computed on its own."""
@@ -226,11 +226,19 @@ def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_exp
     for r0 in range(0, total_rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         tl.store(ROWS + r, tl.zeros([BLOCK_R], tl.int64) + num_assign, mask=r < total_rows)
+    # Block owners: each expert labels its own blocks (one pass at decode, where an expert holds
+    # one or two blocks; the former [blocks x experts] comparison took 9 reductions at batch 64).
+    # Blocks past the last segment (never holding rows) are labelled with the last expert.
     n_blocks = total_rows // BLOCK_M
-    for b0 in range(0, n_blocks, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        owner = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)  # experts ending before b
-        tl.store(BLOCK_EXPERT + b, tl.minimum(owner, num_experts - 1).to(tl.int64), mask=b < n_blocks)
+    used_blocks = tl.sum(padded, 0) // BLOCK_M
+    for b0 in range(0, n_blocks, BLOCK_R):
+        b = b0 + tl.arange(0, BLOCK_R)
+        tl.store(BLOCK_EXPERT + b, tl.zeros([BLOCK_R], tl.int64) + (num_experts - 1),
+                 mask=(b < n_blocks) & (b >= used_blocks))
+    first_block = (ends - padded) // BLOCK_M
+    n_own = padded // BLOCK_M
+    for j in range(0, tl.max(n_own, 0)):
+        tl.store(BLOCK_EXPERT + first_block + j, e.to(tl.int64), mask=(j < n_own) & (e < num_experts))
     tl.debug_barrier()  # the cursors and the padding are written before any row lands
     for a0 in range(0, num_assign, BLOCK_A):
         a = a0 + tl.arange(0, BLOCK_A)
@@ -269,8 +277,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     e_p = triton.next_power_of_2(num_experts + 1)
     cursor = torch.empty(e_p, dtype=torch.int32, device=ids.device)
     _align_by_expert_kernel[(1,)](flat, rows, block_expert, cursor, num_assign, num_experts, total,
-                                  E_P=e_p, BLOCK_M=block_m, BLOCK_A=512, BLOCK_R=1024,
-                                  BLOCK_B=max(1, 16384 // e_p))
+                                  E_P=e_p, BLOCK_M=block_m, BLOCK_A=512, BLOCK_R=1024)
     return rows, block_expert
 
 
