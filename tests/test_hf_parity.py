@@ -70,9 +70,20 @@ def _hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0]
 
 
-def test_prefill_and_decode_match_hf(hf_dir):
+@pytest.mark.parametrize("fused", [False, True])
+def test_prefill_and_decode_match_hf(hf_dir, fused):
+    """fused: the serving form (fuse_projections, no autograd): merged input GEMMs, Kimi-Linear's
+    low-rank f / g up-projections as one batched GEMM."""
     path, hf = hf_dir
     ours = load_model(path, dtype="float32", device="cpu", progress=False)
+    if fused:
+        ours.fuse_projections()
+        assert all(m.fg_b is not None for m in ours.modules() if hasattr(m, "fg_b"))
+    with torch.inference_mode(fused):
+        _compare(ours, hf)
+
+
+def _compare(ours, hf):
     assert ours.config.num_expert_group == 2 and ours.config.routed_scaling_factor == pytest.approx(2.446)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, VOCAB - 1, (n,), generator=gen).tolist() for n in (11, 70, 29)]

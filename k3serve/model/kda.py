@@ -40,24 +40,41 @@ class KDAMixer(nn.Module):
             self.g_b_proj = lin(D, P)
         self.o_norm = nn.Parameter(torch.empty(D, **f32), requires_grad=False)
         self.o_proj = lin(P, d, 1)
-        # Everything that reads the layer input x, as one GEMM once fused: [q|k|v, f_a, b, gate or g_a].
-        self.in_proj = LinearGroup((self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj,
-                                   self.g_proj if self.full_rank_gate else self.g_a_proj)
+        # Everything that reads the layer input x, as one GEMM once fused: [q|k|v, f_a, b, gate]
+        # with a full-rank gate, [q|k|v, f_a|g_a, b] with a low-rank one (the two rank-D inputs
+        # side by side, so both up-projections run as one batched GEMM).
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        self.in_proj = (LinearGroup(qkv, self.f_a_proj, self.b_proj, self.g_proj) if self.full_rank_gate
+                        else LinearGroup(qkv, (self.f_a_proj, self.g_a_proj), self.b_proj))
         self.register_buffer("conv_w", None, persistent=False)  # [3P, W] once fused
+        self.register_buffer("fg_b", None, persistent=False)  # [2, P, D]: f_b and g_b stacked, once fused
 
     def fuse_conv_weights(self) -> None:
-        """The q/k/v conv weights as one [3P, W] tensor (no concatenation per step)."""
+        """The q/k/v conv weights as one [3P, W] tensor (no concatenation per step); with a
+        low-rank gate, f_b and g_b as one [2, P, D] stack (one batched GEMM instead of two)."""
         if self.conv_w is None:
             self.conv_w = fuse_as_views([self.q_conv1d, self.k_conv1d, self.v_conv1d])
+        if self.fg_b is None and not self.full_rank_gate:
+            self.fg_b = fuse_as_views([self.f_b_proj.weight, self.g_b_proj.weight]).view(2, *self.f_b_proj.weight.shape)
+
+    def _decay_and_gate_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q|k|v, f, b, gate) from x: f the decay's pre-activation [T, P], gate [T, P]."""
+        if self.full_rank_gate:
+            qkv, f_a, b, gate = self.in_proj(x)
+            return qkv, self.f_b_proj(f_a), b, gate
+        qkv, fg_a, b = self.in_proj(x)
+        D = self.head_dim
+        if self.fg_b is None or torch.is_grad_enabled():
+            return qkv, self.f_b_proj(fg_a[:, :D]), b, self.g_b_proj(fg_a[:, D:])
+        f, gate = torch.bmm(fg_a.unflatten(1, (2, D)).transpose(0, 1), self.fg_b.transpose(1, 2).to(fg_a.dtype))
+        return qkv, f, b, gate
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
         T = x.shape[0]
         H, D = self.num_heads, self.head_dim
         P = H * D
-        qkv, f_a, b, g_in = self.in_proj(x)
+        qkv, f, b, gate = self._decay_and_gate_inputs(x)
         conv_w = self.conv_w if self.conv_w is not None else torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d])
-        f = self.f_b_proj(f_a)
-        gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
         if (batch.num_decodes == batch.num_seqs and not D & (D - 1)  # the kernel tiles need 2^n
                 and triton_enabled("KDA", x.device)):  # the whole mixer step in one fused kernel
             from ..ops.kda_decode_triton import kda_decode_fused
