@@ -205,3 +205,29 @@ def test_combine_sums_norms_adds_and_casts_once(seed):
     """The top-k sum of the weighted expert rows, K3's latent norm, the shared experts' add and the
     cast in one kernel, against the same steps in torch (fp32)."""
     assert worst_error(COMBINE_SCRIPT, str(seed)) < 1.0
+
+
+LOGITS_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    import torch.nn.functional as F
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.ops.moe_triton import router_logits
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    for T, E, D, dtype in [(1, 256, 300, torch.bfloat16), (5, 70, 128, torch.float32), (17, 96, 200, torch.bfloat16)]:
+        wide = torch.randn(T, D + 9, generator=gen).to(dtype)
+        x = wide[:, 4:4 + D]  # strided rows
+        w = torch.randn(E, D, generator=gen) * D ** -0.5
+        out = router_logits(x, w)
+        ref = F.linear(x.double(), w.double())
+        assert out.dtype == torch.float32 and out.shape == (T, E)
+        worst = max(worst, ((out.double() - ref).norm() / ref.norm()).item())
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_router_logits_kernel_is_fp32_exact(seed):
+    """Decode-size router logits in one launch from x in the model dtype: fp32 products and sums
+    (no TF32), against float64."""
+    assert worst_error(LOGITS_SCRIPT, str(seed)) < 1e-6

@@ -49,15 +49,18 @@ class Router(nn.Module):
                          score_func=cfg.moe_router_activation_func)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        if not torch.is_grad_enabled() and triton_enabled("MOE", x.device):
+            from ..ops.moe_triton import route_triton, router_logits
+
+            logits = router_logits(x, self.weight)  # decode: one launch, no fp32 copy of x
+            if a["num_groups"] == 1:  # one launch instead of ~7
+                return route_triton(logits, self.e_score_correction_bias, a["top_k"], a["renormalize"],
+                                    a["scaling"], a["score_func"])
+            return route(logits, self.e_score_correction_bias, **a)
         logits = F.linear(x.float(), self.weight)
         if self.training:  # the trainer's bias update (quantile balancing) reads the batch's scores
             self.last_logits = logits.detach()
-        a = self.args
-        if a["num_groups"] == 1 and not torch.is_grad_enabled() and triton_enabled("MOE", logits.device):
-            from ..ops.moe_triton import route_triton  # one launch instead of ~7
-
-            return route_triton(logits, self.e_score_correction_bias, a["top_k"], a["renormalize"], a["scaling"],
-                                a["score_func"])
         return route(logits, self.e_score_correction_bias, **a)
 
 

@@ -16,6 +16,7 @@ Reference: ``moe_ref.experts_ref``. Checked on CPU with ``TRITON_INTERPRET=1``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -188,6 +189,43 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, E, scaling,
         ws = ws / (tl.sum(ws, 0) + 1e-20)
     tl.store(W_OUT + t * K + ks, ws * scaling, mask=ks < K)
     tl.store(ID_OUT + t * K + ks, ids.to(tl.int64), mask=ks < K)
+
+
+@triton.jit
+def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """logits[t, e] = x[t] . W[e] in fp32 (IEEE products and sums, no TF32) from x in its own dtype."""
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    tmask, emask = t < T, e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + d[None, :], mask=tmask[:, None] & dmask[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(W + e.to(tl.int64)[:, None] * D + d[None, :], mask=emask[:, None] & dmask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    tl.store(OUT + t.to(tl.int64)[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+
+
+# Up to this many tokens the router's logits come from one Triton launch that reads x in the
+# model dtype (a decode step: the torch form is a cast of x and an fp32 GEMV, two launches);
+# past it, cuBLAS's fp32 GEMM reads the weight once for the whole batch.
+ROUTER_KERNEL_MAX_TOKENS = 64
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x.float(), weight) for an fp32 router weight [E, D]: fp32 logits [T, E]."""
+    T, D = x.shape
+    E = weight.shape[0]
+    if T > ROUTER_KERNEL_MAX_TOKENS or x.stride(-1) != 1 or not weight.is_contiguous():
+        return F.linear(x.float(), weight)
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T:
+        _router_logits_kernel[(triton.cdiv(E, 32), triton.cdiv(T, 16))](x, weight, out, T, E, D, x.stride(0),
+                                                                       BLOCK_T=16, BLOCK_E=32, BLOCK_D=128)
+    return out
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
