@@ -22,12 +22,19 @@ SCRIPT = textwrap.dedent('''
         fused = (torch.randn(*rows, 2 * n, generator=gen) * 4).to(dtype)  # one gate|up GEMM output
         gate, up = fused[..., :n], fused[..., n:]
         assert not gate.is_contiguous()
-        for act, beta, lb in [("silu", 1.0, None), ("situ", 1.5, None), ("situ", 2.0, 3.0)]:
+        for act, beta, lb in [("silu", 1.0, None), ("situ", 1.5, None), ("situ", 2.0, 3.0), ("sigmoid", 1.0, None)]:
             ref = glu_activation(gate.float(), up.float(), act, beta, lb)
             out = glu_triton(gate, up, act, beta, lb)
             assert out.shape == gate.shape and out.dtype == dtype
             tol = 1e-5 if dtype == torch.float32 else 2.0 ** -8  # bf16 outputs at bf16's precision
             worst = max(worst, ((out.float() - ref).norm() / ref.norm()).item() / tol)
+    # MLA's output gate: a bf16 gate and the fp32 attention output, rounded once to bf16
+    gate = torch.randn(3, 80, generator=gen).bfloat16()
+    o = torch.randn(3, 80, generator=gen)
+    ref = torch.sigmoid(gate.float()) * o
+    out = glu_triton(gate, o, "sigmoid")
+    assert out.dtype == torch.bfloat16 and torch.equal(glu_activation(gate, o, "sigmoid"), ref.bfloat16())
+    worst = max(worst, ((out.float() - ref).norm() / ref.norm()).item() / 2.0 ** -8)
     print(worst)
 ''')
 

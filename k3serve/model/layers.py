@@ -64,9 +64,9 @@ class RMSNorm(nn.Module):
 
 def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0,
                    linear_beta: float | None = None) -> torch.Tensor:
-    """GLU in fp32, cast back. silu: silu(a)*b. situ (SiTU-GLU, K3):
+    """GLU in fp32, cast back to gate's dtype. silu: silu(a)*b. situ (SiTU-GLU, K3):
     [beta*tanh(a/beta) * sigmoid(a)] * [linear_beta*tanh(b/linear_beta)]; the sigmoid sees the
-    unclipped a, and b is unclipped when linear_beta is None."""
+    unclipped a, and b is unclipped when linear_beta is None. sigmoid: sigmoid(a)*b (MLA's output gate)."""
     if not torch.is_grad_enabled() and triton_enabled("GLU", gate.device):
         from ..ops.glu_triton import glu_triton  # one launch instead of 5 (SiLU) to ~10 (SiTU)
 
@@ -74,6 +74,8 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float =
     a, b = gate.float(), up.float()
     if act == "silu":
         y = F.silu(a) * b
+    elif act == "sigmoid":
+        y = torch.sigmoid(a) * b
     elif act == "situ":
         y = beta * torch.tanh(a / beta) * torch.sigmoid(a)
         if linear_beta is not None:

@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from ..ops import mla_ref
 from ..ops.backend import triton_enabled
 from .batch import ForwardBatch, MLALayerCache
-from .layers import Linear, LinearGroup, RMSNorm
+from .layers import Linear, LinearGroup, RMSNorm, glu_activation
 
 
 class MLAMixer(nn.Module):
@@ -101,6 +101,6 @@ class MLAMixer(nn.Module):
         page, offset = batch.latent_page_offset
         cache.latent[page, offset] = kv_rows.to(cache.latent.dtype)
         o = self.attend(q, batch, cache.latent).reshape(x.shape[0], -1)
-        if gate is not None:
-            o = o * torch.sigmoid(gate.float())
+        if gate is not None:  # sigmoid(gate) * o in fp32, rounded once to the gate's (model) dtype
+            o = glu_activation(gate, o, "sigmoid")
         return self.o_proj(o.to(x.dtype))

@@ -1,6 +1,7 @@
 """The GLU activation of the dense MLPs and shared experts in one Triton pass: the torch form is
 5 launches for SiLU-GLU and ~10 for K3's SiTU-GLU (casts, tanh, sigmoid, products, cast back),
-per MLP per step. ``glu`` is also the epilogue of the routed experts' grouped GEMM.
+per MLP per step. ``glu`` is also the epilogue of the routed experts' grouped GEMM, and with the
+plain sigmoid it applies MLA's output gate (4 launches over fp32 rows in torch).
 
 Reference: ``model.layers.glu_activation`` (same contract). Checked on CPU with
 ``TRITON_INTERPRET=1`` (tests/test_glu_triton.py). On CUDA with the Triton backend for GLU
@@ -20,10 +21,13 @@ def _tanh(x):
 
 
 @triton.jit
-def glu(a, b, beta, linear_beta, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr):
+def glu(a, b, beta, linear_beta, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, SIGMOID: tl.constexpr):
     """fp32 a (gate), b (up) -> silu(a) * b, or SiTU-GLU: beta tanh(a / beta) sigmoid(a) times b,
-    b clipped to linear_beta tanh(b / linear_beta) when LINEAR_CLIP."""
-    if SITU:
+    b clipped to linear_beta tanh(b / linear_beta) when LINEAR_CLIP; or the plain sigmoid gate
+    sigmoid(a) * b (SIGMOID: MLA's output gate)."""
+    if SIGMOID:
+        y = tl.sigmoid(a) * b
+    elif SITU:
         if LINEAR_CLIP:
             b = linear_beta * _tanh(b / linear_beta)
         y = beta * _tanh(a / beta) * tl.sigmoid(a) * b
@@ -34,13 +38,13 @@ def glu(a, b, beta, linear_beta, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr):
 
 @triton.jit
 def _glu_kernel(G, U, Y, n_cols, stride_g, stride_u, stride_y, beta, linear_beta,
-                SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, BLOCK: tl.constexpr):
+                SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, SIGMOID: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     a = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    y = glu(a, b, beta, linear_beta, SITU, LINEAR_CLIP)
+    y = glu(a, b, beta, linear_beta, SITU, LINEAR_CLIP, SIGMOID)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -48,7 +52,7 @@ def glu_triton(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0
                linear_beta: float | None = None) -> torch.Tensor:
     """``glu_activation`` in one launch: gate, up [..., I] (rows may be strided, e.g. the two
     halves of one fused gate|up GEMM; the last dim must be dense) -> [..., I] in gate's dtype."""
-    if act not in ("silu", "situ"):
+    if act not in ("silu", "situ", "sigmoid"):
         raise ValueError(f"unknown activation {act!r}")
     n = gate.shape[-1]
     g2, u2 = (t.reshape(-1, n) if t.stride(-1) == 1 else t.contiguous().reshape(-1, n) for t in (gate, up))
@@ -57,5 +61,5 @@ def glu_triton(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0
         block = min(1024, triton.next_power_of_2(n))
         _glu_kernel[(g2.shape[0], triton.cdiv(n, block))](
             g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0), float(beta), float(linear_beta or 1.0),
-            SITU=act == "situ", LINEAR_CLIP=linear_beta is not None, BLOCK=block)
+            SITU=act == "situ", LINEAR_CLIP=linear_beta is not None, SIGMOID=act == "sigmoid", BLOCK=block)
     return out.view(gate.shape)

@@ -131,7 +131,7 @@ def _grouped_gemm_kernel(
                 acc_up = _weight_tile_product(a, W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se,
                                               stride_sn, acc_up, WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K)
     if GLU:
-        acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP)
+        acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
     if SWAP_AB:
         acc = tl.trans(acc)
     if HAS_ROW_SCALE:  # the routing weight of each assignment, applied in the epilogue
