@@ -31,6 +31,10 @@ SCRIPT = textwrap.dedent('''
         q = torch.randn(B, H, width, generator=gen)
         scale = 0.11
         out = mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits)
+        # the same query as a strided absorbed part and a separate q_pe (the model's decode call)
+        q_c = torch.cat([q[..., :rkv], torch.zeros(B, H, 3)], -1)[..., :rkv].transpose(0, 1).contiguous().transpose(0, 1)
+        out_split = mla_decode(q_c, latent, table, seq_lens, rkv, scale, num_splits=splits, q_pe=q[..., rkv:])
+        assert torch.allclose(out_split, out, atol=1e-6), "q_pe apart differs"
         S = max(lens)
         lat = latent[table].flatten(1, 2)[:, :S]
         mask = torch.arange(S)[None, :] < seq_lens[:, None]

@@ -45,8 +45,8 @@ class MLAMixer(nn.Module):
         self.register_buffer("w_kv_b_f32", None, persistent=False)
 
     def cache_absorption_weight(self) -> None:
-        """kv_b_proj in fp32, kept: decode absorbs W_UK into the query and W_UV out of the output
-        in fp32, which otherwise converts the matrix twice per layer per step."""
+        """kv_b_proj in fp32, kept: decode takes W_UV out of the output in fp32 (and the reference
+        path also absorbs W_UK in fp32), which otherwise converts the matrix per layer per step."""
         if self.w_kv_b_f32 is None:
             self.w_kv_b_f32 = self.kv_b_proj.weight.float()
 
@@ -70,8 +70,12 @@ class MLAMixer(nn.Module):
         if nd and triton_enabled("MLA", q.device):  # split-KV Triton decode
             from ..ops.mla_decode_triton import mla_decode
 
-            q_abs = mla_ref.absorb_query(q[:nd], w_dec, self.rkv, self.nope)
-            o_lat = mla_decode(q_abs, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale)
+            # The absorbed query in the model dtype straight from one batched GEMM (fp32
+            # accumulation, one rounding: what the kernel reads anyway); q_pe stays a view of q.
+            w_uk = w.view(self.num_heads, -1, self.rkv)[:, :self.nope]
+            q_c = torch.bmm(q[:nd, :, :self.nope].transpose(0, 1), w_uk).transpose(0, 1)
+            o_lat = mla_decode(q_c, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale,
+                               q_pe=q[:nd, :, self.nope:])
             out[:nd] = mla_ref.unabsorb_output(o_lat, w_dec, self.rkv, self.nope)
         elif nd:
             # Static steps attend over the block table's full width (masked), not a host maximum.

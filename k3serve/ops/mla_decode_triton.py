@@ -23,8 +23,8 @@ from .autotune import autotuned
 
 @triton.jit
 def _mla_decode_split_kernel(
-    Q, KV, BT, SL, O, LSE,
-    stride_qb, stride_qh, stride_kvp, stride_kvt, stride_btb, stride_ob, stride_oh, stride_os,
+    QC, QP, KV, BT, SL, O, LSE,
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_kvt, stride_btb, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, scale, H, NUM_SPLITS, CTX_BUCKET,
     PAGE: tl.constexpr, D_C: tl.constexpr, D_PE: tl.constexpr,
     D_C_P: tl.constexpr, D_PE_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -43,9 +43,10 @@ def _mla_decode_split_kernel(
     dc = tl.arange(0, D_C_P)
     dp = tl.arange(0, D_PE_P)
     cmask, pmask = dc < D_C, dp < D_PE
-    q_row = Q + b * stride_qb + heads[:, None] * stride_qh
-    q_c = tl.load(q_row + dc[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
-    q_pe = tl.load(q_row + D_C + dp[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+    q_c = tl.load(QC + b * stride_qb + heads[:, None] * stride_qh + dc[None, :], mask=hmask[:, None] & cmask[None, :],
+                  other=0.0)
+    q_pe = tl.load(QP + b * stride_pb + heads[:, None] * stride_ph + dp[None, :], mask=hmask[:, None] & pmask[None, :],
+                   other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -109,27 +110,31 @@ def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) 
 
 
 def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               kv_lora_rank: int, scale: float, num_splits: int | None = None, tiles: dict | None = None) -> torch.Tensor:
-    """q_abs [B, H, rkv+dr]; latent_pages [num_pages, page, rkv+dr] (any page stride); block_table
-    [B, max_pages]; seq_lens [B] (tokens to attend, >= 1). Returns the latent-space output
-    [B, H, rkv] fp32 (unabsorb through W_UV afterwards). ``num_splits`` None: from the batch, the
-    heads and the table's width (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps,
-    num_stages) None: autotuned."""
-    B, H, width = q_abs.shape
-    d_pe = width - kv_lora_rank
+               kv_lora_rank: int, scale: float, num_splits: int | None = None, tiles: dict | None = None,
+               q_pe: torch.Tensor | None = None) -> torch.Tensor:
+    """q_abs [B, H, rkv+dr], or [B, H, rkv] with ``q_pe`` [B, H, dr] apart (both may be strided
+    views: the absorbed part straight from a batched GEMM, q_pe a slice of the projected queries);
+    latent_pages [num_pages, page, rkv+dr] (any page stride); block_table [B, max_pages]; seq_lens
+    [B] (tokens to attend, >= 1). Returns the latent-space output [B, H, rkv] fp32 (unabsorb
+    through W_UV afterwards). ``num_splits`` None: from the batch, the heads and the table's width
+    (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps, num_stages) None: autotuned."""
+    if q_pe is None:
+        q_abs, q_pe = q_abs[..., :kv_lora_rank], q_abs[..., kv_lora_rank:]
+    B, H, _ = q_abs.shape
+    d_pe = q_pe.shape[-1]
+    width = kv_lora_rank + d_pe
     if latent_pages.stride(2) != 1 or latent_pages.stride(1) != width:
         raise ValueError("latent pages must be [pages, page_size, width] with contiguous rows")
-    if q_abs.stride(2) != 1:
-        q_abs = q_abs.contiguous()
-    q_abs = q_abs.to(latent_pages.dtype)
+    q_abs, q_pe = (t.to(latent_pages.dtype) if t.stride(2) == 1 else t.to(latent_pages.dtype).contiguous()
+                   for t in (q_abs, q_pe))
     if num_splits is None:
         num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], _sm_count(q_abs.device))
     partial = torch.empty(B, H, num_splits, kv_lora_rank, dtype=torch.float32, device=q_abs.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_abs.device)
     kernel, tiles = (_mla_decode_tuned, {}) if tiles is None else (_mla_decode_split_kernel, tiles)
     kernel[lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]), num_splits)](
-        q_abs, latent_pages, block_table, seq_lens, partial, lse,
-        q_abs.stride(0), q_abs.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_table.stride(0),
+        q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
+        q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), scale, H,
         num_splits, triton.next_power_of_2(block_table.shape[1] * latent_pages.shape[1]), PAGE=latent_pages.shape[1], D_C=kv_lora_rank, D_PE=d_pe,
         D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)), D_PE_P=max(16, triton.next_power_of_2(d_pe)),
