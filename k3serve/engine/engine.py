@@ -138,6 +138,7 @@ class LLMEngine:
         self._async = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto" and self.device.type == "cuda")
         self._pending: _Launched | None = None  # overlap: the launched step whose tokens are unread
         self.overlapped_steps = 0  # steps launched while the previous one's tokens were unread
+        self._no_overlap: set[str] = set()  # requests that need plain steps while they run (_blocks_overlap)
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, preset: str | None = None,
@@ -243,6 +244,8 @@ class LLMEngine:
             self._attach_text_state(seq)
             seq.grammar = grammar.new_state() if grammar is not None else None
         self.requests[request_id] = req
+        if self._blocks_overlap(req):
+            self._no_overlap.add(request_id)
         self.scheduler.add(req.seqs[0])  # siblings of n > 1 start from its prefill (fork)
         return request_id
 
@@ -257,6 +260,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Ends the request now; its slot and pages go back to the pool before this returns."""
         req = self.requests.pop(request_id, None)
+        self._no_overlap.discard(request_id)
         if req is None:
             return
         for seq in req.seqs:
@@ -309,22 +313,22 @@ class LLMEngine:
         for req in touched.values():
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                self._no_overlap.discard(req.request_id)
         self.timings["output"] += time.perf_counter() - t3
         return outs
 
     # ---- overlapped scheduling ------------------------------------------------------------
     def _overlap_now(self) -> bool:
+        return self._async and not self._no_overlap
+
+    @staticmethod
+    def _blocks_overlap(req: Request) -> bool:
         """Overlap needs every sampled token's effect to be known on the device or only later on
         the host: not for penalties (they read the token history), grammars (the mask of a step
         needs the previous token accepted), or an n > 1 request before its samples fork."""
-        if not self._async:
-            return False
-        for req in self.requests.values():
-            p = req.params
-            if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                    or req.seqs[0].grammar is not None or (len(req.seqs) > 1 and not req.forked)):
-                return False
-        return True
+        p = req.params
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                or req.seqs[0].grammar is not None or (len(req.seqs) > 1 and not req.forked))
 
     def _placeholder_fixup(self, sched: list[ScheduledSeq], previous: "_Launched | None"):
         """(flat positions, rows of ``previous``'s token tensor, that tensor): the inputs of this
@@ -356,6 +360,8 @@ class LLMEngine:
             req = self.requests[s.seq.request_id]
             if s.seq.index == 0 and len(req.seqs) > 1 and not req.forked:
                 req.forked = True
+                if not self._blocks_overlap(req):
+                    self._no_overlap.discard(req.request_id)
                 for sib in req.seqs[1:]:
                     rows_seqs.append(sib)
                     logit_rows.append(i)
