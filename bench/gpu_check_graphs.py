@@ -116,9 +116,12 @@ def engine_match(model, rng, n_prompts) -> dict:
     reports where its first difference from the first run lies and that step's top-1 margin there."""
     prompts = [[rng.randrange(1000) for _ in range(rng.randrange(8, 200))] for _ in range(n_prompts)]
     runs, graph_steps = {}, 0
-    for mode, graphs in (("off", "off"), ("off_again", "off"), ("on", "on")):
+    # graphs off twice (determinism control), on; each with overlapped scheduling (the CUDA
+    # default), and graphs on with plain steps ("on_plain": overlap vs not, same kernels)
+    for mode, graphs, overlap in (("off", "off", "auto"), ("off_again", "off", "auto"), ("on", "on", "auto"),
+                                  ("on_plain", "on", "off")):
         eng = LLMEngine(model, None, EngineConfig(cache_memory="4GiB", max_model_len=1024, decode_graphs=graphs,
-                                                  max_graph_batch=32))
+                                                  max_graph_batch=32, async_scheduling=overlap))
         ids = [eng.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
                for p in prompts]
         done = {}
@@ -127,12 +130,12 @@ def engine_match(model, rng, n_prompts) -> dict:
                 if o.finished:
                     done[o.request_id] = o.outputs[0]
         runs[mode] = [done[i] for i in ids]
-        if graphs == "on":
+        if mode == "on":
             graph_steps = eng.runner.graph_steps
         del eng
         torch.cuda.empty_cache()
     res = {"requests": n_prompts, "graph_steps": graph_steps}
-    for mode in ("off_again", "on"):
+    for mode in ("off_again", "on", "on_plain"):
         first, margins = [], []
         for a, b in zip(runs["off"], runs[mode]):
             diff = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
