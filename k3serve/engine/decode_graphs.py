@@ -24,7 +24,7 @@ from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
 from ..ops.backend import triton_enabled
-from .transfer import to_device
+from .transfer import fill_pending_tokens
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +141,7 @@ class DecodeGraphs:
         if self._device_buf.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        if fixup is not None:
-            dev = self._device_buf.device
-            self.input_ids[to_device(fixup[0], dev)] = fixup[2][to_device(fixup[1], dev)]
+        fill_pending_tokens(self.input_ids, fixup)
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]

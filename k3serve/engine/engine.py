@@ -21,8 +21,8 @@ from .request import Request, Sequence, Status, new_request
 from .runner import ModelRunner
 from .sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
-from .transfer import to_device
 from .scheduler import RequestRejected, ScheduledSeq, Scheduler
+from .transfer import to_device
 
 log = logging.getLogger(__name__)
 

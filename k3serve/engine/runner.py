@@ -9,7 +9,7 @@ from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
 from .decode_graphs import DecodeGraphs
-from .transfer import to_device
+from .transfer import fill_pending_tokens, to_device
 from .scheduler import ScheduledSeq
 
 
@@ -52,8 +52,7 @@ class ModelRunner:
                 self.graph_steps += 1
                 return logits
         batch = self.build_batch(sched)
-        if fixup is not None:
-            batch.input_ids[to_device(fixup[0], self.device)] = fixup[2][to_device(fixup[1], self.device)]
+        fill_pending_tokens(batch.input_ids, fixup)
         want = to_device([i for i, s in enumerate(sched) if s.samples], self.device)
         t1 = time.perf_counter()
         hidden = self.model(batch, self.pool.handles)

@@ -17,3 +17,12 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype = torch.int
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def fill_pending_tokens(input_ids: torch.Tensor, fixup: tuple | None) -> None:
+    """Overlapped scheduling: ``fixup`` = (flat positions, rows, tokens on the device) names the
+    inputs of a step that the previous step sampled and the host has not read yet; they are copied
+    in on the device (after the inputs' own host copy, before the forward)."""
+    if fixup is not None:
+        dst, src, tokens = fixup
+        input_ids[to_device(dst, input_ids.device)] = tokens[to_device(src, tokens.device)]
