@@ -231,3 +231,48 @@ def test_router_logits_kernel_is_fp32_exact(seed):
     """Decode-size router logits in one launch from x in the model dtype: fp32 products and sums
     (no TF32), against float64."""
     assert worst_error(LOGITS_SCRIPT, str(seed)) < 1e-6
+
+
+JOIN_SCRIPT = textwrap.dedent('''
+    import dataclasses, os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.config import ModelConfig
+    from k3serve.model import moe as moe_module
+    from k3serve.model.moe import MoE
+    from k3serve.presets import preset_config
+    cfg = dataclasses.replace(ModelConfig.from_dict(preset_config("kimi-linear-48b")), hidden_size=64,
+                              moe_intermediate_size=32, num_experts=12, num_experts_per_token=3)
+    groups = int(sys.argv[1])
+    if groups > 1:  # grouped top-k: the torch routing, the shared column appended after it
+        cfg = dataclasses.replace(cfg, num_expert_group=groups, topk_group=2)
+    gen = torch.Generator().manual_seed(groups)
+    moe = MoE(cfg, torch.float32)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    x = torch.randn(5, 64, generator=gen)
+    with torch.inference_mode():
+        ref = moe(x)  # reference path: shared MLP + routed experts apart
+        shared_before = [m.weight.clone() for m in (moe.shared_experts.gate_proj, moe.shared_experts.down_proj)]
+        assert moe.experts.join_shared(moe.shared_experts) and moe.experts.num_shared == 1
+        moe.join_shared_experts()  # idempotent
+        assert moe.experts.num_shared == 1 and moe.experts.w1_joined.shape[0] == 13
+        # the shared and routed weights are views of the joined stacks: nothing held twice, values kept
+        gp, dp = moe.shared_experts.gate_proj.weight, moe.shared_experts.down_proj.weight
+        assert gp.data_ptr() == moe.experts.w1_joined[12].data_ptr() and torch.equal(gp, shared_before[0])
+        assert dp.data_ptr() == moe.experts.w2_joined[12].data_ptr() and torch.equal(dp, shared_before[1])
+        assert moe.experts.w1.data_ptr() == moe.experts.w1_joined.data_ptr()
+        unjoined_torch = moe(x)  # the torch path ignores the join
+        moe_module.triton_enabled = lambda op, device: op == "MOE"  # Triton on CPU tensors (interpreted)
+        w, ids = moe.gate(x, num_shared=1)
+        assert (ids[:, -1] == 12).all() and (w[:, -1] == 1).all() and (ids[:, :-1] < 12).all()
+        joined = moe(x)
+    worst = max(((joined - ref).norm() / ref.norm()).item(), ((unjoined_torch - ref).norm() / ref.norm()).item())
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_shared_expert_joined_to_routed_stacks_matches_reference(groups):
+    """Kimi-Linear's shared MLP as expert E of the routed stacks (decode batches): the same output
+    as the shared MLP added to the routed sum, weights held once."""
+    assert worst_error(JOIN_SCRIPT, str(groups)) < 1e-5

@@ -150,10 +150,17 @@ class LinearGroup(nn.Module):
         self.register_buffer("fused", None, persistent=False)
 
     def fuse(self) -> None:
-        if self.fused is None:
-            self.fused = fuse_as_views([m.weight for o in self._outputs for m in o])
+        """Members already re-homed into another fused tensor (a shared MLP joined to its layer's
+        expert stacks) stay there: the group keeps running them one by one."""
+        members = [m.weight for o in self._outputs for m in o]
+        if self.fused is None and not any(_is_slice_of_larger(w) for w in members):
+            self.fused = fuse_as_views(members)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fused is None or torch.is_grad_enabled():
             return [torch.cat([m(x) for m in o], dim=-1) if len(o) > 1 else o[0](x) for o in self._outputs]
         return list(F.linear(x.to(self.fused.dtype), self.fused).split(self.sizes, dim=-1))
+
+
+def _is_slice_of_larger(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()

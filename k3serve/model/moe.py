@@ -17,6 +17,10 @@ from ..ops.moe_ref import experts_ref, route
 from ..ops.mxfp4 import dequantize_mxfp4
 from .layers import Linear, LinearGroup, RMSNorm, glu_activation
 
+# Decode-sized batches run the shared expert inside the routed grouped GEMMs once it has joined
+# their stacks (``RoutedExperts.join_shared``); larger batches keep cuBLAS's dense GEMMs for it.
+SHARED_JOIN_MAX_TOKENS = 64
+
 
 class GLUMLP(nn.Module):
     """Dense MLP and shared experts: down(act(gate x, up x))."""
@@ -48,7 +52,10 @@ class Router(nn.Module):
                          renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor,
                          score_func=cfg.moe_router_activation_func)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, K + num_shared] fp32, ids [T, K + num_shared]): the top-K routed choices,
+        then ``num_shared`` always-on experts E, E + 1, ... with weight 1 (experts joined to the
+        routed stacks)."""
         a = self.args
         if not torch.is_grad_enabled() and triton_enabled("MOE", x.device):
             from ..ops.moe_triton import route_triton, router_logits
@@ -56,12 +63,17 @@ class Router(nn.Module):
             logits = router_logits(x, self.weight)  # decode: one launch, no fp32 copy of x
             if a["num_groups"] == 1:  # one launch instead of ~7
                 return route_triton(logits, self.e_score_correction_bias, a["top_k"], a["renormalize"],
-                                    a["scaling"], a["score_func"])
-            return route(logits, self.e_score_correction_bias, **a)
-        logits = F.linear(x.float(), self.weight)
-        if self.training:  # the trainer's bias update (quantile balancing) reads the batch's scores
-            self.last_logits = logits.detach()
-        return route(logits, self.e_score_correction_bias, **a)
+                                    a["scaling"], a["score_func"], num_shared=num_shared)
+        else:
+            logits = F.linear(x.float(), self.weight)
+            if self.training:  # the trainer's bias update (quantile balancing) reads the batch's scores
+                self.last_logits = logits.detach()
+        weights, ids = route(logits, self.e_score_correction_bias, **a)
+        if not num_shared:
+            return weights, ids
+        shared = torch.arange(self.weight.shape[0], self.weight.shape[0] + num_shared, device=x.device)
+        return (torch.cat([weights, weights.new_ones(len(x), num_shared)], 1),
+                torch.cat([ids, shared.expand(len(x), -1).to(ids.dtype)], 1))
 
 
 class RoutedExperts(nn.Module):
@@ -85,10 +97,42 @@ class RoutedExperts(nn.Module):
             else:
                 self.register_parameter(name, nn.Parameter(torch.empty(E, n, k, dtype=dtype, device=device),
                                                            requires_grad=False))
+                self.register_buffer(f"{name}_joined", None, persistent=False)  # [E + S, n, k]: join_shared
+        self.num_shared = 0  # shared experts appended to the stacks as experts E, E + 1, ...
+
+    def join_shared(self, mlp: GLUMLP) -> bool:
+        """Append the shared MLP to the stacks as expert E, so that with an always-on assignment of
+        weight 1 the routed grouped GEMMs compute it too: at decode that saves the shared MLP's
+        three launches a layer (gate/up GEMM, GLU, down GEMM) and its add. Only where it is the
+        same computation: bf16 stacks (not MXFP4), one shared expert of the routed width and
+        activation, no tensor parallelism. The shared weights become views of the joined stacks
+        (held once); the routed ones stay views too, so loads and the reference path see the
+        same memory. Returns whether it joined."""
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        I, d = self.intermediate, self.out_features
+        if (self.mxfp4 or self.num_shared or mlp.act != self.act or tuple(gate.weight.shape) != (I, d)
+                or tuple(down.weight.shape) != (d, I) or gate.weight.dtype != self.w1.dtype
+                or any(m.tp_size > 1 for m in (gate, up, down))):
+            return False
+        for name, member in (("w1", gate), ("w3", up), ("w2", down)):
+            routed = getattr(self, name)
+            stack = torch.cat([routed.detach(), member.weight.detach()[None]])
+            routed.data, member.weight.data = stack[:-1], stack[-1]
+            setattr(self, f"{name}_joined", stack)
+        self.num_shared = 1
+        return True
+
+    def stack(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weights, scales or None) of ``name`` in w1 / w2 / w3 over every expert the grouped
+        GEMMs index: the routed ones, then any joined shared expert."""
+        if self.mxfp4:
+            return getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
+        joined = getattr(self, f"{name}_joined")
+        return (joined if joined is not None else getattr(self, name)), None
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.mxfp4:
-            return self.w1[e], self.w2[e], self.w3[e]
+            return tuple(self.stack(n)[0][e] for n in ("w1", "w2", "w3"))
         return tuple(
             dequantize_mxfp4(getattr(self, f"{n}_packed")[e], getattr(self, f"{n}_scale")[e], self.dtype,
                              check_scales=False)
@@ -132,7 +176,17 @@ class MoE(nn.Module):
             if cfg.num_shared_experts else None
         )
 
+    def join_shared_experts(self) -> None:
+        """For serving, before the linears fuse: the shared MLP joins the routed stacks where it
+        can (``RoutedExperts.join_shared``)."""
+        if self.shared_experts is not None and not self.latent:
+            self.experts.join_shared(self.shared_experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.experts.num_shared and x.shape[0] <= SHARED_JOIN_MAX_TOKENS and not torch.is_grad_enabled()
+                and triton_enabled("MOE", x.device)):  # the shared expert runs inside the grouped GEMMs
+            weights, ids = self.gate(x, num_shared=self.experts.num_shared)
+            return self.experts(x, weights, ids, out_dtype=x.dtype)
         weights, ids = self.gate(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if not self.latent:  # the shared experts' output joins the routed sum before its one rounding

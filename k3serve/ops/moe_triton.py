@@ -158,10 +158,10 @@ _grouped_gemm_tuned = autotuned(
 @triton.jit
 def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  RENORM: tl.constexpr, SIGMOID: tl.constexpr):
+                  RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr):
     """One token's routing (``moe_ref.route`` with one expert group): scores, bias-corrected
     choice, top-k by K rounds of argmax (descending, as torch.topk), weights from the unbiased
-    scores, renormalised, scaled."""
+    scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ... of weight 1."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)
     live = e < E
@@ -187,8 +187,12 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, E, scaling,
         choice = tl.where(e == best, float("-inf"), choice)
     if RENORM:
         ws = ws / (tl.sum(ws, 0) + 1e-20)
-    tl.store(W_OUT + t * K + ks, ws * scaling, mask=ks < K)
-    tl.store(ID_OUT + t * K + ks, ids.to(tl.int64), mask=ks < K)
+    row = t * (K + NUM_SHARED)
+    tl.store(W_OUT + row + ks, ws * scaling, mask=ks < K)
+    tl.store(ID_OUT + row + ks, ids.to(tl.int64), mask=ks < K)
+    for s in tl.static_range(NUM_SHARED):
+        tl.store(W_OUT + row + K + s, 1.0)
+        tl.store(ID_OUT + row + K + s, (E + s).to(tl.int64))
 
 
 @triton.jit
@@ -229,17 +233,19 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
-                 score_func: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+                 score_func: str = "sigmoid", num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_ref.route`` for one expert group in one launch (the torch form takes ~7):
-    logits [T, E] -> (weights [T, K] fp32, ids [T, K] int64)."""
+    logits [T, E] -> (weights [T, K + S] fp32, ids [T, K + S] int64), the last S = ``num_shared``
+    columns the always-on experts E, E + 1, ... with weight 1 (shared experts joined to the stacks)."""
     T, E = logits.shape
-    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, top_k + num_shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k + num_shared, dtype=torch.int64, device=logits.device)
     if T:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         _route_kernel[(T,)](logits, bias if bias is not None else logits, w, ids, logits.stride(0), E, float(scaling),
                             K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
-                            HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid")
+                            HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
+                            NUM_SHARED=num_shared)
     return w, ids
 
 
@@ -390,7 +396,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     each (decode); of 64 once they see dozens and 128 past a hundred (prefill), so each upcast
     weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64 on the H200)."""
     T, top_k = ids.shape
-    E = experts.num_experts
+    E = experts.num_experts + experts.num_shared  # ids may name joined shared experts (moe.RoutedExperts.join_shared)
     if T == 0:
         return torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
     if block_m is None:  # rows per expert on average: a few (decode), dozens, or a hundred and more
@@ -398,12 +404,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     rows, block_expert = sort_by_expert(ids, E, block_m)
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
-
-    def stored(name):
-        if experts.mxfp4:
-            return getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
-        return getattr(experts, name), None
-
+    stored = experts.stack
     w1, s1 = stored("w1")
     # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
     h = grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, experts.intermediate, block_m,
