@@ -19,7 +19,8 @@ from k3serve.model.layers import RMSNorm, rms_norm
 from k3serve.ops import mla_ref
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_prefill_triton import mla_prefill
-from k3serve.ops.moe_triton import combine_experts
+from k3serve.ops.moe_triton import combine_experts, route_triton, router_logits
+from k3serve.ops.moe_ref import route
 from k3serve.ops.norm_triton import rms_norm_triton
 from k3serve.ops.short_conv import short_conv_ref
 from k3serve.ops.short_conv_triton import short_conv_triton
@@ -101,6 +102,21 @@ def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator) -> N
     record("MLA split-KV decode (default splits)", f"B={B} H={H} lens={lens[:4]}", rel(out, ref), 2e-2)
 
 
+def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
+    """bf16 x and weight through the tensor cores (exact products, fp32 sums) vs float64; then the
+    partial sums finished by the route kernel vs torch's routing of the fp32 logits."""
+    x = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    w = (torch.randn(E, D, generator=gen, device=DEV) * D ** -0.5).bfloat16()
+    ref = F.linear(x.double(), w.double())
+    parts = router_logits(x, w, split=True)
+    record("router logits (partial sums, bf16 MMA)", f"T={T} E={E} D={D}", rel(parts.sum(0), ref), 1e-6)
+    bias = torch.randn(E, generator=gen, device=DEV) * 0.1
+    w_ref, ids_ref = route(ref.float(), bias, K, 1, 1, True, 2.5, "sigmoid")
+    wt, ids = route_triton(parts, bias, K, True, 2.5, "sigmoid")
+    same = (ids.sort(1).values == ids_ref.sort(1).values).all(1).float().mean().item()
+    record("route from partial sums: tokens with the same experts", f"T={T} E={E} K={K}", 1 - same, 0.05)
+
+
 def main() -> int:
     gen = torch.Generator(device=DEV).manual_seed(0)
     print(torch.cuda.get_device_name(), "\n| check | shape | rel err | tol | |\n|---|---|---|---|---|")
@@ -115,6 +131,8 @@ def main() -> int:
     check_mla_prefill(32, 700, 300, gen)
     check_mla_prefill(96, 0, 37, gen)
     check_mla_decode(1, 32, [4096], gen)
+    for T, E, D, K in ((1, 256, 2304, 8), (64, 256, 2304, 8), (16, 896, 7168, 16)):
+        check_router(T, E, D, K, gen)
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
     failed = [r for r in ROWS if r[2] > r[3]]
     print(f"{len(ROWS) - len(failed)} of {len(ROWS)} checks passed")

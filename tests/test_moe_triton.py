@@ -107,6 +107,15 @@ ROUTE_SCRIPT = textwrap.dedent('''
         w, ids = route_triton(logits, bias, K, renorm, scaling, func)
         assert torch.equal(ids, ids_ref), (T, E, K, ids, ids_ref)  # same experts in the same (descending) order
         worst = max(worst, ((w - w_ref).norm() / w_ref.norm()).item())
+        # partial sums over chunks of D (router_logits(split=True)), exact in fp32 here: added first
+        exact = torch.stack([torch.randperm(E, generator=gen) - E // 2 for _ in range(T)]) / 64.0  # no ties
+        parts = torch.randint(-64, 64, (3, T, E), generator=gen) / 16.0
+        parts[2] = exact - parts[0] - parts[1]  # multiples of 1/64: every sum exact
+        w_ref, ids_ref = route(exact, bias, K, 1, 1, renorm, scaling, func)
+        w, ids = route_triton(parts, bias, K, renorm, scaling, func, num_shared=2)
+        assert torch.equal(ids[:, :K], ids_ref) and (ids[:, K:] == torch.tensor([E, E + 1])).all()
+        assert (w[:, K:] == 1).all()
+        worst = max(worst, ((w[:, :K] - w_ref).norm() / w_ref.norm()).item())
     for E, K in ((256, 8), (896, 16)):  # NaN scores (an overflowed activation): ids stay real experts
         logits = torch.randn(3, E, generator=gen)
         logits[0] = float("nan")
@@ -222,14 +231,18 @@ LOGITS_SCRIPT = textwrap.dedent('''
         ref = F.linear(x.double(), w.double())
         assert out.dtype == torch.float32 and out.shape == (T, E)
         worst = max(worst, ((out.double() - ref).norm() / ref.norm()).item())
+        parts = router_logits(x, w.to(dtype), split=True)  # the weight in the model dtype, as the Router holds it
+        assert parts.shape == (-(-D // 128), T, E)
+        ref = F.linear(x.double(), w.to(dtype).double())
+        worst = max(worst, ((parts.double().sum(0) - ref).norm() / ref.norm()).item())
     print(worst)
 ''')
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_router_logits_kernel_is_fp32_exact(seed):
-    """Decode-size router logits in one launch from x in the model dtype: fp32 products and sums
-    (no TF32), against float64."""
+    """Decode-size router logits in one launch from x and the weight in the model dtype: fp32
+    products and sums (no TF32), against float64; whole or as partial sums over chunks of D."""
     assert worst_error(LOGITS_SCRIPT, str(seed)) < 1e-6
 
 

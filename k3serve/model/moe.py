@@ -41,10 +41,10 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
         super().__init__()
         E = cfg.num_experts
-        # Held in fp32 (the router runs in fp32, as HF / the original code): converting a bf16 copy
-        # every step would re-read and re-write the whole matrix per layer per decode step.
-        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=torch.float32, device=device),
-                                   requires_grad=False)
+        # Held in the model dtype, as the checkpoints store it (bf16), and multiplied in fp32 (as HF
+        # and the original code: input and weight cast to fp32): the same logits from half the
+        # bytes a decode step reads (the Triton kernel upcasts in registers).
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.empty(E, dtype=torch.float32, device=device),
                                                     requires_grad=False)
         groups = cfg.num_expert_group if cfg.use_grouped_topk else 1
@@ -60,12 +60,12 @@ class Router(nn.Module):
         if not torch.is_grad_enabled() and triton_enabled("MOE", x.device):
             from ..ops.moe_triton import route_triton, router_logits
 
-            logits = router_logits(x, self.weight)  # decode: one launch, no fp32 copy of x
-            if a["num_groups"] == 1:  # one launch instead of ~7
-                return route_triton(logits, self.e_score_correction_bias, a["top_k"], a["renormalize"],
-                                    a["scaling"], a["score_func"], num_shared=num_shared)
+            if a["num_groups"] == 1:  # two launches (partial logits, then their sum and top-k) instead of ~9
+                return route_triton(router_logits(x, self.weight, split=True), self.e_score_correction_bias,
+                                    a["top_k"], a["renormalize"], a["scaling"], a["score_func"], num_shared=num_shared)
+            logits = router_logits(x, self.weight)
         else:
-            logits = F.linear(x.float(), self.weight)
+            logits = F.linear(x.float(), self.weight.float())
             if self.training:  # the trainer's bias update (quantile balancing) reads the batch's scores
                 self.last_logits = logits.detach()
         weights, ids = route(logits, self.e_score_correction_bias, **a)

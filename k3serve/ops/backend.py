@@ -3,11 +3,12 @@
 ``K3SERVE_<OP>_BACKEND`` picks per op (OP: MOE, MLA, KDA, NORM, ATTNRES, GLU): ``triton`` or
 ``torch`` (KDA also ``fla``: fla-core's kernels without our fused decode), ``auto`` or unset for
 the default, which ``K3SERVE_BACKEND=triton|torch`` sets for every op at once. CPU tensors always
-take the reference, the path CI tests. On CUDA the default is otherwise ``TRITON_BY_DEFAULT``: off
-until bench/gpu_check_model.py passes on the H200 with every Triton kernel on (whole model, bf16
-vs the fp32 reference; each kernel's own check already passes), so that flipping one constant is
-the whole switch. A misspelt value is an error, not a silent fallback to the slow path. The
-variables are read once (``reload``; every engine start re-reads them).
+take the reference, the path CI tests. On CUDA the default is otherwise ``TRITON_BY_DEFAULT``: on
+since bench/gpu_check_model.py passed on the H200 with every Triton kernel on (whole model, bf16
+vs the fp32 reference: the same errors as the fla + torch bf16 run, RESULTS.md seventh session;
+each kernel has its own check too). ``K3SERVE_BACKEND=torch`` is the way back to the plain-torch
+path (with fla-core for KDA). A misspelt value is an error, not a silent fallback to the slow
+path. The variables are read once (``reload``; every engine start re-reads them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-TRITON_BY_DEFAULT = False
+TRITON_BY_DEFAULT = True
 _CHOICES = {"MOE": ("triton", "torch"), "MLA": ("triton", "torch"), "NORM": ("triton", "torch"),
             "ATTNRES": ("triton", "torch"), "GLU": ("triton", "torch"), "KDA": ("triton", "torch", "fla")}
 

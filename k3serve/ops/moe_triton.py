@@ -156,16 +156,21 @@ _grouped_gemm_tuned = autotuned(
 
 
 @triton.jit
-def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, E, scaling,
+def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr):
-    """One token's routing (``moe_ref.route`` with one expert group): scores, bias-corrected
-    choice, top-k by K rounds of argmax (descending, as torch.topk), weights from the unbiased
-    scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ... of weight 1."""
+    """One token's routing (``moe_ref.route`` with one expert group): logits as the sum of
+    ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores,
+    bias-corrected choice, top-k by K rounds of argmax (descending, as torch.topk), weights from
+    the unbiased scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ... of
+    weight 1."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)
     live = e < E
-    logit = tl.load(LOGITS + t * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
+    logit = tl.zeros([E_P], tl.float32)
+    for part in range(num_parts):  # a fixed order: the same logits every run
+        logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
+    logit = tl.where(live, logit, float("-inf"))
     if SIGMOID:
         score = tl.sigmoid(logit)
     else:
@@ -197,52 +202,66 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, E, scaling,
 
 @triton.jit
 def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
-    """logits[t, e] = x[t] . W[e] in fp32 (IEEE products and sums, no TF32) from x in its own dtype."""
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+                          BLOCK_D: tl.constexpr, BF16_MMA: tl.constexpr):
+    """Program (expert block, D chunk, token block): the partial logits of one BLOCK_D-wide chunk,
+    OUT[chunk, t, e] = x[t, chunk] . W[e, chunk], in fp32. bf16 x and W go through the tensor
+    cores: a product of two bf16 values is exact in fp32 and the MMA accumulates in fp32, so this
+    is the fp32 product of the casts up to summation order. Other dtypes: IEEE fp32 (no TF32)."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    tmask, emask = t < T, e < E
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        dmask = d < D
-        x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + d[None, :], mask=tmask[:, None] & dmask[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(W + e.to(tl.int64)[:, None] * D + d[None, :], mask=emask[:, None] & dmask[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    tl.store(OUT + t.to(tl.int64)[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+    chunk = tl.program_id(1)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    tmask, emask, dmask = t < T, e < E, d < D
+    x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
+    w = tl.load(W + e.to(tl.int64)[:, None] * D + d[None, :], mask=emask[:, None] & dmask[None, :], other=0.0)
+    if BF16_MMA:
+        acc = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+    else:
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    tl.store(OUT + (chunk * T + t.to(tl.int64))[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
 
 
-# Up to this many tokens the router's logits come from one Triton launch that reads x in the
-# model dtype (a decode step: the torch form is a cast of x and an fp32 GEMV, two launches);
-# past it, cuBLAS's fp32 GEMM reads the weight once for the whole batch.
+# Up to this many tokens the router's logits come from one Triton launch that reads x and the
+# weight in the model dtype (a decode step); past it, cuBLAS's fp32 GEMM reads the weight once for
+# the whole batch.
 ROUTER_KERNEL_MAX_TOKENS = 64
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x.float(), weight) for an fp32 router weight [E, D]: fp32 logits [T, E]."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) -> torch.Tensor:
+    """F.linear(x.float(), weight.float()) for a router weight [E, D]: fp32 logits [T, E]; with
+    ``split``, decode-sized batches return the partial sums over chunks of D instead, [S, T, E]
+    (S >= 1), which ``route_triton`` adds up. The split spreads a decode step's GEMV over ~150
+    programs (one program per 32 experts over all of D took 85 us a layer on kimi-linear's
+    1.2 MB weight, RESULTS.md seventh session) without atomics: same logits every run."""
     T, D = x.shape
     E = weight.shape[0]
     if T > ROUTER_KERNEL_MAX_TOKENS or x.stride(-1) != 1 or not weight.is_contiguous():
-        return F.linear(x.float(), weight)
-    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+        logits = F.linear(x.float(), weight.float())
+        return logits[None] if split else logits
+    block_d = 128 if D <= 4096 else 256
+    parts = triton.cdiv(D, block_d)
+    out = torch.empty(parts, T, E, dtype=torch.float32, device=x.device)
     if T:
-        _router_logits_kernel[(triton.cdiv(E, 32), triton.cdiv(T, 16))](x, weight, out, T, E, D, x.stride(0),
-                                                                       BLOCK_T=16, BLOCK_E=32, BLOCK_D=128)
-    return out
+        bf16 = x.dtype == weight.dtype == torch.bfloat16 and not interpreted()  # (the interpreter's bf16 dot is not exact)
+        _router_logits_kernel[(triton.cdiv(E, 32), parts, triton.cdiv(T, 16))](
+            x, weight, out, T, E, D, x.stride(0), BLOCK_T=16, BLOCK_E=32, BLOCK_D=block_d, BF16_MMA=bf16)
+    return out if split else out.sum(0)
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
                  score_func: str = "sigmoid", num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe_ref.route`` for one expert group in one launch (the torch form takes ~7):
-    logits [T, E] -> (weights [T, K + S] fp32, ids [T, K + S] int64), the last S = ``num_shared``
+    """``moe_ref.route`` for one expert group in one launch (the torch form takes ~7): logits
+    [T, E] (or [P, T, E] partial sums, added first) -> (weights [T, K + S] fp32, ids [T, K + S]
+    int64), the last S = ``num_shared``
     columns the always-on experts E, E + 1, ... with weight 1 (shared experts joined to the stacks)."""
-    T, E = logits.shape
+    parts = logits if logits.dim() == 3 else logits[None]  # [S, T, E] partial sums (router_logits(split=True))
+    _, T, E = parts.shape
     w = torch.empty(T, top_k + num_shared, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k + num_shared, dtype=torch.int64, device=logits.device)
     if T:
-        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        _route_kernel[(T,)](logits, bias if bias is not None else logits, w, ids, logits.stride(0), E, float(scaling),
+        parts = parts if parts.stride(-1) == 1 else parts.contiguous()
+        _route_kernel[(T,)](parts, bias if bias is not None else parts, w, ids, parts.shape[0], parts.stride(0),
+                            parts.stride(1), E, float(scaling),
                             K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
                             HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
                             NUM_SHARED=num_shared)
