@@ -68,6 +68,13 @@ case "$1" in
     [ -n "$SKIP_GRAPHS" ] || step graphs_check "$(left 580)" python3 bench/gpu_check_graphs.py --parts check --out /tmp/gpu_work
     tail -c 2500 "$OUT/kernels_check.log"; grep -v "^  File\|^    " "$OUT/tiny.log" | tail -c 3000
     [ -n "$SKIP_GRAPHS" ] || tail -c 2000 "$OUT/graphs_check.log" ;;
+  quick48)  # kernel checks, kimi-linear-48b graph timing + decode profile, then the engine run
+    step kernels_check 100 python3 bench/gpu_check_kernels.py
+    step profile48 "$(left 200)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts timing,profile --iters 10 --out /tmp/gpu_work
+    step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
+    tail -c 2500 "$OUT/kernels_check.log"; grep -A6 "| context" "$OUT/profile48.log"
+    grep -A14 "kernels, " "$OUT/profile48.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
@@ -102,6 +109,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
