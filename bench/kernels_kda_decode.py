@@ -39,7 +39,8 @@ def check(N, H, D, lb):
     return (((o - o_ref[:, 0]).norm() / o_ref.norm()).item(), ((state[slots] - s_ref).norm() / s_ref.norm()).item())
 
 
-FUSED_VARIANTS = [(pf, bv, nw) for pf in (False, True) for bv in (32, 64) for nw in (4, 8)]
+FUSED_VARIANTS = [(pf, bv, nw, st) for pf in (False, True) for bv in (32, 64, 128) for nw in (4, 8)
+                  for st in (False, True) if not (bv == 128 and (pf or nw == 4))]
 
 
 def mixer_inputs(N, H, D, num_slots, seed):
@@ -58,11 +59,11 @@ def fused_check(N, H, D, lb):
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
     x, conv_w, conv0, gate, has = mixer_inputs(N, H, D, state0.shape[0], 5)
     outs = []
-    for pf, bv, nw in [(False, 32, 4)] + FUSED_VARIANTS:
+    for pf, bv, nw, stream in [(False, 32, 4, False)] + FUSED_VARIANTS:
         st, cs = state0.clone(), conv0.clone()
         y = kda_decode_fused(x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
                              torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H, block_v=bv, prefetch=pf,
-                             num_warps=nw)
+                             num_warps=nw, stream=stream)
         outs.append((y, st))
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return max(max(rel(y, outs[0][0]), rel(st, outs[0][1])) for y, st in outs[1:])
@@ -78,13 +79,13 @@ def timing(N, H, D, lb=-5.0):
     fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                      torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
     row["fused_ms"] = triton.testing.do_bench(fused, warmup=25, rep=200, return_mode="median")
-    # fused-kernel variants: (prefetch the next value block, value block width, warps)
+    # fused-kernel variants: (prefetch the next value block, value block width, warps, streaming hints)
     row["fused_variants"] = {}
-    for pf, bv, nw in FUSED_VARIANTS:
+    for pf, bv, nw, stream in FUSED_VARIANTS:
         run = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                        torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H, block_v=bv,
-                                       prefetch=pf, num_warps=nw)
-        row["fused_variants"][(pf, bv, nw)] = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+                                       prefetch=pf, num_warps=nw, stream=stream)
+        row["fused_variants"][(pf, bv, nw, stream)] = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -116,7 +117,7 @@ def main():
         print(f"| {N} | 96 | 128 | {r['ours_ms']:.3f} | {tb(r['ours_ms']):.2f} | {100 * tb(r['ours_ms']) / ceil:.0f} % | "
               f"{r['fused_ms']:.3f} | {fla} |")
         rows.append((N, r))
-    print("\nfused mixer variants (prefetch, value block, warps), variants vs default rel err "
+    print("\nfused mixer variants (prefetch, value block, warps, streaming hints), variants vs default rel err "
           f"{fused_check(64, 96, 128, -5.0):.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
     for N, r in rows:
         for var, ms in r["fused_variants"].items():

@@ -97,10 +97,29 @@ def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride
 
 
 @triton.jit
+def _state_load(ptr, has, STREAM: tl.constexpr):
+    """A state tile, zeros for a fresh sequence; STREAM: evict-first (each tile is read once a step)."""
+    if STREAM:
+        s = tl.load(ptr, eviction_policy="evict_first")
+    else:
+        s = tl.load(ptr)
+    return tl.where(has > 0, s, 0.0)
+
+
+@triton.jit
+def _state_store(ptr, s, STREAM: tl.constexpr):
+    if STREAM:
+        tl.store(ptr, s, cache_modifier=".cs")
+    else:
+        tl.store(ptr, s)
+
+
+@triton.jit
 def _kda_decode_fused_kernel(
     X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, Y,
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
     D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PREFETCH: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     """One program per (sequence, head): conv update of the head's q/k/v channels, SiLU, gates,
     L2 norms, the state update over all value blocks, and the gated RMSNorm of the output.
@@ -131,7 +150,7 @@ def _kda_decode_fused_kernel(
     sumsq = 0.0
     s_rows = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D
     # a fresh sequence starts from zeros, whatever its slot holds
-    nxt = tl.where(has > 0, tl.load(s_rows + tl.arange(0, BV)[None, :]), 0.0)
+    nxt = _state_load(s_rows + tl.arange(0, BV)[None, :], has, STREAM)
     for vb in tl.static_range(D // BV):
         dv = vb * BV + tl.arange(0, BV)
         v = tl.sum(tl.where(dk[:, None] == dv[None, :], v_all[:, None], 0.0), 0)  # v[dv]
@@ -139,16 +158,16 @@ def _kda_decode_fused_kernel(
         if PREFETCH:
             s = nxt
             if vb + 1 < D // BV:
-                nxt = tl.where(has > 0, tl.load(s_ptr + BV), 0.0)
+                nxt = _state_load(s_ptr + BV, has, STREAM)
         elif vb == 0:
             s = nxt
         else:
-            s = tl.where(has > 0, tl.load(s_ptr), 0.0)
+            s = _state_load(s_ptr, has, STREAM)
         s = s * decay[:, None]
         r = v - tl.sum(s * k[:, None], 0)
         s = s + beta * k[:, None] * r[None, :]
         o = tl.sum(s * q[:, None], 0)
-        tl.store(s_ptr, s)
+        _state_store(s_ptr, s, STREAM)
         tl.store(O_SCRATCH + (n * H + h) * D + dv, o)
         sumsq += tl.sum(o * o)
     # ---- gated RMSNorm: y = RMSNorm(o; w) * sigmoid(gate) --------------------------------
@@ -164,13 +183,14 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 32,
                      out_dtype: torch.dtype = torch.float32, prefetch: bool = False,
-                     num_warps: int = 4) -> torch.Tensor:
+                     num_warps: int = 4, stream: bool = False) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
     context start from zeros; ``has_ctx`` [N], bool or int32); f, gate [N, P]; beta_logits [N, H].
     Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``prefetch``,
-    ``block_v`` and ``num_warps``: the variants bench/kernels_kda_decode.py times."""
+    ``block_v``, ``num_warps`` and ``stream`` (evict-first state loads, streaming stores): the
+    variants bench/kernels_kda_decode.py times."""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -190,6 +210,6 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
         eps, H, D=D, W=W, BV=min(block_v, D), USE_LOWER_BOUND=lower_bound is not None, PREFETCH=prefetch,
-        num_warps=num_warps,
+        STREAM=stream, num_warps=num_warps,
     )
     return y

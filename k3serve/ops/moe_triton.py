@@ -83,7 +83,7 @@ def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stri
 @triton.jit
 def _grouped_gemm_kernel(
     X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
-    num_assign, top_k, N, K,
+    num_assign, rows_class, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
     WEIGHTS: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -93,7 +93,8 @@ def _grouped_gemm_kernel(
     epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). WEIGHTS: "bf16"; or MXFP4 upcast in
     registers, for bf16 activations by tl.dot_scaled ("mx_dot_scaled"), for fp32 activations
     decoded here one 32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold
-    to 1e-5)."""
+    to 1e-5). ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want
+    different tiles)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
@@ -152,7 +153,7 @@ GROUPED_GEMM_CONFIGS = [
 _grouped_gemm_tuned = autotuned(
     _grouped_gemm_kernel, GROUPED_GEMM_CONFIGS,
     triton.Config({"BLOCK_N": 32, "SWAP_AB": False}, num_warps=4, num_stages=1),
-    key=["N", "K", "WEIGHTS", "GLU", "BLOCK_M", "BLOCK_K"])
+    key=["N", "K", "WEIGHTS", "GLU", "BLOCK_M", "BLOCK_K", "rows_class"])
 
 
 @triton.jit
@@ -396,7 +397,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, tiles)
     kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]))](
         x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
-        num_assign, top_k, n_out, K,
+        num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
         float(beta), float(linear_beta or 1.0),
         WEIGHTS=weights, INTERPRETED=interpreted(), GLU=up is not None,
