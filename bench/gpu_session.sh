@@ -75,6 +75,9 @@ case "$1" in
     step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     tail -c 2500 "$OUT/kernels_check.log"; grep -A6 "| context" "$OUT/profile48.log"
     grep -A14 "kernels, " "$OUT/profile48.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
+  kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
+    step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
+    tail -c 5000 "$OUT/kda.log" ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
@@ -109,6 +112,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"

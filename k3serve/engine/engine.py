@@ -173,6 +173,7 @@ class LLMEngine:
 
         cfg, mcfg = self.config, self.model.config
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # blocks freed while loading (fusing re-homes weights) are not "in use"
         free, total = torch.cuda.mem_get_info(self.device)
         tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
         pages = -(-tokens // cfg.page_size)
