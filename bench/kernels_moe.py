@@ -10,7 +10,7 @@ reference, so a fast wrong tile cannot win); its winners are the autotuner's can
 (``moe_triton.GROUPED_GEMM_CONFIGS``). Kimi-Linear's bf16 experts (256, top-8, 2304 x 1024) get
 a short decode sweep.
 
-Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode]
+Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode] [--mxfp4-only]
 """
 
 import sys
@@ -25,10 +25,15 @@ from k3serve.model.loader import load_model
 from k3serve.ops.moe_ref import experts_ref
 from k3serve.ops.moe_triton import _grouped_gemm_tuned, experts_triton
 
-# (block_m, BLOCK_N, SWAP_AB, BLOCK_K, warps, stages). The fifth session's sweep (RESULTS.md)
-# covered dot_scaled over many tiles; its best are kept here as the autotuner's candidates' check.
-DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 32, True, 128, 2, 4)]
-PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)]
+# (block_m, BLOCK_N, SWAP_AB, BLOCK_K, warps, stages[, MXFP4 upcast]). The fifth session's sweep
+# (RESULTS.md) covered dot_scaled over many tiles; its best are kept here as the autotuner's
+# candidates' check, next to our PTX upcast ("asm", seventh session) on the same and wider tiles.
+DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 32, True, 128, 2, 4)] + [
+    (16, bn, swap, bk, w, st, "asm") for bn, swap, bk, w, st in (
+        (64, False, 128, 4, 3), (32, True, 128, 2, 4), (32, True, 256, 2, 4), (64, True, 128, 4, 3),
+        (128, True, 128, 4, 3), (128, True, 256, 8, 3))]
+PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
+    (128, 128, False, 128, 8, 3, "asm"), (128, 128, False, 64, 8, 4, "asm"), (64, 128, False, 128, 4, 3, "asm")]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3)]
 BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st) for bm, bn in ((64, 128), (128, 128), (128, 256))
                          for w, st in ((4, 3), (8, 3), (8, 4))]
@@ -54,21 +59,22 @@ def rel(a, b):
 
 def sweep(ex, cases, variants, copy, mm, label):
     """Every variant on every (tokens, x, weights, ids, reference) case: checked, then timed."""
-    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages)")
+    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages, MXFP4 upcast)")
     print("| tokens | variant | ms | TB/s | % copy | TFLOP/s | % matmul | rel err |")
     print("|---|---|---|---|---|---|---|---|")
     for T, z, w, ids, ref in cases:
         _, gbytes, flops = work(ex, ids)
-        for bm, bn, swap, bk, nw, st in variants:
+        for bm, bn, swap, bk, nw, st, *up in variants:
             tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
-            run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles)  # noqa: E731
+            up = up[0] if up else "dot_scaled"
+            run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
             try:
                 err = rel(run(), ref) if ref is not None else float("nan")
                 ms = triton.testing.do_bench(run, warmup=5, rep=60, return_mode="median")
             except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
-                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
+                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
                 continue
-            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st} | {ms:.3f} | {gbytes / ms:.2f} | "
+            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up} | {ms:.3f} | {gbytes / ms:.2f} | "
                   f"{100 * gbytes / ms / copy:.0f} % | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
                   f"{err:.2e} |", flush=True)
 
@@ -79,9 +85,10 @@ def kimi_linear_experts():
     E, inter, d = 256, 1024, 2304
     w = {n: (torch.randn(E, *shape, device="cuda", generator=g) * shape[1] ** -0.5).bfloat16()
          for n, shape in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter)))}
-    ex = SimpleNamespace(num_experts=E, dtype=torch.bfloat16, mxfp4=False, intermediate=inter, out_features=d,
-                         act=("silu", 1.0, None), **w)
+    ex = SimpleNamespace(num_experts=E, num_shared=0, dtype=torch.bfloat16, mxfp4=False, intermediate=inter,
+                         out_features=d, act=("silu", 1.0, None), **w)
     ex.expert = lambda e: (ex.w1[e], ex.w2[e], ex.w3[e])
+    ex.stack = lambda name: (w[name], None)  # (moe.RoutedExperts.stack)
     return ex
 
 
@@ -101,6 +108,7 @@ def main():
     if "--no-sweep" not in sys.argv:
         sweep(ex, [cases[T] for T in (1, 16, 64)], DECODE_VARIANTS, copy, mm, "K3 MXFP4 experts, decode")
         sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill")
+    if "--no-sweep" not in sys.argv and "--mxfp4-only" not in sys.argv:
         kl = kimi_linear_experts()
         kl_cases = []
         for T in (1, 16, 64, 8192):
@@ -114,17 +122,17 @@ def main():
             sweep(kl, kl_cases[:3], BF16_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
         # the same grouped GEMM without any upcast: what its structure allows at prefill
         sweep(kl, kl_cases[3:], BF16_PREFILL_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, prefill")
-    print("\nautotuned tiles (experts_triton as the model calls it):")
-    print("| tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for T, z, w, ids, ref in cases.values():
-        ours = lambda: experts_triton(z, w, ids, ex)  # noqa: E731
+    print("\nautotuned tiles (experts_triton as the model calls it), each MXFP4 upcast:")
+    print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm") for c in cases.values()]:
+        ours = lambda: experts_triton(z, w, ids, ex, mx_upcast=up)  # noqa: E731
         err = rel(ours(), ref)
         t_ours = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")
         t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
-                                        return_mode="median") if T <= 64 else float("nan")
+                                        return_mode="median") if T <= 64 and up == "dot_scaled" else float("nan")
         hit, gbytes, flops = work(ex, ids)
-        print(f"| {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
+        print(f"| {up} | {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
               f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | "
               f"{100 * flops / t_ours / 1e9 / mm:.0f} % |", flush=True)
     for key, c in _grouped_gemm_tuned.cache.items():  # what the autotuner picked per shape

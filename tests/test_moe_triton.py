@@ -158,22 +158,23 @@ GEMM_SCRIPT = textwrap.dedent('''
         ref_g = torch.einsum("ak,ank->an", xa, w[0, ea])
         ref_u = torch.einsum("ak,ank->an", xa, w[1, ea])
         tiles = dict(BLOCK_N=16, SWAP_AB=swap)
-        out = grouped_gemm(x, rows, blocks, T * top_k, top_k, packed[0], scale[0], N, 16, tiles=tiles,
-                           row_scale=row_scale)
-        ref = ref_g * row_scale[:, None]
-        worst = max(worst, ((out - ref).norm() / ref.norm()).item())
-        out = grouped_gemm(x, rows, blocks, T * top_k, top_k, packed[0], scale[0], N, 16, tiles=tiles,
-                           up=(packed[1], scale[1]), act=("silu", 1.0, None))
-        ref = glu_activation(ref_g, ref_u, "silu", 1.0, None)
-        worst = max(worst, ((out - ref).norm() / ref.norm()).item())
-        assert torch.isfinite(out).all()
+        for upcast in ("dot_scaled", "asm"):  # (asm: the interpreted twin of the PTX, same k order and scaling)
+            out = grouped_gemm(x, rows, blocks, T * top_k, top_k, packed[0], scale[0], N, 16, tiles=tiles,
+                               row_scale=row_scale, mx_upcast=upcast)
+            ref = ref_g * row_scale[:, None]
+            worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+            out = grouped_gemm(x, rows, blocks, T * top_k, top_k, packed[0], scale[0], N, 16, tiles=tiles,
+                               up=(packed[1], scale[1]), act=("silu", 1.0, None), mx_upcast=upcast)
+            ref = glu_activation(ref_g, ref_u, "silu", 1.0, None)
+            worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+            assert torch.isfinite(out).all()
     print(worst)
 ''')
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mxfp4_dot_scaled_matches_exact_dequantisation(seed):
-    """The bf16-activation MXFP4 path (tl.dot_scaled) against fp32 matmuls of the exactly
+    """The bf16-activation MXFP4 paths (tl.dot_scaled; our PTX upcast in its interpreted twin) against fp32 matmuls of the exactly
     dequantised weights: every code, extreme scales, both MMA orientations, with and without the
     fused GLU."""
     assert worst_error(GEMM_SCRIPT, str(seed)) < 1e-5

@@ -52,6 +52,66 @@ def _mx_group(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we, str
     return tl.dot(a_even, tl.trans(w_even)).to(tl.float32) + tl.dot(a_odd, tl.trans(w_odd)).to(tl.float32)
 
 
+# Four packed bytes -> their eight E2M1 codes as bf16, two per 32-bit register: the bytes are spread
+# to the two halves (prmt), each nibble's magnitude bits land at the bottom of the bf16 exponent
+# (bits 6-8) and its sign at bit 15, which is the code's value times 2^-126 (the +/-0.5 codes
+# subnormal), and one mul.bf16x2 by 2^126 makes it exact: ~2.75 instructions a code. $0,$1: the
+# low nibbles (even k) of bytes 0-3; $2,$3: the high nibbles (odd k); $4: the four bytes.
+_E2M1_TO_BF16_ASM = """
+{
+.reg .b32 z, t0, t1, m, s, two126;
+mov.b32 z, 0;
+mov.b32 two126, 0x7E807E80;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+shl.b32 m, t0, 6;  and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $0, m, two126;
+shl.b32 m, t1, 6;  and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $1, m, two126;
+shl.b32 m, t0, 2;  and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 8;  and.b32 s, s, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $2, m, two126;
+shl.b32 m, t1, 2;  and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 8;  and.b32 s, s, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $3, m, two126;
+}
+"""
+
+
+@triton.jit
+def _e2m1_bytes_to_bf16(packed, INTERPRETED: tl.constexpr):
+    """uint8 codes pairs -> (low nibble, high nibble) values, exact: bf16 from the PTX above on the
+    GPU; fp32 from ``_e2m1`` under the interpreter (no inline PTX there, and its bf16 dot is inexact)."""
+    if INTERPRETED:
+        lo = _e2m1(packed.to(tl.int32) & 15)
+        hi = _e2m1(packed.to(tl.int32) >> 4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r", [packed],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+                  SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One 32-wide scale group at column kk, the codes upcast by ``_e2m1_bytes_to_bf16`` and put
+    back in k order (join + reshape: each thread's bytes stay its own), one MMA, and the E8M0
+    scale applied to the [rows x BLOCK_N] partial rather than to every weight (one multiply per
+    output per 32 codes). Returns the scaled partial, [BLOCK_N, rows] with SWAP_AB."""
+    j = tl.arange(0, 16)
+    packed = tl.load(W + e * stride_we + cols[:, None] * stride_wn + (kk // 2 + j)[None, :], mask=cmask[:, None],
+                     other=0)
+    lo, hi = _e2m1_bytes_to_bf16(packed, INTERPRETED)
+    w = tl.join(lo, hi).reshape(BLOCK_N, 32)
+    a = tl.load(X + tok[:, None] * stride_xt + (kk + tl.arange(0, 32))[None, :], mask=valid[:, None], other=0.0)
+    factor = tl.exp2(tl.load(S + e * stride_se + cols * stride_sn + kk // 32, mask=cmask, other=127).to(tl.float32)
+                     - 127.0)
+    a = a.to(w.dtype)
+    if SWAP_AB:
+        part = tl.dot(w, tl.trans(a)).to(tl.float32) * factor[:, None]
+    else:
+        part = tl.dot(a, tl.trans(w)).to(tl.float32) * factor[None, :]
+    return part
+
+
 @triton.jit
 def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
                          MXFP4: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -91,9 +151,9 @@ def _grouped_gemm_kernel(
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
     epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). WEIGHTS: "bf16"; or MXFP4 upcast in
-    registers, for bf16 activations by tl.dot_scaled ("mx_dot_scaled"), for fp32 activations
-    decoded here one 32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold
-    to 1e-5). ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want
+    registers, for bf16 activations by tl.dot_scaled ("mx_dot_scaled") or by our PTX bit upcast
+    with the scale on the partial products ("mx_asm"), for fp32 activations decoded here one
+    32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold to 1e-5). ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want
     different tiles)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -114,7 +174,14 @@ def _grouped_gemm_kernel(
     # the K loop: it must not stream its expert's weights.
     k_end = tl.where(tl.load(ROWS + pid_m * BLOCK_M) < num_assign, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
-        if WEIGHTS == "mx_decode":
+        if WEIGHTS == "mx_asm":
+            for g in tl.static_range(BLOCK_K // 32):
+                acc += _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
+                                     stride_wn, stride_se, stride_sn, SWAP_AB, INTERPRETED, BLOCK_N)
+                if GLU:
+                    acc_up += _mx_group_asm(X, W_UP, S_UP, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt,
+                                            stride_we, stride_wn, stride_se, stride_sn, SWAP_AB, INTERPRETED, BLOCK_N)
+        elif WEIGHTS == "mx_decode":
             for g in tl.static_range(BLOCK_K // 32):
                 part = _mx_group(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we, stride_wn,
                                  stride_se, stride_sn)
@@ -322,6 +389,10 @@ def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     return min((total + block_m - 1) // block_m, num_assign) * block_m
 
 
+# The MXFP4 upcast for bf16 activations: "dot_scaled" (Triton's) or "asm" (ours, ``_mx_group_asm``).
+MX_UPCAST = "dot_scaled"
+
+
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
 # it one program would serialise too much work and the ~20 torch launches cost nothing in comparison.
 ALIGN_KERNEL_MAX_ASSIGN = 4096
@@ -369,19 +440,23 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
                  block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
-                 row_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 row_scale: torch.Tensor | None = None, mx_upcast: str | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``. ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
     [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
     epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights).
     ``tiles`` (BLOCK_N, SWAP_AB, num_warps, num_stages) None: autotuned for this shape. MXFP4 with
     bf16 activations goes through tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight
-    row); fp32 activations take the exact hand-decoded path."""
+    row); fp32 activations take the exact hand-decoded path. ``mx_upcast`` "asm": our PTX upcast
+    ("mx_asm", bf16 activations on the GPU) instead; None: ``MX_UPCAST``."""
     mx = scale is not None
     K = x.shape[1]
-    weights = "bf16" if not mx else "mx_decode" if x.dtype != torch.bfloat16 else "mx_dot_scaled"
+    if (mx_upcast or MX_UPCAST) not in ("dot_scaled", "asm"):
+        raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled or asm")
+    weights = ("bf16" if not mx else "mx_asm" if (mx_upcast or MX_UPCAST) == "asm" and (
+        x.dtype == torch.bfloat16 or interpreted()) else "mx_decode" if x.dtype != torch.bfloat16 else "mx_dot_scaled")
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
-        widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
+        widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)  # (mx_asm: 128 too)
         block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
     if K % block_k or (mx and block_k % 32):
         raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and of 32 for MXFP4)")
