@@ -82,7 +82,7 @@ case "$1" in
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
   moe)  # the MoE tile sweep alone (K3 MXFP4, Kimi bf16 prefill), autotuned table
-    step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe
+    step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe $MOE_ARGS
     grep -v "failed" "$OUT/moe.log" | tail -c 9000 ;;
   e2e)
     step e2e "$(left 580)" python3 -m bench.e2e --out /tmp/gpu_work
