@@ -12,10 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_start
+
 
 @triton.jit
 def _attn_res_kernel(SRC, QW, OUTW, OUT, stride_src_m, stride_src_t, stride_out_t, M, D, eps,
-                     HAS_OUT_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                     HAS_OUT_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)
     t = tl.program_id(0)
     dm = tl.arange(0, BLOCK_D)
     mm = tl.arange(0, BLOCK_M)
@@ -46,5 +51,6 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     out = torch.empty(T, D, dtype=out_dtype, device=sources.device)
     _attn_res_kernel[(T,)](sources, query, out_norm if out_norm is not None else query, out, sources.stride(0),
                            sources.stride(1), out.stride(0), M, D, eps, HAS_OUT_NORM=out_norm is not None,
-                           BLOCK_D=triton.next_power_of_2(D), BLOCK_M=max(2, triton.next_power_of_2(M)))
+                           BLOCK_D=triton.next_power_of_2(D), BLOCK_M=max(2, triton.next_power_of_2(M)),
+                           **pdl.launch(out.device))
     return out

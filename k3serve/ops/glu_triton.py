@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_start
+
 
 @triton.jit
 def _tanh(x):
@@ -38,7 +41,9 @@ def glu(a, b, beta, linear_beta, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, 
 
 @triton.jit
 def _glu_kernel(G, U, Y, n_cols, stride_g, stride_u, stride_y, beta, linear_beta,
-                SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, SIGMOID: tl.constexpr, BLOCK: tl.constexpr):
+                SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, SIGMOID: tl.constexpr, BLOCK: tl.constexpr,
+                USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -61,5 +66,6 @@ def glu_triton(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0
         block = min(1024, triton.next_power_of_2(n))
         _glu_kernel[(g2.shape[0], triton.cdiv(n, block))](
             g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0), float(beta), float(linear_beta or 1.0),
-            SITU=act == "situ", LINEAR_CLIP=linear_beta is not None, SIGMOID=act == "sigmoid", BLOCK=block)
+            SITU=act == "situ", LINEAR_CLIP=linear_beta is not None, SIGMOID=act == "sigmoid", BLOCK=block,
+            **pdl.launch(out.device))
     return out.view(gate.shape)

@@ -22,13 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_start
+
 
 @triton.jit
 def _kda_decode_kernel(
     Q, K, V, F, BETA, A_LOG, DT_BIAS, STATE, SLOTS, O,
     stride_state_slot, scale, lower_bound, H,
     D: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -74,7 +79,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     _kda_decode_kernel[(N, H, D // bv)](
         q, k, v, f, beta_logits.contiguous(), A_log.float().contiguous(), dt_bias.float().contiguous(), state,
         slots, o, state.stride(0), scale, float(lower_bound) if lower_bound is not None else 0.0, H,
-        D=D, BV=bv, USE_LOWER_BOUND=lower_bound is not None,
+        D=D, BV=bv, USE_LOWER_BOUND=lower_bound is not None, **pdl.launch(o.device),
     )
     return o
 
@@ -120,12 +125,14 @@ def _kda_decode_fused_kernel(
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
     D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PREFETCH: tl.constexpr,
     STREAM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One program per (sequence, head): conv update of the head's q/k/v channels, SiLU, gates,
     L2 norms, the state update over all value blocks, and the gated RMSNorm of the output.
     PREFETCH loads value block vb + 1 before block vb is stored: the compiler cannot move a load
     above a store to the same tensor by itself, so without it each block's load waits for the
     previous block's compute and store (the state traffic is the whole cost of this kernel)."""
+    pdl_start(USE_PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     P = H * D
@@ -210,6 +217,6 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
         eps, H, D=D, W=W, BV=min(block_v, D), USE_LOWER_BOUND=lower_bound is not None, PREFETCH=prefetch,
-        STREAM=stream, num_warps=num_warps,
+        STREAM=stream, num_warps=num_warps, **pdl.launch(y.device),
     )
     return y

@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_start
+
 from .autotune import autotuned
 
 
@@ -28,7 +31,9 @@ def _mla_decode_split_kernel(
     stride_lb, stride_lh, scale, H, NUM_SPLITS, CTX_BUCKET,
     PAGE: tl.constexpr, D_C: tl.constexpr, D_PE: tl.constexpr,
     D_C_P: tl.constexpr, D_PE_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)
     # Widths padded to powers of two >= 16 (tl.arange / tl.dot); padding lanes load zeros.
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -138,7 +143,7 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), scale, H,
         num_splits, triton.next_power_of_2(block_table.shape[1] * latent_pages.shape[1]), PAGE=latent_pages.shape[1], D_C=kv_lora_rank, D_PE=d_pe,
         D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)), D_PE_P=max(16, triton.next_power_of_2(d_pe)),
-        **tiles,
+        **tiles, **pdl.launch(partial.device),
     )
     # Merge the splits by their log-sum-exp (empty splits carry -inf and weigh nothing): one
     # batched GEMV [S] x [S, rkv] per (sequence, head), no [B, H, S, rkv] product in memory.

@@ -20,6 +20,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_start
+
 from .autotune import autotuned, interpreted
 from .glu_triton import glu
 
@@ -57,7 +60,7 @@ def _mx_group(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we, str
 # (bits 6-8) and its sign at bit 15, which is the code's value times 2^-126 (the +/-0.5 codes
 # subnormal), and one mul.bf16x2 by 2^126 makes it exact: ~2.75 instructions a code. $0,$1: the
 # low nibbles (even k) of bytes 0-3; $2,$3: the high nibbles (odd k); $4: the four bytes.
-_E2M1_TO_BF16_ASM = """
+_E2M1_TO_BF16_ASM = tl.constexpr("""
 {
 .reg .b32 z, t0, t1, m, s, two126;
 mov.b32 z, 0;
@@ -73,7 +76,7 @@ mul.rn.bf16x2 $2, m, two126;
 shl.b32 m, t1, 2;  and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 8;  and.b32 s, s, 0x80008000; or.b32 m, m, s;
 mul.rn.bf16x2 $3, m, two126;
 }
-"""
+""")
 
 
 @triton.jit
@@ -148,13 +151,16 @@ def _grouped_gemm_kernel(
     WEIGHTS: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
     epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). WEIGHTS: "bf16"; or MXFP4 upcast in
     registers, for bf16 activations by tl.dot_scaled ("mx_dot_scaled") or by our PTX bit upcast
     with the scale on the partial products ("mx_asm"), for fp32 activations decoded here one
-    32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold to 1e-5). ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want
-    different tiles)."""
+    32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold to 1e-5).
+    ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want different
+    tiles)."""
+    pdl_start(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
@@ -226,12 +232,14 @@ _grouped_gemm_tuned = autotuned(
 @triton.jit
 def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr):
+                  RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
     """One token's routing (``moe_ref.route`` with one expert group): logits as the sum of
     ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores,
     bias-corrected choice, top-k by K rounds of argmax (descending, as torch.topk), weights from
     the unbiased scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ... of
     weight 1."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)
     live = e < E
@@ -270,11 +278,12 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l,
 
 @triton.jit
 def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BF16_MMA: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BF16_MMA: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Program (expert block, D chunk, token block): the partial logits of one BLOCK_D-wide chunk,
     OUT[chunk, t, e] = x[t, chunk] . W[e, chunk], in fp32. bf16 x and W go through the tensor
     cores: a product of two bf16 values is exact in fp32 and the MMA accumulates in fp32, so this
     is the fp32 product of the casts up to summation order. Other dtypes: IEEE fp32 (no TF32)."""
+    pdl_start(USE_PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     chunk = tl.program_id(1)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -312,7 +321,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     if T:
         bf16 = x.dtype == weight.dtype == torch.bfloat16 and not interpreted()  # (the interpreter's bf16 dot is not exact)
         _router_logits_kernel[(triton.cdiv(E, 32), parts, triton.cdiv(T, 16))](
-            x, weight, out, T, E, D, x.stride(0), BLOCK_T=16, BLOCK_E=32, BLOCK_D=block_d, BF16_MMA=bf16)
+            x, weight, out, T, E, D, x.stride(0), BLOCK_T=16, BLOCK_E=32, BLOCK_D=block_d, BF16_MMA=bf16,
+            **pdl.launch(out.device))
     return out if split else out.sum(0)
 
 
@@ -332,17 +342,18 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
                             parts.stride(1), E, float(scaling),
                             K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
                             HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
-                            NUM_SHARED=num_shared)
+                            NUM_SHARED=num_shared, **pdl.launch(w.device))
     return w, ids
 
 
 @triton.jit
 def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_experts, total_rows,
                             E_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
-                            BLOCK_R: tl.constexpr):
+                            BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program: counting sort of the assignments into per-expert segments padded to BLOCK_M
     rows (``sort_by_expert_torch``'s layout). Row order inside a segment follows the atomics, which
     changes nothing: every row of the grouped GEMM is computed on its own."""
+    pdl_start(USE_PDL)
     e = tl.arange(0, E_P)
     counts = tl.zeros([E_P], tl.int32)
     for a0 in range(0, num_assign, BLOCK_A):
@@ -412,7 +423,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     e_p = triton.next_power_of_2(num_experts + 1)
     cursor = torch.empty(e_p, dtype=torch.int32, device=ids.device)
     _align_by_expert_kernel[(1,)](flat, rows, block_expert, cursor, num_assign, num_experts, total,
-                                  E_P=e_p, BLOCK_M=block_m, BLOCK_A=512, BLOCK_R=1024)
+                                  E_P=e_p, BLOCK_M=block_m, BLOCK_A=512, BLOCK_R=1024, **pdl.launch(rows.device))
     return rows, block_expert
 
 
@@ -477,7 +488,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
         float(beta), float(linear_beta or 1.0),
         WEIGHTS=weights, INTERPRETED=interpreted(), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
-        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, **tiles,
+        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **pdl.launch(out.device),
     )
     return out
 
@@ -513,7 +524,8 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
 
 @triton.jit
 def _combine_kernel(Y, NORM_W, ADD, OUT, top_k, D, stride_add, eps, NORM: tl.constexpr, HAS_ADD: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # the norm needs the whole row: one block then
     mask = cols < D
@@ -546,5 +558,6 @@ def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | 
         block = triton.next_power_of_2(D) if norm is not None else min(512, triton.next_power_of_2(D))
         _combine_kernel[(T, triton.cdiv(D, block))](
             y, w, a, out, top_k, D, a.stride(0), float(norm.eps) if norm is not None else 0.0,
-            NORM=norm is not None, HAS_ADD=add is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8)
+            NORM=norm is not None, HAS_ADD=add is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8,
+            **pdl.launch(out.device))
     return out

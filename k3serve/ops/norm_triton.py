@@ -11,10 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_start
+
 
 @triton.jit
 def _rms_norm_kernel(X, W, GATE, Y, stride_x, stride_y, stride_g, heads, D, eps, HAS_WEIGHT: tl.constexpr,
-                     HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_GATE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -44,13 +48,14 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, ou
         g = gate if gate is not None else rows
         _rms_norm_kernel[(rows.shape[0],)](rows, w, g, out, rows.stride(0), out.stride(0), g.stride(0), heads, D,
                                            eps, HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None,
-                                           BLOCK=triton.next_power_of_2(D))
+                                           BLOCK=triton.next_power_of_2(D), **pdl.launch(out.device))
     return out.view(x.shape)
 
 
 @triton.jit
 def _add_rms_norm_kernel(H, DELTA, W, H_OUT, Y, stride_h, stride_d, stride_ho, stride_y, D, eps,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -71,5 +76,5 @@ def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     if T:
         _add_rms_norm_kernel[(T,)](h, delta, weight, h_out, y, h.stride(0), delta.stride(0), h_out.stride(0),
-                                   y.stride(0), D, eps, BLOCK=triton.next_power_of_2(D))
+                                   y.stride(0), D, eps, BLOCK=triton.next_power_of_2(D), **pdl.launch(y.device))
     return h_out, y

@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (Hopper and later): a decode step is a few hundred short kernels
+back to back, and each one's launch and ramp-up used to start only once the previous one's last
+block had drained. A kernel launched with PDL may be scheduled while its predecessor finishes;
+its first act is ``griddepcontrol.wait`` (``pdl_start``), which returns once the predecessor has
+completed and its memory is visible, so only the launch latency overlaps: every read and write
+still follows the previous kernel's. It then lets its own successor launch early. Kernels that
+take no part (cuBLAS, torch) are ordered as before. ``K3SERVE_PDL=0`` turns it off (A/B timing).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .autotune import interpreted
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def launch(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch on ``device``: the kernel's ``USE_PDL`` constexpr and
+    Triton's ``launch_pdl`` option, or nothing where PDL is off (CPU, interpreter, pre-Hopper)."""
+    return {"USE_PDL": True, "launch_pdl": True} if _enabled(device) else {}
+
+
+def _enabled(device: torch.device) -> bool:
+    if device.type != "cuda" or interpreted() or os.environ.get("K3SERVE_PDL", "1") == "0":
+        return False
+    return _major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]

@@ -1,0 +1,52 @@
+"""GPU-only kernel paths compiled for Hopper (sm_90) on this CPU machine: Triton's NVIDIA backend
+and the ptxas it ships run without a GPU, so front-end errors and bad inline PTX in code the
+interpreter cannot run (our E2M1 upcast, programmatic dependent launch) fail here, not on the
+device. What they compute is checked on the GPU (bench/kernels_moe.py, bench/gpu_check_*)."""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+except ImportError:  # pragma: no cover - a Triton build without the NVIDIA backend
+    pytest.skip("Triton's NVIDIA backend is not installed", allow_module_level=True)
+
+from k3serve.ops import moe_triton, norm_triton  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, pointers: dict, scalars: dict, consts: dict, **options):
+    sig = {**pointers, **{n: t for n, t in scalars.items()}, **{k: "constexpr" for k in consts}}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=HOPPER, options=options)
+
+
+@pytest.mark.parametrize("swap, block_n, warps", [(True, 32, 2), (False, 64, 4)])
+def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
+    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
+    ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
+                               "stride_se", "stride_sn", "stride_on")}
+    ints.update(beta="fp32", linear_beta="fp32")
+    consts = dict(WEIGHTS="mx_asm", GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
+                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, USE_PDL=True)
+    kernel = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=warps, num_stages=3)
+    ptx = kernel.asm["ptx"]
+    assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx  # our upcast made it into the kernel
+    assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
+
+
+def _add_rms_norm_ptx(use_pdl: bool) -> str:
+    return _compile(norm_triton._add_rms_norm_kernel,
+                    {"H": "*bf16", "DELTA": "*bf16", "W": "*bf16", "H_OUT": "*bf16", "Y": "*bf16"},
+                    {n: "i32" for n in ("stride_h", "stride_d", "stride_ho", "stride_y", "D")} | {"eps": "fp32"},
+                    dict(BLOCK=4096, USE_PDL=use_pdl), num_warps=4).asm["ptx"]
+
+
+def test_pdl_kernels_wait_before_touching_memory():
+    ptx = _add_rms_norm_ptx(True)
+    first_memory_op = min(ptx.find(op) for op in ("ld.global", "st.global") if op in ptx)
+    assert 0 <= ptx.find("griddepcontrol.wait") < first_memory_op
+    assert "griddepcontrol" not in _add_rms_norm_ptx(False)
