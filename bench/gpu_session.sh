@@ -75,6 +75,12 @@ case "$1" in
     step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     tail -c 2500 "$OUT/kernels_check.log"; grep -A6 "| context" "$OUT/profile48.log"
     grep -A14 "kernels, " "$OUT/profile48.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
+  pdlab)  # kimi-linear-48b graph replay checked and timed with programmatic dependent launch, then without
+    step graphs_pdl "$(left "${PDL_UNTIL:-380}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts check,timing --iters 10 --out /tmp/gpu_work
+    K3SERVE_PDL=0 step graphs_nopdl "$(left 580)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts timing --iters 10 --out /tmp/gpu_work/nopdl
+    tail -c 1500 "$OUT/graphs_pdl.log"; grep -A7 "| context" "$OUT/graphs_nopdl.log" ;;
   kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
@@ -112,6 +118,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|pdlab|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
