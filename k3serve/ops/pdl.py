@@ -26,18 +26,21 @@ def pdl_start(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+_ON = {"USE_PDL": True, "launch_pdl": True}
+_OFF: dict = {}
+
+
 def launch(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch on ``device``: the kernel's ``USE_PDL`` constexpr and
-    Triton's ``launch_pdl`` option, or nothing where PDL is off (CPU, interpreter, pre-Hopper)."""
-    return {"USE_PDL": True, "launch_pdl": True} if _enabled(device) else {}
-
-
-def _enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or interpreted() or os.environ.get("K3SERVE_PDL", "1") == "0":
-        return False
-    return _major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    Triton's ``launch_pdl`` option, or nothing where PDL is off (CPU, interpreter, pre-Hopper).
+    On every Triton launch of a step, so answered from a cache (the variable is read once)."""
+    if device.type != "cuda":
+        return _OFF
+    return _ON if _enabled(device.index if device.index is not None else torch.cuda.current_device()) else _OFF
 
 
 @functools.lru_cache(maxsize=None)
-def _major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _enabled(index: int) -> bool:
+    if interpreted() or os.environ.get("K3SERVE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
