@@ -81,6 +81,15 @@ case "$1" in
     K3SERVE_PDL=0 step graphs_nopdl "$(left 580)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts timing --iters 10 --out /tmp/gpu_work/nopdl
     tail -c 1500 "$OUT/graphs_pdl.log"; grep -A7 "| context" "$OUT/graphs_nopdl.log" ;;
+  ncu)  # Nsight Compute on one K3 MXFP4 grouped-GEMM launch at decode size (why it is at ~30 % of copy)
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 0; }
+    for up in ${NCU_UPCASTS:-dot_scaled}; do
+      step "ncu_$up" "$(left "${NCU_UNTIL:-580}")" "$NCU" --kernel-name regex:_grouped_gemm --launch-skip 2 \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section LaunchStats python3 -m bench.ncu_moe "${NCU_TOKENS:-16}" "$up"
+      grep -v "^==PROF==" "$OUT/ncu_$up.log" | tail -c 6000
+    done ;;
   kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
@@ -118,6 +127,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|pdlab|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|pdlab|ncu|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"

@@ -1,0 +1,35 @@
+"""One K3 MXFP4 grouped-GEMM launch at a decode size, for Nsight Compute (where a kernel's time
+goes: memory throughput, occupancy, warp stalls), with fixed tiles so no autotuning launches
+get in the way. Not a benchmark: ``bench/kernels_moe.py`` times; this explains.
+
+Usage (device): ncu --kernel-name regex:_grouped_gemm --launch-skip 2 --launch-count 1 \\
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \\
+    python3 -m bench.ncu_moe [tokens] [upcast]
+"""
+
+import sys
+
+import torch
+
+from k3serve.model.loader import load_model
+from k3serve.ops.moe_triton import experts_triton
+
+
+def main() -> None:
+    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+    upcast = sys.argv[2] if len(sys.argv) > 2 else "dot_scaled"
+    model = load_model(preset="k3-slice", device="cuda", dtype="bfloat16", seed=0)
+    moe = model.model.layers[1].block_sparse_moe
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, model.config.hidden_size, device="cuda", generator=g).bfloat16()
+    with torch.inference_mode():
+        w, ids = moe.gate(x)
+        z = moe.routed_expert_down_proj(x)
+        tiles = dict(BLOCK_N=32, SWAP_AB=True, num_warps=2, num_stages=4)
+        for _ in range(2):  # the first call compiles (launches 1-2); the second call's gate/up GEMM is launch 3
+            experts_triton(z, w, ids, moe.experts, block_m=16, block_k=128, tiles=tiles, mx_upcast=upcast)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
