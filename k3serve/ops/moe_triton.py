@@ -219,14 +219,26 @@ def _grouped_gemm_kernel(
 # session). MXFP4 decode: 64 wide, 4 warps, 3 stages (K3's 16 to 64 tokens); 32 wide, 2 warps,
 # swapped (1 token). MXFP4 prefill: 128 wide, 8 warps (row blocks of 128). bf16 decode: any of
 # them is within a few % at 16-64 tokens.
-GROUPED_GEMM_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
-    for bn, swap, w, st in ((64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3),
-                            (128, False, 4, 4))]
+# Our E2M1 upcast ("mx_asm", decode row blocks only) is tuned over the tiles it was checked and timed
+# with on the H200 (seventh session: 128 wide, swapped, 4 warps won at 16 and 64 tokens; 64 wide
+# unswapped at 1 token); the others over the original five.
+_TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4)}
+_ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
+GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
+                        for bn, swap, w, st in sorted(_TILES | _ASM_TILES)]
+
+
+def _tiles_for_weights(configs, named_args, **kwargs):
+    weights = kwargs.get("WEIGHTS", named_args.get("WEIGHTS"))
+    keep = _ASM_TILES if weights == "mx_asm" else _TILES
+    return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["SWAP_AB"], c.num_warps, c.num_stages) in keep] \
+        or configs[:1]
+
+
 _grouped_gemm_tuned = autotuned(
     _grouped_gemm_kernel, GROUPED_GEMM_CONFIGS,
     triton.Config({"BLOCK_N": 32, "SWAP_AB": False}, num_warps=4, num_stages=1),
-    key=["N", "K", "WEIGHTS", "GLU", "BLOCK_M", "BLOCK_K", "rows_class"])
+    key=["N", "K", "WEIGHTS", "GLU", "BLOCK_M", "BLOCK_K", "rows_class"], prune=_tiles_for_weights)
 
 
 @triton.jit
@@ -400,8 +412,11 @@ def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     return min((total + block_m - 1) // block_m, num_assign) * block_m
 
 
-# The MXFP4 upcast for bf16 activations: "dot_scaled" (Triton's) or "asm" (ours, ``_mx_group_asm``).
-MX_UPCAST = "dot_scaled"
+# The MXFP4 upcast for bf16 activations at decode (row blocks of 16): "asm" (ours, ``_mx_group_asm``:
+# 0.275 / 2.524 / 5.602 ms vs tl.dot_scaled's best 0.358 / 2.652 / 5.912 ms for K3's experts at
+# 1 / 16 / 64 tokens on the H200, RESULTS.md seventh session) or "dot_scaled". Prefill row blocks
+# always take tl.dot_scaled (one K = 32 MMA per scale group was 4.5x slower at 8K tokens).
+MX_UPCAST = "asm"
 
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
@@ -459,13 +474,14 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     ``tiles`` (BLOCK_N, SWAP_AB, num_warps, num_stages) None: autotuned for this shape. MXFP4 with
     bf16 activations goes through tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight
     row); fp32 activations take the exact hand-decoded path. ``mx_upcast`` "asm": our PTX upcast
-    ("mx_asm", bf16 activations on the GPU) instead; None: ``MX_UPCAST``."""
+    ("mx_asm", bf16 activations, decode row blocks) instead; None: ``MX_UPCAST``."""
     mx = scale is not None
     K = x.shape[1]
     if (mx_upcast or MX_UPCAST) not in ("dot_scaled", "asm"):
         raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled or asm")
-    weights = ("bf16" if not mx else "mx_asm" if (mx_upcast or MX_UPCAST) == "asm" and (
-        x.dtype == torch.bfloat16 or interpreted()) else "mx_decode" if x.dtype != torch.bfloat16 else "mx_dot_scaled")
+    asm = (mx_upcast or MX_UPCAST) == "asm" and block_m <= 16 and (x.dtype == torch.bfloat16 or interpreted())
+    weights = ("bf16" if not mx else "mx_asm" if asm else "mx_decode" if x.dtype != torch.bfloat16
+               else "mx_dot_scaled")
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)  # (mx_asm: 128 too)
         block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
