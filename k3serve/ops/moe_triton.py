@@ -220,8 +220,8 @@ def _grouped_gemm_kernel(
 # swapped (1 token). MXFP4 prefill: 128 wide, 8 warps (row blocks of 128). bf16 decode: any of
 # them is within a few % at 16-64 tokens.
 # Our E2M1 upcast ("mx_asm", decode row blocks only) is tuned over the tiles it was checked and timed
-# with on the H200 (seventh session: 128 wide, swapped, 4 warps won at 16 and 64 tokens; 64 wide
-# unswapped at 1 token); the others over the original five.
+# with on the H200 (seventh session: 128 wide, swapped, 4 warps won at 16 and 64 tokens); the others
+# over the original five.
 _TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4)}
 _ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
 GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
@@ -412,11 +412,13 @@ def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     return min((total + block_m - 1) // block_m, num_assign) * block_m
 
 
-# The MXFP4 upcast for bf16 activations at decode (row blocks of 16): "asm" (ours, ``_mx_group_asm``:
-# 0.275 / 2.524 / 5.602 ms vs tl.dot_scaled's best 0.358 / 2.652 / 5.912 ms for K3's experts at
-# 1 / 16 / 64 tokens on the H200, RESULTS.md seventh session) or "dot_scaled". Prefill row blocks
-# always take tl.dot_scaled (one K = 32 MMA per scale group was 4.5x slower at 8K tokens).
+# The MXFP4 upcast for bf16 activations at decode (row blocks of 16): "asm" (ours, ``_mx_group_asm``)
+# or "dot_scaled". Same H200 run, K3's experts, best tile of each (RESULTS.md seventh session):
+# 1 token 0.275 vs 0.244 ms, 16 tokens 2.524 vs 2.648, 64 tokens 5.602 vs 5.906. So "asm" serves
+# decode steps from ASM_MIN_ASSIGNMENTS token-expert pairs up (K3: 8 tokens); smaller steps and
+# prefill row blocks take tl.dot_scaled (one K = 32 MMA per scale group was 4.5x slower at 8K).
 MX_UPCAST = "asm"
+ASM_MIN_ASSIGNMENTS = 128
 
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
@@ -479,7 +481,8 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     K = x.shape[1]
     if (mx_upcast or MX_UPCAST) not in ("dot_scaled", "asm"):
         raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled or asm")
-    asm = (mx_upcast or MX_UPCAST) == "asm" and block_m <= 16 and (x.dtype == torch.bfloat16 or interpreted())
+    asm = (mx_upcast or MX_UPCAST) == "asm" and block_m <= 16 and (x.dtype == torch.bfloat16 or interpreted()) and (
+        mx_upcast == "asm" or num_assign >= ASM_MIN_ASSIGNMENTS)  # (an explicit "asm" always: tests, sweeps)
     weights = ("bf16" if not mx else "mx_asm" if asm else "mx_decode" if x.dtype != torch.bfloat16
                else "mx_dot_scaled")
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
