@@ -41,6 +41,10 @@ def launch(device: torch.device) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _enabled(index: int) -> bool:
-    if interpreted() or os.environ.get("K3SERVE_PDL", "1") == "0":
+    if interpreted() or os.environ.get("K3SERVE_PDL", "1") == "0" or not _TRITON_HAS_PDL:
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+# launch_pdl and tl.extra.cuda.gdc_* arrived in Triton 3.4 (the device's torch 2.11 ships 3.6).
+_TRITON_HAS_PDL = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 4)
