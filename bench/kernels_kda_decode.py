@@ -11,6 +11,7 @@ Usage: python bench/kernels_kda_decode.py
 
 import torch
 import triton
+import triton.language as tl
 
 from bench.ceilings import copy_tbs
 
@@ -101,6 +102,46 @@ def timing(N, H, D, lb=-5.0):
     return row
 
 
+@triton.jit
+def _state_probe_kernel(STATE, SLOTS, OUT, stride_slot, H, D: tl.constexpr, BV: tl.constexpr,
+                        IN_PLACE: tl.constexpr):
+    """The decode kernels' state traffic alone: each (sequence, head, value block) program reads
+    its [D, BV] fp32 tile at the sequence's slot, scales it, and writes it back in place (or to a
+    dense output, as a copy does). What this access pattern can reach bounds what the KDA decode
+    kernels can reach."""
+    n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dk = tl.arange(0, D)
+    dv = vb * BV + tl.arange(0, BV)
+    slot = tl.load(SLOTS + n).to(tl.int64)
+    tile = dk[:, None] * D + dv[None, :]
+    s = tl.load(STATE + slot * stride_slot + h * D * D + tile)
+    if IN_PLACE:
+        tl.store(STATE + slot * stride_slot + h * D * D + tile, s * 0.999)
+    else:
+        tl.store(OUT + (n * H + h).to(tl.int64) * D * D + tile, s * 0.999)
+
+
+def state_probes(ceil: float) -> None:
+    """In-place read-modify-write of slot-indexed state tiles vs the same tiles copied out, by
+    value-block width and warps: the attainable fraction of the copy ceiling for the decode's
+    state traffic (the 90 % target is judged against the copy ceiling)."""
+    print("\nstate access probes (read + write of N x 96 heads x 128 x 128 fp32 at random slots):")
+    print("| N | pattern | value block | warps | ms | TB/s | % copy |\n|---|---|---|---|---|---|---|")
+    H, D = 96, 128
+    for N in (64, 256):
+        state = torch.randn(N + 8, H, D, D, device="cuda")
+        slots = torch.randperm(N + 8, device="cuda")[:N]
+        out = torch.empty(N, H, D, D, device="cuda")
+        for in_place in (True, False):
+            for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)):
+                run = lambda: _state_probe_kernel[(N, H, D // bv)](  # noqa: E731
+                    state, slots, out, state.stride(0), H, D=D, BV=bv, IN_PLACE=in_place, num_warps=nw)
+                ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+                tbs = N * H * D * D * 8 / (ms * 1e-3) / 1e12
+                print(f"| {N} | {'in place' if in_place else 'copy out'} | {bv} | {nw} | {ms:.3f} | {tbs:.2f} | "
+                      f"{100 * tbs / ceil:.0f} % |", flush=True)
+
+
 def main():
     ceil = copy_tbs()
     print(f"copy ceiling {ceil:.2f} TB/s")
@@ -123,6 +164,7 @@ def main():
         for var, ms in r["fused_variants"].items():
             tbs = r["bytes"] / (ms * 1e-3) / 1e12
             print(f"| {N} | {var} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |")
+    state_probes(ceil)
 
 
 if __name__ == "__main__":
