@@ -12,6 +12,7 @@ Usage: python bench/kernels_kda_decode.py
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench.ceilings import copy_tbs
 
@@ -40,8 +41,7 @@ def check(N, H, D, lb):
     return (((o - o_ref[:, 0]).norm() / o_ref.norm()).item(), ((state[slots] - s_ref).norm() / s_ref.norm()).item())
 
 
-FUSED_VARIANTS = [(pf, bv, nw, st) for pf in (False, True) for bv in (32, 64, 128) for nw in (4, 8)
-                  for st in (False, True) if not (bv == 128 and (pf or nw == 4))]
+FUSED_VARIANTS = [(pf, bv, nw, tma) for pf in (False, True) for bv in (32, 64) for nw in (4, 8) for tma in (False, True)]
 
 
 def mixer_inputs(N, H, D, num_slots, seed):
@@ -60,11 +60,11 @@ def fused_check(N, H, D, lb):
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
     x, conv_w, conv0, gate, has = mixer_inputs(N, H, D, state0.shape[0], 5)
     outs = []
-    for pf, bv, nw, stream in [(False, 32, 4, False)] + FUSED_VARIANTS:
+    for pf, bv, nw, tma in [(False, 32, 4, False)] + FUSED_VARIANTS:
         st, cs = state0.clone(), conv0.clone()
         y = kda_decode_fused(x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
                              torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H, block_v=bv, prefetch=pf,
-                             num_warps=nw, stream=stream)
+                             num_warps=nw, tma=tma)
         outs.append((y, st))
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return max(max(rel(y, outs[0][0]), rel(st, outs[0][1])) for y, st in outs[1:])
@@ -80,13 +80,13 @@ def timing(N, H, D, lb=-5.0):
     fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                      torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
     row["fused_ms"] = triton.testing.do_bench(fused, warmup=25, rep=200, return_mode="median")
-    # fused-kernel variants: (prefetch the next value block, value block width, warps, streaming hints)
+    # fused-kernel variants: (prefetch the next value block, value block width, warps, TMA state tiles)
     row["fused_variants"] = {}
-    for pf, bv, nw, stream in FUSED_VARIANTS:
+    for pf, bv, nw, tma in FUSED_VARIANTS:
         run = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                        torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H, block_v=bv,
-                                       prefetch=pf, num_warps=nw, stream=stream)
-        row["fused_variants"][(pf, bv, nw, stream)] = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+                                       prefetch=pf, num_warps=nw, tma=tma)
+        row["fused_variants"][(pf, bv, nw, tma)] = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -103,22 +103,26 @@ def timing(N, H, D, lb=-5.0):
 
 
 @triton.jit
-def _state_probe_kernel(STATE, SLOTS, OUT, stride_slot, H, D: tl.constexpr, BV: tl.constexpr,
-                        IN_PLACE: tl.constexpr):
+def _state_probe_kernel(STATE, DESC, SLOTS, OUT, stride_slot, H, D: tl.constexpr, BV: tl.constexpr,
+                        IN_PLACE: tl.constexpr, TMA: tl.constexpr):
     """The decode kernels' state traffic alone: each (sequence, head, value block) program reads
     its [D, BV] fp32 tile at the sequence's slot, scales it, and writes it back in place (or to a
-    dense output, as a copy does). What this access pattern can reach bounds what the KDA decode
-    kernels can reach."""
+    dense output, as a copy does), by per-thread loads or TMA. What this access pattern can reach
+    bounds what the KDA decode kernels can reach."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dk = tl.arange(0, D)
     dv = vb * BV + tl.arange(0, BV)
     slot = tl.load(SLOTS + n).to(tl.int64)
     tile = dk[:, None] * D + dv[None, :]
-    s = tl.load(STATE + slot * stride_slot + h * D * D + tile)
-    if IN_PLACE:
-        tl.store(STATE + slot * stride_slot + h * D * D + tile, s * 0.999)
+    if TMA:  # (in place only)
+        s = DESC.load([slot.to(tl.int32), h, 0, vb * BV])
+        DESC.store([slot.to(tl.int32), h, 0, vb * BV], s * 0.999)
     else:
-        tl.store(OUT + (n * H + h).to(tl.int64) * D * D + tile, s * 0.999)
+        s = tl.load(STATE + slot * stride_slot + h * D * D + tile)
+        if IN_PLACE:
+            tl.store(STATE + slot * stride_slot + h * D * D + tile, s * 0.999)
+        else:
+            tl.store(OUT + (n * H + h).to(tl.int64) * D * D + tile, s * 0.999)
 
 
 def state_probes(ceil: float) -> None:
@@ -132,14 +136,15 @@ def state_probes(ceil: float) -> None:
         state = torch.randn(N + 8, H, D, D, device="cuda")
         slots = torch.randperm(N + 8, device="cuda")[:N]
         out = torch.empty(N, H, D, D, device="cuda")
-        for in_place in (True, False):
+        for pattern in ("in place", "copy out", "in place, TMA"):
             for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)):
+                desc = TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, D, bv])
                 run = lambda: _state_probe_kernel[(N, H, D // bv)](  # noqa: E731
-                    state, slots, out, state.stride(0), H, D=D, BV=bv, IN_PLACE=in_place, num_warps=nw)
+                    state, desc, slots, out, state.stride(0), H, D=D, BV=bv, IN_PLACE=pattern != "copy out",
+                    TMA="TMA" in pattern, num_warps=nw)
                 ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
                 tbs = N * H * D * D * 8 / (ms * 1e-3) / 1e12
-                print(f"| {N} | {'in place' if in_place else 'copy out'} | {bv} | {nw} | {ms:.3f} | {tbs:.2f} | "
-                      f"{100 * tbs / ceil:.0f} % |", flush=True)
+                print(f"| {N} | {pattern} | {bv} | {nw} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |", flush=True)
 
 
 def main():
@@ -158,7 +163,7 @@ def main():
         print(f"| {N} | 96 | 128 | {r['ours_ms']:.3f} | {tb(r['ours_ms']):.2f} | {100 * tb(r['ours_ms']) / ceil:.0f} % | "
               f"{r['fused_ms']:.3f} | {fla} |")
         rows.append((N, r))
-    print("\nfused mixer variants (prefetch, value block, warps, streaming hints), variants vs default rel err "
+    print("\nfused mixer variants (prefetch, value block, warps, TMA state tiles), variants vs default rel err "
           f"{fused_check(64, 96, 128, -5.0):.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
     for N, r in rows:
         for var, ms in r["fused_variants"].items():

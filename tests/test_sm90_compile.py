@@ -12,7 +12,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton build without the NVIDIA backend
     pytest.skip("Triton's NVIDIA backend is not installed", allow_module_level=True)
 
-from k3serve.ops import moe_triton, norm_triton  # noqa: E402
+from k3serve.ops import kda_decode_triton, moe_triton, norm_triton  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -50,3 +50,17 @@ def test_pdl_kernels_wait_before_touching_memory():
     first_memory_op = min(ptx.find(op) for op in ("ld.global", "st.global") if op in ptx)
     assert 0 <= ptx.find("griddepcontrol.wait") < first_memory_op
     assert "griddepcontrol" not in _add_rms_norm_ptx(False)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_kda_fused_decode_with_tma_state_tiles_compiles_for_sm90(prefetch):
+    f32, bf16 = "*fp32", "*bf16"
+    ptrs = {"X": bf16, "CONV_W": f32, "CONV_STATE": bf16, "HAS_CTX": "*i32", "F": bf16, "BETA": bf16, "A_LOG": f32,
+            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "STATE_DESC": "tensordesc<fp32[1, 1, 128, 32]>",
+            "SLOTS": "*i64", "O_SCRATCH": f32, "Y": bf16}
+    scalars = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b",
+                                  "stride_g")}
+    scalars.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
+    consts = dict(D=128, W=4, BV=32, USE_LOWER_BOUND=True, PREFETCH=prefetch, TMA=True, USE_PDL=True)
+    ptx = _compile(kda_decode_triton._kda_decode_fused_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx  # the state tiles move by TMA

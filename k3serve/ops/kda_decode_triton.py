@@ -102,29 +102,30 @@ def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride
 
 
 @triton.jit
-def _state_load(ptr, has, STREAM: tl.constexpr):
-    """A state tile, zeros for a fresh sequence; STREAM: evict-first (each tile is read once a step)."""
-    if STREAM:
-        s = tl.load(ptr, eviction_policy="evict_first")
+def _state_load(ptr, desc, slot, h, col, has, TMA: tl.constexpr, D: tl.constexpr, BV: tl.constexpr):
+    """The [D, BV] state tile at value column ``col``, zeros for a fresh sequence; TMA: through
+    the tensor-memory accelerator (one bulk copy into shared memory instead of per-thread loads)."""
+    if TMA:
+        s = desc.load([slot.to(tl.int32), h, 0, col]).reshape(D, BV)
     else:
         s = tl.load(ptr)
     return tl.where(has > 0, s, 0.0)
 
 
 @triton.jit
-def _state_store(ptr, s, STREAM: tl.constexpr):
-    if STREAM:
-        tl.store(ptr, s, cache_modifier=".cs")
+def _state_store(ptr, desc, slot, h, col, s, TMA: tl.constexpr, D: tl.constexpr, BV: tl.constexpr):
+    if TMA:
+        desc.store([slot.to(tl.int32), h, 0, col], s.reshape(1, 1, D, BV))
     else:
         tl.store(ptr, s)
 
 
 @triton.jit
 def _kda_decode_fused_kernel(
-    X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, Y,
+    X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, STATE_DESC, SLOTS, O_SCRATCH, Y,
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
     D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PREFETCH: tl.constexpr,
-    STREAM: tl.constexpr,
+    TMA: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     """One program per (sequence, head): conv update of the head's q/k/v channels, SiLU, gates,
@@ -157,7 +158,7 @@ def _kda_decode_fused_kernel(
     sumsq = 0.0
     s_rows = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D
     # a fresh sequence starts from zeros, whatever its slot holds
-    nxt = _state_load(s_rows + tl.arange(0, BV)[None, :], has, STREAM)
+    nxt = _state_load(s_rows + tl.arange(0, BV)[None, :], STATE_DESC, slot, h, 0, has, TMA, D, BV)
     for vb in tl.static_range(D // BV):
         dv = vb * BV + tl.arange(0, BV)
         v = tl.sum(tl.where(dk[:, None] == dv[None, :], v_all[:, None], 0.0), 0)  # v[dv]
@@ -165,16 +166,16 @@ def _kda_decode_fused_kernel(
         if PREFETCH:
             s = nxt
             if vb + 1 < D // BV:
-                nxt = _state_load(s_ptr + BV, has, STREAM)
+                nxt = _state_load(s_ptr + BV, STATE_DESC, slot, h, (vb + 1) * BV, has, TMA, D, BV)
         elif vb == 0:
             s = nxt
         else:
-            s = _state_load(s_ptr, has, STREAM)
+            s = _state_load(s_ptr, STATE_DESC, slot, h, vb * BV, has, TMA, D, BV)
         s = s * decay[:, None]
         r = v - tl.sum(s * k[:, None], 0)
         s = s + beta * k[:, None] * r[None, :]
         o = tl.sum(s * q[:, None], 0)
-        _state_store(s_ptr, s, STREAM)
+        _state_store(s_ptr, STATE_DESC, slot, h, vb * BV, s, TMA, D, BV)
         tl.store(O_SCRATCH + (n * H + h) * D + dv, o)
         sumsq += tl.sum(o * o)
     # ---- gated RMSNorm: y = RMSNorm(o; w) * sigmoid(gate) --------------------------------
@@ -190,14 +191,15 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 32,
                      out_dtype: torch.dtype = torch.float32, prefetch: bool = False,
-                     num_warps: int = 4, stream: bool = False) -> torch.Tensor:
+                     num_warps: int = 4, tma: bool = False) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
     context start from zeros; ``has_ctx`` [N], bool or int32); f, gate [N, P]; beta_logits [N, H].
     Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``prefetch``,
-    ``block_v``, ``num_warps`` and ``stream`` (evict-first state loads, streaming stores): the
-    variants bench/kernels_kda_decode.py times."""
+    ``block_v``, ``num_warps`` and ``tma`` (state tiles moved by TMA bulk copies through a tensor
+    descriptor over the slot pool): the variants bench/kernels_kda_decode.py times. (Evict-first
+    loads with streaming stores were timed too, and cost 1-2 %: RESULTS.md seventh session.)"""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -210,13 +212,19 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
+    bv = min(block_v, D)
+    desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, D, bv])
     _kda_decode_fused_kernel[(N, H)](
         x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
-        gate, o_norm_w.float().contiguous(), state, slots, o_scratch, y,
+        gate, o_norm_w.float().contiguous(), state, desc, slots, o_scratch, y,
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
-        eps, H, D=D, W=W, BV=min(block_v, D), USE_LOWER_BOUND=lower_bound is not None, PREFETCH=prefetch,
-        STREAM=stream, num_warps=num_warps, **pdl.launch(y.device),
+        eps, H, D=D, W=W, BV=bv, USE_LOWER_BOUND=lower_bound is not None, PREFETCH=prefetch,
+        TMA=tma, num_warps=num_warps, **pdl.launch(y.device),
     )
     return y
