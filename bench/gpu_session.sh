@@ -13,6 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
+#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, dense, kda, engine48: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -96,6 +97,10 @@ case "$1" in
         --section MemoryWorkloadAnalysis --section LaunchStats python3 -m bench.ncu_moe "${NCU_TOKENS:-16}" "$up"
       grep -v "^==PROF==" "$OUT/ncu_$up.log" | tail -c 6000
     done ;;
+  dense)  # skinny dense GEMMs: cuBLAS vs our grouped GEMM as one expert; then MLA decode by split count
+    step dense "$(left 300)" python3 -m bench.kernels_dense
+    step mla "$(left 580)" python3 -m bench.kernels_mla --no-sweep
+    tail -c 5000 "$OUT/dense.log"; tail -c 4000 "$OUT/mla.log" ;;
   kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
@@ -133,6 +138,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|graphdiag|pdlab|ncu|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|graphdiag|pdlab|ncu|dense|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"

@@ -78,6 +78,13 @@ def main():
                     continue
                 r["config"] = f"{bh},{bn},{w},{st}"
                 show(r)
+    # kimi-linear's decode at batch 1 (32 heads, 4K context): the split count trades programs for
+    # the fp32 partials' traffic ([H, splits, 512] written and merged: at 64 splits as many bytes
+    # as the 4.7 MB of latent)
+    print("\nbatch 1, 32 heads, 4K context, by split count (autotuned tiles):")
+    print(head)
+    for splits in (4, 8, 16, 32, 64):
+        show(case(1, 32, 4096, splits=splits, check=splits == 8))
     rows = [case(2, 16, 300, check=True), case(3, 96, 1000, check=True), case(16, 96, 4096, check=True)]
     rows += [case(B, 96, 32768, check=False) for B in (16, 32, 64)]
     rows += [case(B, 16, 32768, check=False) for B in (16, 64)]
