@@ -32,8 +32,8 @@ DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 3
     (16, bn, swap, bk, w, st, "asm") for bn, swap, bk, w, st in (
         (64, False, 128, 4, 3), (32, True, 128, 2, 4), (32, True, 256, 2, 4), (64, True, 128, 4, 3),
         (128, True, 128, 4, 3), (128, True, 256, 8, 3))]
-PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
-    (128, 128, False, 128, 8, 3, "asm"), (128, 128, False, 64, 8, 4, "asm"), (64, 128, False, 128, 4, 3, "asm")]
+# (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
+PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3)]
 BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st) for bm, bn in ((64, 128), (128, 128), (128, 256))
                          for w, st in ((4, 3), (8, 3), (8, 4))]
@@ -125,7 +125,8 @@ def main():
     print("\nautotuned tiles (experts_triton as the model calls it), each MXFP4 upcast:")
     print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm") for c in cases.values()]:
+    for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm") for c in cases.values()
+                                    if up == "dot_scaled" or c[0] <= 64]:  # (ours serves decode only)
         ours = lambda: experts_triton(z, w, ids, ex, mx_upcast=up)  # noqa: E731
         err = rel(ours(), ref)
         t_ours = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")

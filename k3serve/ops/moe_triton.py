@@ -342,8 +342,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
                  score_func: str = "sigmoid", num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_ref.route`` for one expert group in one launch (the torch form takes ~7): logits
     [T, E] (or [P, T, E] partial sums, added first) -> (weights [T, K + S] fp32, ids [T, K + S]
-    int64), the last S = ``num_shared``
-    columns the always-on experts E, E + 1, ... with weight 1 (shared experts joined to the stacks)."""
+    int64), the last S = ``num_shared`` columns the always-on experts E, E + 1, ... with weight 1
+    (shared experts joined to the stacks)."""
     parts = logits if logits.dim() == 3 else logits[None]  # [S, T, E] partial sums (router_logits(split=True))
     _, T, E = parts.shape
     w = torch.empty(T, top_k + num_shared, dtype=torch.float32, device=logits.device)
@@ -475,18 +475,20 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights).
     ``tiles`` (BLOCK_N, SWAP_AB, num_warps, num_stages) None: autotuned for this shape. MXFP4 with
     bf16 activations goes through tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight
-    row); fp32 activations take the exact hand-decoded path. ``mx_upcast`` "asm": our PTX upcast
-    ("mx_asm", bf16 activations, decode row blocks) instead; None: ``MX_UPCAST``."""
+    row); fp32 activations take the exact hand-decoded path. ``mx_upcast``: "asm" for our PTX upcast
+    ("mx_asm") instead, "dot_scaled", or None: ``MX_UPCAST`` where it was measured to win (decode
+    row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere."""
     mx = scale is not None
     K = x.shape[1]
-    if (mx_upcast or MX_UPCAST) not in ("dot_scaled", "asm"):
+    if mx_upcast not in (None, "dot_scaled", "asm"):
         raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled or asm")
-    asm = (mx_upcast or MX_UPCAST) == "asm" and block_m <= 16 and (x.dtype == torch.bfloat16 or interpreted()) and (
-        mx_upcast == "asm" or num_assign >= ASM_MIN_ASSIGNMENTS)  # (an explicit "asm" always: tests, sweeps)
+    upcast = mx_upcast or ("asm" if MX_UPCAST == "asm" and block_m <= 16 and num_assign >= ASM_MIN_ASSIGNMENTS
+                           else "dot_scaled")
+    asm = upcast == "asm" and (x.dtype == torch.bfloat16 or interpreted())
     weights = ("bf16" if not mx else "mx_asm" if asm else "mx_decode" if x.dtype != torch.bfloat16
                else "mx_dot_scaled")
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
-        widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)  # (mx_asm: 128 too)
+        widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
         block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
     if K % block_k or (mx and block_k % 32):
         raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and of 32 for MXFP4)")
