@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .pdl import pdl_start
-
 from .autotune import autotuned
+from .pdl import pdl_start
 
 
 @triton.jit

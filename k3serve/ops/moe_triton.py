@@ -15,16 +15,17 @@ Reference: ``moe_ref.experts_ref``. Checked on CPU with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import pdl
-from .pdl import pdl_start
-
 from .autotune import autotuned, interpreted
 from .glu_triton import glu
+from .pdl import pdl_start
 
 
 @triton.jit
@@ -412,6 +413,12 @@ def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     return min((total + block_m - 1) // block_m, num_assign) * block_m
 
 
+@functools.lru_cache(maxsize=None)
+def _has_bf16x2_mul(device: torch.device) -> bool:
+    """``mul.rn.bf16x2`` (our upcast's last step) needs sm_90 or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 # The MXFP4 upcast for bf16 activations at decode (row blocks of 16): "asm" (ours, ``_mx_group_asm``)
 # or "dot_scaled". Same H200 run, K3's experts, best tile of each (RESULTS.md seventh session):
 # 1 token 0.275 vs 0.244 ms, 16 tokens 2.524 vs 2.648, 64 tokens 5.602 vs 5.906. So "asm" serves
@@ -483,7 +490,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     if mx_upcast not in (None, "dot_scaled", "asm"):
         raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled or asm")
     upcast = mx_upcast or ("asm" if MX_UPCAST == "asm" and block_m <= 16 and num_assign >= ASM_MIN_ASSIGNMENTS
-                           else "dot_scaled")
+                           and (interpreted() or _has_bf16x2_mul(x.device)) else "dot_scaled")
     asm = upcast == "asm" and (x.dtype == torch.bfloat16 or interpreted())
     weights = ("bf16" if not mx else "mx_asm" if asm else "mx_decode" if x.dtype != torch.bfloat16
                else "mx_dot_scaled")
