@@ -97,3 +97,16 @@ def test_one_variable_sets_every_op_and_per_op_choices_win(monkeypatch):
     monkeypatch.setenv("K3SERVE_BACKEND", "fast")
     with pytest.raises(ValueError, match="K3SERVE_BACKEND='fast'"):
         backend.reload()
+
+
+def test_pdl_is_off_on_cpu_and_when_switched_off(monkeypatch):
+    pytest.importorskip("triton")
+    from k3serve.ops import pdl
+
+    assert pdl.launch(torch.device("cpu")) == {}
+    pdl._enabled.cache_clear()
+    monkeypatch.setenv("K3SERVE_PDL", "0")
+    try:
+        assert pdl._enabled(0) is False  # decided before any CUDA query
+    finally:
+        pdl._enabled.cache_clear()

@@ -290,3 +290,28 @@ def test_shared_expert_joined_to_routed_stacks_matches_reference(groups):
     """Kimi-Linear's shared MLP as expert E of the routed stacks (decode batches): the same output
     as the shared MLP added to the routed sum, weights held once."""
     assert worst_error(JOIN_SCRIPT, str(groups)) < 1e-5
+
+
+def test_mxfp4_upcast_choice_and_tuned_tiles(monkeypatch):
+    """Which MXFP4 path a call takes (our upcast only where it measured faster, and where the GPU
+    has mul.bf16x2), and that each path is tuned only over the tiles it was checked with."""
+    import torch
+
+    from k3serve.ops import moe_triton as m
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    monkeypatch.setattr(m, "interpreted", lambda: False)
+    assert m.weights_mode(False, bf16, cpu, 16, 1024) == "bf16"
+    assert m.weights_mode(True, torch.float32, cpu, 16, 1024) == "mx_decode"  # the exact path
+    assert m.weights_mode(True, bf16, cpu, 16, 1024) == "mx_dot_scaled"  # no sm_90 here
+    monkeypatch.setattr(m, "_has_bf16x2_mul", lambda device: True)
+    assert m.weights_mode(True, bf16, cpu, 16, m.ASM_MIN_ASSIGNMENTS) == "mx_asm"
+    assert m.weights_mode(True, bf16, cpu, 16, m.ASM_MIN_ASSIGNMENTS - 1) == "mx_dot_scaled"  # 1-token steps
+    assert m.weights_mode(True, bf16, cpu, 128, 65536) == "mx_dot_scaled"  # prefill row blocks
+    assert m.weights_mode(True, bf16, cpu, 128, 16, mx_upcast="asm") == "mx_asm"  # an explicit choice wins
+    with pytest.raises(ValueError, match="mx_upcast"):
+        m.weights_mode(True, bf16, cpu, 16, 16, mx_upcast="swar")
+    tiles = lambda cs: {(c.kwargs["BLOCK_N"], c.kwargs["SWAP_AB"], c.num_warps, c.num_stages) for c in cs}  # noqa: E731
+    assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_asm")) == m._ASM_TILES
+    assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_dot_scaled")) == m._TILES
+    assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16"})) == m._TILES

@@ -471,6 +471,22 @@ def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return rows, block_expert
 
 
+def weights_mode(mx: bool, act_dtype: torch.dtype, device: torch.device, block_m: int, num_assign: int,
+                 mx_upcast: str | None = None) -> str:
+    """The grouped GEMM's WEIGHTS: "bf16"; for MXFP4, the exact decode for non-bf16 activations,
+    else our upcast ("mx_asm") where asked or where it was measured to win (decode row blocks from
+    ``ASM_MIN_ASSIGNMENTS`` up, on sm_90+ or interpreted), tl.dot_scaled elsewhere."""
+    if mx_upcast not in (None, "dot_scaled", "asm"):
+        raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled or asm")
+    if not mx:
+        return "bf16"
+    upcast = mx_upcast or ("asm" if MX_UPCAST == "asm" and block_m <= 16 and num_assign >= ASM_MIN_ASSIGNMENTS
+                           and (interpreted() or _has_bf16x2_mul(device)) else "dot_scaled")
+    if upcast == "asm" and (act_dtype == torch.bfloat16 or interpreted()):
+        return "mx_asm"
+    return "mx_decode" if act_dtype != torch.bfloat16 else "mx_dot_scaled"
+
+
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
                  block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
@@ -487,13 +503,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere."""
     mx = scale is not None
     K = x.shape[1]
-    if mx_upcast not in (None, "dot_scaled", "asm"):
-        raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled or asm")
-    upcast = mx_upcast or ("asm" if MX_UPCAST == "asm" and block_m <= 16 and num_assign >= ASM_MIN_ASSIGNMENTS
-                           and (interpreted() or _has_bf16x2_mul(x.device)) else "dot_scaled")
-    asm = upcast == "asm" and (x.dtype == torch.bfloat16 or interpreted())
-    weights = ("bf16" if not mx else "mx_asm" if asm else "mx_decode" if x.dtype != torch.bfloat16
-               else "mx_dot_scaled")
+    weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
         block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
