@@ -140,10 +140,9 @@ def _kda_decode_fused_kernel(
     dk = tl.arange(0, D)
     slot = tl.load(SLOTS + n).to(tl.int64)
     has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-    # ---- short causal conv with state, for the q, k and v channels of this head ----------
+    # ---- short causal conv with state, for the q and k channels of this head -------------
     q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W)
     k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W)
-    v_all = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dk, stride_conv_slot, stride_x, W)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
     f = tl.load(F + n * stride_f + h * D + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
@@ -154,14 +153,16 @@ def _kda_decode_fused_kernel(
         g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
     decay = tl.exp(g)
     beta = tl.sigmoid(tl.load(BETA + n * stride_b + h).to(tl.float32))
-    # ---- delta rule over the value blocks (v picked per block from the conv output) -----
+    # ---- delta rule over the value blocks (v's conv computed per block: picking v[dv] out of a
+    # whole-head v would be a third cross-thread reduction per block, ~1/3 of the kernel's
+    # instructions by bench/sass_mix.py) -------------------------------------------------
     sumsq = 0.0
     s_rows = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D
     # a fresh sequence starts from zeros, whatever its slot holds
     nxt = _state_load(s_rows + tl.arange(0, BV)[None, :], STATE_DESC, slot, h, 0, has, TMA, D, BV)
     for vb in tl.static_range(D // BV):
         dv = vb * BV + tl.arange(0, BV)
-        v = tl.sum(tl.where(dk[:, None] == dv[None, :], v_all[:, None], 0.0), 0)  # v[dv]
+        v = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dv, stride_conv_slot, stride_x, W)
         s_ptr = s_rows + dv[None, :]
         if PREFETCH:
             s = nxt

@@ -1,0 +1,137 @@
+"""Instruction mix of a Triton kernel's hottest loop, compiled for the H200 (sm_90) on a machine
+without a GPU: Triton's NVIDIA backend and the ptxas / nvdisasm its wheel ships run anywhere. A
+way to compare kernel variants between device leases (what a change does to the per-element
+instruction count), not a timing. Integer arguments marked divisible by 16 here, as Triton
+specialises them at launch for 16-aligned strides, so loads vectorise as they would on the device.
+
+Usage: python -m bench.sass_mix [grouped_gemm | kda_fused] (both by default)
+
+Seventh session (RESULTS.md): the MXFP4 grouped GEMM's K loop (swapped 32-wide tile, BLOCK_K 128,
+2 warps, gate and up) issues 686 instructions a thread with tl.dot_scaled (5.4 a code) and 772
+with our PTX upcast (6.0 a code); the bf16 loop 269 for 64 weights (4.2 a weight).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], **options):
+    names = list(signature) + [k for k in constexprs if k not in signature]
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the longest backward-branch span in the SASS: the main loop."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    code, labels, pending = [], {}, None
+    for line in text.splitlines():
+        line = line.strip()
+        if m := re.match(r"(\.L_x_\d+):", line):
+            pending = m.group(1)
+        elif m := re.match(r"/\*([0-9a-f]+)\*/\s+(.*?);", line):
+            addr = int(m.group(1), 16)
+            code.append((addr, m.group(2)))
+            if pending:
+                labels[pending], pending = addr, None
+    span = (0, -1)
+    for addr, ins in code:
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
+        if m and labels.get(m.group(1), addr) < addr and addr - labels[m.group(1)] > span[1] - span[0]:
+            span = (labels[m.group(1)], addr)
+    ops = collections.Counter()
+    for addr, ins in code:
+        if span[0] <= addr <= span[1]:
+            words = ins.split()
+            ops[(words[1] if words[0].startswith("@") else words[0]).split(".")[0]] += 1
+    return sum(ops.values()), ops
+
+
+def grouped_gemm_rows() -> None:
+    from k3serve.ops import moe_triton
+
+    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
+    ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
+                               "stride_se", "stride_sn", "stride_on")}
+    ints.update(beta="fp32", linear_beta="fp32")
+    divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
+    print("| grouped GEMM (gate + up, 16 rows) | tile (BLOCK_N, swap, BLOCK_K, warps, stages) | loop instr / thread "
+          "| per weight | top opcodes |\n|---|---|---|---|---|")
+    for weights, bn, swap, bk, nw, st in (("mx_dot_scaled", 32, True, 128, 2, 4), ("mx_asm", 32, True, 128, 2, 4),
+                                          ("mx_asm", 128, True, 128, 4, 3), ("bf16", 32, True, 64, 2, 4)):
+        sig = dict(ptrs, W="*bf16", W_UP="*bf16", S="*bf16", S_UP="*bf16") if weights == "bf16" else ptrs
+        consts = dict(WEIGHTS=weights, GLU=True, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=False, BLOCK_M=16,
+                      BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, INTERPRETED=False, USE_PDL=False)
+        kernel = compile_sm90(moe_triton._grouped_gemm_kernel, {**sig, **ints}, consts, divisible,
+                              num_warps=nw, num_stages=st)
+        total, ops = hottest_loop_mix(kernel)
+        per = total / (2 * bn * bk / (32 * nw))  # gate and up tiles spread over the program's threads
+        print(f"| {weights} | {bn}, {swap}, {bk}, {nw}, {st} | {total} | {per:.1f} | "
+              f"{', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |")
+
+
+def kda_fused_rows() -> None:
+    from k3serve.ops import kda_decode_triton
+
+    f32, bf16 = "*fp32", "*bf16"
+    ptrs = {"X": bf16, "CONV_W": f32, "CONV_STATE": bf16, "HAS_CTX": "*i32", "F": bf16, "BETA": bf16, "A_LOG": f32,
+            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "STATE_DESC": "tensordesc<fp32[1, 1, 128, 32]>",
+            "SLOTS": "*i64", "O_SCRATCH": f32, "Y": bf16}
+    ints = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b", "stride_g")}
+    ints.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
+    divisible = tuple(p for p in ptrs if p != "STATE_DESC") + tuple(ints)[:6]
+    print("\n| KDA fused decode (D 128, 32-wide value blocks, 4 warps) | instructions / thread | top opcodes |"
+          "\n|---|---|---|")
+    for tma, prefetch in ((False, False), (False, True), (True, False), (True, True)):
+        consts = dict(D=128, W=4, BV=32, USE_LOWER_BOUND=True, PREFETCH=prefetch, TMA=tma, USE_PDL=False)
+        kernel = compile_sm90(kda_decode_triton._kda_decode_fused_kernel, {**ptrs, **ints}, consts, divisible,
+                              num_warps=4)
+        ops = collections.Counter()
+        with tempfile.TemporaryDirectory():
+            total, ops = whole_mix(kernel)
+        print(f"| tma={tma}, prefetch={prefetch} | {total} | {', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
+
+
+def whole_mix(kernel) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the whole kernel (the KDA decode's value-block loop is unrolled)."""
+    total, ops = hottest_loop_mix(kernel)
+    if total:
+        return total, ops
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(@\S+\s+)?([A-Z0-9_]+)", text):
+        ops[m.group(2)] += 1
+    return sum(ops.values()), ops
+
+
+def main() -> None:
+    which = sys.argv[1:] or ["grouped_gemm", "kda_fused"]
+    if "grouped_gemm" in which:
+        grouped_gemm_rows()
+    if "kda_fused" in which:
+        kda_fused_rows()
+
+
+if __name__ == "__main__":
+    main()
