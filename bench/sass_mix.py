@@ -7,8 +7,10 @@ specialises them at launch for 16-aligned strides, so loads vectorise as they wo
 Usage: python -m bench.sass_mix [grouped_gemm | kda_fused] (both by default)
 
 Seventh session (RESULTS.md): the MXFP4 grouped GEMM's K loop (swapped 32-wide tile, BLOCK_K 128,
-2 warps, gate and up) issues 686 instructions a thread with tl.dot_scaled (5.4 a code) and 772
-with our PTX upcast (6.0 a code); the bf16 loop 269 for 64 weights (4.2 a weight).
+2 warps, gate and up) issues ~680 instructions a thread with tl.dot_scaled (5.3 a code) and ~780
+with our PTX upcast (6.1 a code), the bf16 loop 81 for 64 weights (1.3 a weight); the KDA fused
+decode went from 3,944 to 1,824 instructions a thread once v stopped being picked out of the
+whole head by a masked reduction.
 """
 
 from __future__ import annotations
