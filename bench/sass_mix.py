@@ -34,14 +34,19 @@ def compile_sm90(fn, signature: dict, constexprs: dict, divisible: tuple[str, ..
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
-    """(instructions, opcode counts) of the longest backward-branch span in the SASS: the main loop."""
+def sass_text(kernel) -> str:
+    """The kernel's SASS, by the nvdisasm shipped in Triton's wheel."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
         nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the longest backward-branch span in the SASS: the main loop."""
+    text = sass_text(kernel)
     code, labels, pending = [], {}, None
     for line in text.splitlines():
         line = line.strip()
@@ -105,9 +110,7 @@ def kda_fused_rows() -> None:
         consts = dict(D=128, W=4, BV=32, USE_LOWER_BOUND=True, PREFETCH=prefetch, TMA=tma, USE_PDL=False)
         kernel = compile_sm90(kda_decode_triton._kda_decode_fused_kernel, {**ptrs, **ints}, consts, divisible,
                               num_warps=4)
-        ops = collections.Counter()
-        with tempfile.TemporaryDirectory():
-            total, ops = whole_mix(kernel)
+        total, ops = whole_mix(kernel)
         print(f"| tma={tma}, prefetch={prefetch} | {total} | {', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
 
 
@@ -116,13 +119,7 @@ def whole_mix(kernel) -> tuple[int, collections.Counter]:
     total, ops = hottest_loop_mix(kernel)
     if total:
         return total, ops
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-    for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(@\S+\s+)?([A-Z0-9_]+)", text):
+    for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(@\S+\s+)?([A-Z0-9_]+)", sass_text(kernel)):
         ops[m.group(2)] += 1
     return sum(ops.values()), ops
 
