@@ -10,9 +10,9 @@ Usage (device): python -m bench.kernels_dense
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from bench.ceilings import copy_tbs
+from bench.timing import gpu_ms
 
 from k3serve.ops.moe_triton import grouped_gemm
 
@@ -45,12 +45,12 @@ def main():
             x = torch.randn(M, k, device="cuda", generator=g).bfloat16()
             ref = F.linear(x, w)
             gb = n * k * 2 / 1e9
-            t_cublas = triton.testing.do_bench(lambda: F.linear(x, w), warmup=25, rep=100, return_mode="median")
+            t_cublas = gpu_ms(lambda: F.linear(x, w), rep=100)
             best = None
             for tiles in TILES:
                 try:
                     err = ((ours(x, w, tiles).float() - ref.float()).norm() / ref.float().norm()).item()
-                    ms = triton.testing.do_bench(lambda: ours(x, w, tiles), warmup=25, rep=100, return_mode="median")
+                    ms = gpu_ms(lambda: ours(x, w, tiles), rep=100)
                 except Exception as exc:  # a tile that does not fit
                     print(f"| {name} | {M} | tile {tiles} failed: {type(exc).__name__} ||||||")
                     continue
@@ -63,3 +63,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if gpu_ms.eager:
+        print("timed by plain launches (not capturable):", *sorted(set(gpu_ms.eager)), sep="\n  ")

@@ -18,6 +18,7 @@ import triton
 import sys
 
 from bench.ceilings import copy_tbs, matmul_tflops
+from bench.timing import gpu_ms
 
 from k3serve.ops.mla_decode_triton import _mla_decode_tuned, default_num_splits, mla_decode
 from k3serve.ops.mla_ref import mla_absorbed_ref
@@ -40,7 +41,7 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None
         mask = torch.arange(ctx, device="cuda")[None, :] < seq_lens[:, None]
         ref = mla_absorbed_ref(q.bfloat16().float()[:, None], lat, mask[:, None], rkv, scale)[:, 0]
         row["rel_err"] = ((out - ref).norm() / ref.norm()).item()
-    ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    ms = gpu_ms(run, rep=200)
     nbytes = B * ctx * (rkv + dr) * 2
     row.update(ms=ms, tbs=nbytes / (ms * 1e-3) / 1e12, tflops=2 * B * H * ctx * (2 * rkv + dr) / (ms * 1e-3) / 1e12)
     c = getattr(_mla_decode_tuned, "best_config", None)
@@ -96,3 +97,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if gpu_ms.eager:
+        print("timed by plain launches (not capturable):", *sorted(set(gpu_ms.eager)), sep="\n  ")

@@ -10,7 +10,7 @@ reference, so a fast wrong tile cannot win); its winners are the autotuner's can
 (``moe_triton.GROUPED_GEMM_CONFIGS``). Kimi-Linear's bf16 experts (256, top-8, 2304 x 1024) get
 a short decode sweep.
 
-Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode] [--mxfp4-only]
+Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode] [--mxfp4-only] [--decode-only]
 """
 
 import sys
@@ -20,6 +20,7 @@ import torch
 import triton
 
 from bench.ceilings import copy_tbs, matmul_tflops
+from bench.timing import gpu_ms
 
 from k3serve.model.loader import load_model
 from k3serve.ops.moe_ref import experts_ref
@@ -34,7 +35,9 @@ DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 3
         (128, True, 128, 4, 3), (128, True, 256, 8, 3))]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)]
-BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3)]
+BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
+                 (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
+                 (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
 BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st) for bm, bn in ((64, 128), (128, 128), (128, 256))
                          for w, st in ((4, 3), (8, 3), (8, 4))]
 
@@ -70,7 +73,7 @@ def sweep(ex, cases, variants, copy, mm, label):
             run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
             try:
                 err = rel(run(), ref) if ref is not None else float("nan")
-                ms = triton.testing.do_bench(run, warmup=5, rep=60, return_mode="median")
+                ms = gpu_ms(run, rep=60)
             except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
                 print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
                 continue
@@ -107,7 +110,8 @@ def main():
         cases[T] = (T, z, w, ids, ref_of(z, w, ids))  # 8K tokens too: the prefill tiles are checked
     if "--no-sweep" not in sys.argv:
         sweep(ex, [cases[T] for T in (1, 16, 64)], DECODE_VARIANTS, copy, mm, "K3 MXFP4 experts, decode")
-        sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill")
+        if "--decode-only" not in sys.argv:
+            sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill")
     if "--no-sweep" not in sys.argv and "--mxfp4-only" not in sys.argv:
         kl = kimi_linear_experts()
         kl_cases = []
@@ -120,8 +124,15 @@ def main():
                                                        *kl.act)))
         if "--bf16-decode" in sys.argv:  # 94-98 % of copy in the fifth session's sweep
             sweep(kl, kl_cases[:3], BF16_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
+            print("\nKimi-Linear bf16 experts, autotuned as the model calls them:\n| tokens | ms | TB/s | % copy | rel err |"
+                  "\n|---|---|---|---|---|")
+            for T, z, w, ids, ref in kl_cases[:3]:
+                run = lambda: experts_triton(z, w, ids, kl)  # noqa: E731
+                err, ms, (_, gbytes, _) = rel(run(), ref), gpu_ms(run, rep=60), work(kl, ids)
+                print(f"| {T} | {ms:.3f} | {gbytes / ms:.2f} | {100 * gbytes / ms / copy:.0f} % | {err:.2e} |", flush=True)
         # the same grouped GEMM without any upcast: what its structure allows at prefill
-        sweep(kl, kl_cases[3:], BF16_PREFILL_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, prefill")
+        if "--decode-only" not in sys.argv:
+            sweep(kl, kl_cases[3:], BF16_PREFILL_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, prefill")
     print("\nautotuned tiles (experts_triton as the model calls it), each MXFP4 upcast:")
     print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -129,7 +140,7 @@ def main():
                                     if up == "dot_scaled" or c[0] <= 64]:  # (ours serves decode only)
         ours = lambda: experts_triton(z, w, ids, ex, mx_upcast=up)  # noqa: E731
         err = rel(ours(), ref)
-        t_ours = triton.testing.do_bench(ours, warmup=10, rep=100, return_mode="median")
+        t_ours = gpu_ms(ours, rep=100)
         t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
                                         return_mode="median") if T <= 64 and up == "dot_scaled" else float("nan")
         hit, gbytes, flops = work(ex, ids)
@@ -142,3 +153,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if gpu_ms.eager:
+        print("timed by plain launches (not capturable):", *sorted(set(gpu_ms.eager)), sep="\n  ")

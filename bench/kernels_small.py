@@ -10,9 +10,9 @@ Usage: python -m bench.kernels_small
 from __future__ import annotations
 
 import torch
-import triton
 
 from bench.ceilings import copy_tbs
+from bench.timing import gpu_ms
 from k3serve.model.layers import RMSNorm, glu_activation, rms_norm
 from k3serve.ops.glu_triton import glu_triton
 from k3serve.ops.moe_ref import route
@@ -21,7 +21,7 @@ from k3serve.ops.norm_triton import add_rms_norm_triton, rms_norm_triton
 
 
 def _us(fn) -> float:
-    return 1e3 * triton.testing.do_bench(fn, warmup=20, rep=200, return_mode="median")
+    return 1e3 * gpu_ms(fn, rep=200)
 
 
 def alignment_check(ids, rows, blocks, ref_blocks) -> str:
@@ -88,3 +88,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if gpu_ms.eager:
+        print("timed by plain launches (not capturable):", *sorted(set(gpu_ms.eager)), sep="\n  ")

@@ -66,7 +66,7 @@ def _kda_decode_kernel(
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None, scale: float,
-               state: torch.Tensor, slots: torch.Tensor, block_v: int = 32) -> torch.Tensor:
+               state: torch.Tensor, slots: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     """q, k, v, f: [N, H, D]; beta_logits [N, H]; A_log [H]; dt_bias [H*D]; state [num_slots, H, D, D]
     fp32 (each slot a contiguous [H, D, D] block; the slot stride is free, so pool views work);
     slots [N]. Updates the state in place; returns o [N, H, D] fp32."""
@@ -190,7 +190,7 @@ def _kda_decode_fused_kernel(
 def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, has_ctx: torch.Tensor,
                      f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
-                     state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 32,
+                     state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 64,
                      out_dtype: torch.dtype = torch.float32, prefetch: bool = False,
                      num_warps: int = 4, tma: bool = False) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
