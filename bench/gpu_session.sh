@@ -55,7 +55,7 @@ case "$1" in
     grep -v "failed" "$OUT/moe.log" | tail -c 9000; grep -A3 "kernels, " "$OUT/profile_slice.log"; tail -c 3000 "$OUT/mla.log" ;;
   profile48)  # where kimi-linear-48b's decode (batch 1, 64) and 8K-token prefill steps spend GPU time,
               # next to the graph-replayed step's wall time (kernel time vs launch gaps)
-    step profile48 "$(left 580)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+    step profile48 "$(left "${PROFILE_UNTIL:-580}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts "${PARTS:-timing,profile,profile_prefill}" --iters 10 --out /tmp/gpu_work
     grep -A6 "| context" "$OUT/profile48.log"; grep -A14 "kernels, " "$OUT/profile48.log" ;;
   model)  # the model vs the fp32 reference only (tiny presets, fla and every Triton kernel)
