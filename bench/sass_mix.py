@@ -99,19 +99,19 @@ def kda_fused_rows() -> None:
 
     f32, bf16 = "*fp32", "*bf16"
     ptrs = {"X": bf16, "CONV_W": f32, "CONV_STATE": bf16, "HAS_CTX": "*i32", "F": bf16, "BETA": bf16, "A_LOG": f32,
-            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "STATE_DESC": "tensordesc<fp32[1, 1, 128, 32]>",
-            "SLOTS": "*i64", "O_SCRATCH": f32, "Y": bf16}
+            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "SLOTS": "*i64", "O_SCRATCH": f32,
+            "SUMSQ": f32, "TICKETS": "*i32", "Y": bf16}
     ints = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b", "stride_g")}
     ints.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
-    divisible = tuple(p for p in ptrs if p != "STATE_DESC") + tuple(ints)[:6]
-    print("\n| KDA fused decode (D 128, 32-wide value blocks, 4 warps) | instructions / thread | top opcodes |"
+    divisible = tuple(ptrs) + tuple(ints)[:6]
+    print("\n| KDA fused decode (D 128, a program per value block) | instructions / thread | top opcodes |"
           "\n|---|---|---|")
-    for tma, prefetch in ((False, False), (False, True), (True, False), (True, True)):
-        consts = dict(D=128, W=4, BV=32, USE_LOWER_BOUND=True, PREFETCH=prefetch, TMA=tma, USE_PDL=False)
+    for bv, nw in ((32, 4), (64, 4), (128, 8)):
+        consts = dict(D=128, W=4, BV=bv, USE_LOWER_BOUND=True, USE_PDL=False)
         kernel = compile_sm90(kda_decode_triton._kda_decode_fused_kernel, {**ptrs, **ints}, consts, divisible,
-                              num_warps=4)
+                              num_warps=nw)
         total, ops = whole_mix(kernel)
-        print(f"| tma={tma}, prefetch={prefetch} | {total} | {', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
+        print(f"| value block {bv}, {nw} warps | {total} | {', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
 
 
 def whole_mix(kernel) -> tuple[int, collections.Counter]:

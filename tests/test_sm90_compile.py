@@ -52,15 +52,21 @@ def test_pdl_kernels_wait_before_touching_memory():
     assert "griddepcontrol" not in _add_rms_norm_ptx(False)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_kda_fused_decode_with_tma_state_tiles_compiles_for_sm90(prefetch):
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_kda_fused_decode_compiles_for_sm90(block_v):
+    """Value blocks as programs: the head's last program is elected by an acquire-release ticket
+    (one per CTA, after a barrier) and reads the other blocks' outputs from L2."""
     f32, bf16 = "*fp32", "*bf16"
     ptrs = {"X": bf16, "CONV_W": f32, "CONV_STATE": bf16, "HAS_CTX": "*i32", "F": bf16, "BETA": bf16, "A_LOG": f32,
-            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "STATE_DESC": "tensordesc<fp32[1, 1, 128, 32]>",
-            "SLOTS": "*i64", "O_SCRATCH": f32, "Y": bf16}
+            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "SLOTS": "*i64", "O_SCRATCH": f32,
+            "SUMSQ": f32, "TICKETS": "*i32", "Y": bf16}
     scalars = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b",
                                   "stride_g")}
     scalars.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
-    consts = dict(D=128, W=4, BV=32, USE_LOWER_BOUND=True, PREFETCH=prefetch, TMA=True, USE_PDL=True)
+    consts = dict(D=128, W=4, BV=block_v, USE_LOWER_BOUND=True, USE_PDL=True)
     ptx = _compile(kda_decode_triton._kda_decode_fused_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
-    assert "cp.async.bulk.tensor" in ptx  # the state tiles move by TMA
+    assert "griddepcontrol.wait" in ptx
+    if block_v < 128:
+        assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+    else:  # one program per head: no ticket
+        assert "atom." not in ptx

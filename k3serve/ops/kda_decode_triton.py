@@ -85,9 +85,11 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
 
 
 @triton.jit
-def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W: tl.constexpr):
-    """Causal depthwise conv of channels ``ch`` over [conv state ; new input], SiLU, and the conv
-    state shifted by one (this program owns these channels, so read-then-write is race free)."""
+def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W: tl.constexpr,
+               SHIFT: tl.constexpr = True):
+    """Causal depthwise conv of channels ``ch`` over [conv state ; new input], SiLU, and (SHIFT)
+    the conv state shifted by one: only the program that owns these channels may shift them, and
+    only once every program that reads them has read."""
     wi = tl.arange(0, W)
     col = wi[None, :] + 0 * ch[:, None]  # [D, W] column index (masks must match the pointer shape)
     x_new = tl.load(X + n * stride_x + ch).to(tl.float32)
@@ -95,54 +97,42 @@ def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride
     old = tl.where(has > 0, tl.load(cs_ptr, mask=col < W - 1, other=0.0).to(tl.float32), 0.0)  # fresh: zeros
     window = tl.where(col == W - 1, x_new[:, None], old)  # oldest ... newest
     u = tl.sum(window * tl.load(CONV_W + ch[:, None] * W + wi[None, :]), 1)
-    shifted = tl.where(has > 0, tl.load(cs_ptr + 1, mask=col < W - 2, other=0.0).to(tl.float32), 0.0)
-    new_state = tl.where(col == W - 2, x_new[:, None], shifted)
-    tl.store(cs_ptr, new_state.to(CONV_STATE.dtype.element_ty), mask=col < W - 1)
+    if SHIFT:
+        shifted = tl.where(has > 0, tl.load(cs_ptr + 1, mask=col < W - 2, other=0.0).to(tl.float32), 0.0)
+        new_state = tl.where(col == W - 2, x_new[:, None], shifted)
+        tl.store(cs_ptr, new_state.to(CONV_STATE.dtype.element_ty), mask=col < W - 1)
     return u / (1.0 + tl.exp(-u))
 
 
 @triton.jit
-def _state_load(ptr, desc, slot, h, col, has, TMA: tl.constexpr, D: tl.constexpr, BV: tl.constexpr):
-    """The [D, BV] state tile at value column ``col``, zeros for a fresh sequence; TMA: through
-    the tensor-memory accelerator (one bulk copy into shared memory instead of per-thread loads)."""
-    if TMA:
-        s = desc.load([slot.to(tl.int32), h, 0, col]).reshape(D, BV)
-    else:
-        s = tl.load(ptr)
-    return tl.where(has > 0, s, 0.0)
-
-
-@triton.jit
-def _state_store(ptr, desc, slot, h, col, s, TMA: tl.constexpr, D: tl.constexpr, BV: tl.constexpr):
-    if TMA:
-        desc.store([slot.to(tl.int32), h, 0, col], s.reshape(1, 1, D, BV))
-    else:
-        tl.store(ptr, s)
-
-
-@triton.jit
 def _kda_decode_fused_kernel(
-    X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, STATE_DESC, SLOTS, O_SCRATCH, Y,
+    X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, SUMSQ, TICKETS, Y,
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
-    D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PREFETCH: tl.constexpr,
-    TMA: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """One program per (sequence, head): conv update of the head's q/k/v channels, SiLU, gates,
-    L2 norms, the state update over all value blocks, and the gated RMSNorm of the output.
-    PREFETCH loads value block vb + 1 before block vb is stored: the compiler cannot move a load
-    above a store to the same tensor by itself, so without it each block's load waits for the
-    previous block's compute and store (the state traffic is the whole cost of this kernel)."""
+    """One program per (sequence, head, value block): the head's q/k conv, SiLU, gates and L2
+    norms (recomputed by each of the head's programs: cheap next to the state), the block's v
+    conv and state update. The gated RMSNorm needs the whole head's output, so the head's last
+    program to finish (a ticket per head, reset to zero for the next call) normalises it and
+    shifts the q/k conv state, which every program of the head has read by then. Value blocks as
+    programs, not a loop in one: the loop kept one [D, BV] tile in flight per head, 71-74 % of
+    copy at N >= 64 (RESULTS.md seventh/eighth sessions)."""
     pdl_start(USE_PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
+    vb = tl.program_id(2)
+    NB: tl.constexpr = D // BV
     P = H * D
     dk = tl.arange(0, D)
+    dv = vb * BV + tl.arange(0, BV)
+    head = n * H + h
     slot = tl.load(SLOTS + n).to(tl.int64)
     has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-    # ---- short causal conv with state, for the q and k channels of this head -------------
-    q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W)
-    k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W)
+    # ---- short causal conv with state: the head's q and k channels, this block's v channels ---
+    q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W, NB == 1)
+    k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W, NB == 1)
+    v = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dv, stride_conv_slot, stride_x, W)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
     f = tl.load(F + n * stride_f + h * D + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
@@ -151,56 +141,62 @@ def _kda_decode_fused_kernel(
         g = lower_bound * tl.sigmoid(a * f)
     else:
         g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
-    decay = tl.exp(g)
     beta = tl.sigmoid(tl.load(BETA + n * stride_b + h).to(tl.float32))
-    # ---- delta rule over the value blocks (v's conv computed per block: picking v[dv] out of a
-    # whole-head v would be a third cross-thread reduction per block, ~1/3 of the kernel's
-    # instructions by bench/sass_mix.py) -------------------------------------------------
-    sumsq = 0.0
-    s_rows = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D
-    # a fresh sequence starts from zeros, whatever its slot holds
-    nxt = _state_load(s_rows + tl.arange(0, BV)[None, :], STATE_DESC, slot, h, 0, has, TMA, D, BV)
-    for vb in tl.static_range(D // BV):
-        dv = vb * BV + tl.arange(0, BV)
-        v = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dv, stride_conv_slot, stride_x, W)
-        s_ptr = s_rows + dv[None, :]
-        if PREFETCH:
-            s = nxt
-            if vb + 1 < D // BV:
-                nxt = _state_load(s_ptr + BV, STATE_DESC, slot, h, (vb + 1) * BV, has, TMA, D, BV)
-        elif vb == 0:
-            s = nxt
-        else:
-            s = _state_load(s_ptr, STATE_DESC, slot, h, vb * BV, has, TMA, D, BV)
-        s = s * decay[:, None]
-        r = v - tl.sum(s * k[:, None], 0)
-        s = s + beta * k[:, None] * r[None, :]
-        o = tl.sum(s * q[:, None], 0)
-        _state_store(s_ptr, STATE_DESC, slot, h, vb * BV, s, TMA, D, BV)
-        tl.store(O_SCRATCH + (n * H + h) * D + dv, o)
-        sumsq += tl.sum(o * o)
-    # ---- gated RMSNorm: y = RMSNorm(o; w) * sigmoid(gate) --------------------------------
-    tl.debug_barrier()  # the value blocks' outputs, written by other threads of this program
-    o = tl.load(O_SCRATCH + (n * H + h) * D + dk)
-    gate = tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32)
-    y = o / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * tl.sigmoid(gate)
-    tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
+    # ---- delta rule on this value block (a fresh sequence starts from zeros, whatever its slot holds)
+    s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
+    s = tl.where(has > 0, tl.load(s_ptr), 0.0) * tl.exp(g)[:, None]
+    r = v - tl.sum(s * k[:, None], 0)
+    s = s + beta * k[:, None] * r[None, :]
+    o = tl.sum(s * q[:, None], 0)
+    tl.store(s_ptr, s)
+    # ---- gated RMSNorm over the head: y = RMSNorm(o; w) * sigmoid(gate) ------------------------
+    if NB == 1:
+        y = o / tl.sqrt(tl.sum(o * o) / D + eps) * tl.load(ONORM_W + dv) * \
+            tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dv).to(tl.float32))
+        tl.store(Y + n * P + h * D + dv, y.to(Y.dtype.element_ty))
+    else:
+        tl.store(O_SCRATCH + head * D + dv, o)
+        tl.store(SUMSQ + head * NB + vb, tl.sum(o * o))
+        tl.debug_barrier()  # all of this program's stores before its ticket (the release is cumulative)
+        ticket = tl.atomic_add(TICKETS + head, 1, sem="acq_rel", scope="gpu")
+        if ticket == NB - 1:  # the head's other programs are done: their outputs and conv reads
+            tl.store(TICKETS + head, 0)
+            _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W)
+            _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W)
+            o_head = tl.load(O_SCRATCH + head * D + dk, cache_modifier=".cg")  # from L2, not a stale L1
+            sumsq = tl.sum(tl.load(SUMSQ + head * NB + tl.arange(0, NB), cache_modifier=".cg"))
+            y = o_head / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * \
+                tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32))
+            tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
+
+
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 counter per (sequence, head) for the fused kernel's last-program election,
+    one buffer per stream (kernels on one stream run one after another, and each leaves its
+    counters at zero). Buffers are kept for the process: a CUDA graph may hold their address."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    bufs = _TICKETS.setdefault(key, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1 << 15), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, has_ctx: torch.Tensor,
                      f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 64,
-                     out_dtype: torch.dtype = torch.float32, prefetch: bool = False,
-                     num_warps: int = 4, tma: bool = False) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, num_warps: int = 4) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
     context start from zeros; ``has_ctx`` [N], bool or int32); f, gate [N, P]; beta_logits [N, H].
-    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``prefetch``,
-    ``block_v``, ``num_warps`` and ``tma`` (state tiles moved by TMA bulk copies through a tensor
-    descriptor over the slot pool): the variants bench/kernels_kda_decode.py times. (Evict-first
-    loads with streaming stores were timed too, and cost 1-2 %: RESULTS.md seventh session.)"""
+    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``block_v`` and
+    ``num_warps``: the variants bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
+    the next value block inside one program, TMA state tiles, evict-first loads with streaming
+    stores; RESULTS.md seventh and eighth sessions.)"""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -209,23 +205,19 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         raise ValueError(f"the fused kernel needs a power-of-two conv width, got {W}")
     if conv_state[0].stride() != (W - 1, 1) or state[0].stride() != (D * D, D, 1):
         raise ValueError("conv state slots must be contiguous [3P, W-1], recurrent slots contiguous [H, D, D]")
+    bv = min(block_v, D)
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
+    sumsq = torch.empty(N, H, D // bv, dtype=torch.float32, device=x_qkv.device)
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-    bv = min(block_v, D)
-    desc = None
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        desc = TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, D, bv])
-    _kda_decode_fused_kernel[(N, H)](
+    _kda_decode_fused_kernel[(N, H, D // bv)](
         x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
-        gate, o_norm_w.float().contiguous(), state, desc, slots, o_scratch, y,
+        gate, o_norm_w.float().contiguous(), state, slots, o_scratch, sumsq, _tickets(x_qkv.device, N * H), y,
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
-        eps, H, D=D, W=W, BV=bv, USE_LOWER_BOUND=lower_bound is not None, PREFETCH=prefetch,
-        TMA=tma, num_warps=num_warps, **pdl.launch(y.device),
+        eps, H, D=D, W=W, BV=bv, USE_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
+        **pdl.launch(y.device),
     )
     return y
