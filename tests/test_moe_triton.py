@@ -315,3 +315,15 @@ def test_mxfp4_upcast_choice_and_tuned_tiles(monkeypatch):
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_asm")) == m._ASM_TILES
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_dot_scaled")) == m._TILES
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16"})) == m._TILES
+
+
+def test_one_token_layout_is_a_block_per_assignment():
+    """A batch-1 step skips the sort: block i holds assignment i (the token's experts are
+    distinct, so that is the sorted layout up to block order), the rest of each block padding."""
+    import torch
+
+    from k3serve.ops.moe_triton import one_row_blocks
+
+    rows = one_row_blocks(3, 4, torch.device("cpu"))
+    assert rows.tolist() == [0, 3, 3, 3, 1, 3, 3, 3, 2, 3, 3, 3]
+    assert one_row_blocks(3, 4, torch.device("cpu")) is rows  # built once: graphs keep its address

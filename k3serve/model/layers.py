@@ -86,6 +86,16 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float =
     return y.to(gate.dtype)
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in the weight's dtype: cuBLAS, or on the GPU our split-K GEMV for decode-sized
+    batches (``ops.gemv_triton.linear`` decides)."""
+    if x.is_cuda:
+        from ..ops.gemv_triton import linear
+
+        return linear(x, weight)
+    return F.linear(x.to(weight.dtype), weight)
+
+
 class Linear(nn.Module):
     """Bias-free linear, y = x W^T, W stored [out, in] as in the checkpoints.
 
@@ -114,7 +124,7 @@ class Linear(nn.Module):
         return full.chunk(self.tp_size, dim=self.tp_dim)[self.tp_rank]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return dense_linear(x, self.weight)
 
 
 def fuse_as_views(params: list[nn.Parameter]) -> torch.Tensor:
@@ -159,7 +169,7 @@ class LinearGroup(nn.Module):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fused is None or torch.is_grad_enabled():
             return [torch.cat([m(x) for m in o], dim=-1) if len(o) > 1 else o[0](x) for o in self._outputs]
-        return list(F.linear(x.to(self.fused.dtype), self.fused).split(self.sizes, dim=-1))
+        return list(dense_linear(x, self.fused).split(self.sizes, dim=-1))
 
 
 def _is_slice_of_larger(t: torch.Tensor) -> bool:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import pdl_start
+from .tickets import last_arrival, tickets
 
 
 @triton.jit
@@ -129,6 +130,11 @@ def _kda_decode_fused_kernel(
     head = n * H + h
     slot = tl.load(SLOTS + n).to(tl.int64)
     has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
+    # The state tile first: a load cannot be moved above the conv-state store below (the compiler
+    # must assume they alias), and the tile's latency is the kernel's whole cost (issued after the
+    # v conv, 70-73 % of copy at N >= 64; the probes' bare load-store pattern reaches 91-93 %).
+    s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
+    s = tl.load(s_ptr)
     # ---- short causal conv with state: the head's q and k channels, this block's v channels ---
     q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W, NB == 1)
     k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W, NB == 1)
@@ -143,8 +149,7 @@ def _kda_decode_fused_kernel(
         g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
     beta = tl.sigmoid(tl.load(BETA + n * stride_b + h).to(tl.float32))
     # ---- delta rule on this value block (a fresh sequence starts from zeros, whatever its slot holds)
-    s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
-    s = tl.where(has > 0, tl.load(s_ptr), 0.0) * tl.exp(g)[:, None]
+    s = tl.where(has > 0, s, 0.0) * tl.exp(g)[:, None]
     r = v - tl.sum(s * k[:, None], 0)
     s = s + beta * k[:, None] * r[None, :]
     o = tl.sum(s * q[:, None], 0)
@@ -157,10 +162,7 @@ def _kda_decode_fused_kernel(
     else:
         tl.store(O_SCRATCH + head * D + dv, o)
         tl.store(SUMSQ + head * NB + vb, tl.sum(o * o))
-        tl.debug_barrier()  # all of this program's stores before its ticket (the release is cumulative)
-        ticket = tl.atomic_add(TICKETS + head, 1, sem="acq_rel", scope="gpu")
-        if ticket == NB - 1:  # the head's other programs are done: their outputs and conv reads
-            tl.store(TICKETS + head, 0)
+        if last_arrival(TICKETS, head, NB):  # the head's other programs are done: outputs and conv reads
             _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W)
             _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W)
             o_head = tl.load(O_SCRATCH + head * D + dk, cache_modifier=".cg")  # from L2, not a stale L1
@@ -168,20 +170,6 @@ def _kda_decode_fused_kernel(
             y = o_head / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * \
                 tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32))
             tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
-
-
-_TICKETS: dict = {}
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 counter per (sequence, head) for the fused kernel's last-program election,
-    one buffer per stream (kernels on one stream run one after another, and each leaves its
-    counters at zero). Buffers are kept for the process: a CUDA graph may hold their address."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    bufs = _TICKETS.setdefault(key, [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 1 << 15), dtype=torch.int32, device=device))
-    return bufs[-1]
 
 
 def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, has_ctx: torch.Tensor,
@@ -214,7 +202,7 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     _kda_decode_fused_kernel[(N, H, D // bv)](
         x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
-        gate, o_norm_w.float().contiguous(), state, slots, o_scratch, sumsq, _tickets(x_qkv.device, N * H), y,
+        gate, o_norm_w.float().contiguous(), state, slots, o_scratch, sumsq, tickets(x_qkv.device, N * H), y,
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
         eps, H, D=D, W=W, BV=bv, USE_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,

@@ -451,6 +451,24 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return rows, block_expert
 
 
+_ONE_ROW_BLOCKS: dict = {}
+
+
+def one_row_blocks(num_assign: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """Rows for a layout of one assignment per row block (block i: row i, then padding), with the
+    routing ids themselves as the blocks' experts: a batch-1 decode step needs no sort (the align
+    kernel was 26 launches, ~0.09 ms, of a kimi-linear batch-1 step; RESULTS.md eighth session).
+    A constant, built once per shape and kept (CUDA graphs hold its address); the ids must name
+    real experts (our routers' always do; ``sort_by_expert`` also clamps stray ones)."""
+    key = (device, num_assign, block_m)
+    rows = _ONE_ROW_BLOCKS.get(key)
+    if rows is None:
+        rows = torch.full((num_assign, block_m), num_assign, dtype=torch.int64)
+        rows[:, 0] = torch.arange(num_assign)
+        rows = _ONE_ROW_BLOCKS[key] = rows.flatten().to(device)
+    return rows
+
+
 def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``sort_by_expert`` in torch ops (the reference of its layout; rows in stable order)."""
     flat = ids.flatten()
@@ -545,7 +563,10 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
         return torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
     if block_m is None:  # rows per expert on average: a few (decode), dozens, or a hundred and more
         block_m = 16 if T * top_k < 16 * E else 64 if T * top_k < 128 * E else 128
-    rows, block_expert = sort_by_expert(ids, E, block_m)
+    if T == 1:  # one token's experts are distinct: a block per assignment, in routing order, is the sort's layout
+        rows, block_expert = one_row_blocks(top_k, block_m, ids.device), ids.reshape(-1)
+    else:
+        rows, block_expert = sort_by_expert(ids, E, block_m)
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
     stored = experts.stack

@@ -1,0 +1,70 @@
+"""The split-K GEMV (dense linears of a decode step) against float64, on CPU through Triton's
+interpreter; its Hopper build (bf16 MMA, the ticket) compiled for sm_90. GPU timing: bench/."""
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+from interpreted import worst_error  # noqa: E402
+
+SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.ops.gemv_triton import gemv
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    # (tokens, N, K, tile): ragged N and K, one to four splits, the tuned default; each twice, so a
+    # launch that left a ticket non-zero would break the next one
+    for T, N, K, cfg in [(1, 100, 300, None), (3, 64, 512, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=4)),
+                         (4, 80, 200, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)),
+                         (2, 48, 1000, dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=3)), (16, 33, 64, None)]:
+        x = torch.randn(T, K, generator=gen)
+        w = torch.randn(N, K, generator=gen)
+        ref = x.double() @ w.double().T
+        for _ in range(2):
+            y = gemv(x, w, cfg)
+            assert y.shape == (T, N) and y.dtype == w.dtype
+            worst = max(worst, ((y.double() - ref).norm() / ref.norm()).item())
+    # a strided row view (a column slice of a fused projection output) as x
+    wide = torch.randn(2, 400, generator=gen)
+    x, w = wide[:, 50:350], torch.randn(70, 300, generator=gen)
+    ref = x.double() @ w.double().T
+    worst = max(worst, ((gemv(x, w).double() - ref).norm() / ref.norm()).item())
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gemv_matches_float64(seed):
+    assert worst_error(SCRIPT, str(seed)) < 1e-6
+
+
+def test_gemv_refuses_what_it_does_not_serve():
+    import torch
+
+    from k3serve.ops.gemv_triton import gemv
+
+    with pytest.raises(ValueError, match="16 tokens"):
+        gemv(torch.zeros(17, 8), torch.zeros(4, 8))
+
+
+def test_gemv_compiles_for_sm90_with_bf16_mma_and_a_ticket():
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:  # pragma: no cover
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    import triton
+
+    from k3serve.ops import gemv_triton
+
+    sig = {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "PART": "*fp32", "TICKETS": "*i32",
+           **{n: "i32" for n in ("T", "N", "K", "stride_x", "stride_w", "stride_o")}}
+    consts = dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, IEEE=False, USE_PDL=True)
+    src = triton.compiler.ASTSource(fn=gemv_triton._gemv_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
+                                    constexprs=consts)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    assert "wgmma" in ptx or "mma.sync" in ptx  # the tensor cores, not FMA
+    assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
