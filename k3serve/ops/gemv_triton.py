@@ -69,8 +69,10 @@ _gemv_tuned = autotuned(_gemv_kernel, GEMV_CONFIGS, triton.Config({"BLOCK_N": 32
 
 # Tokens up to which a linear takes the GEMV (the tokens share one 16-wide MMA tile).
 GEMV_MAX_TOKENS = 4
-# Weights past this many elements stay with cuBLAS (the LM head: cuBLAS streams it at the copy ceiling).
-GEMV_MAX_WEIGHT = 64 << 20
+# Weights past this many elements stay with cuBLAS: on the H200 the GEMV won on the 29 M-element
+# KDA input projection (82-84 % of copy vs 77-79 %) and lost on the 42 M dense gate+up (70-74 % vs
+# 83 %); at the LM head both stream at the copy ceiling (RESULTS.md eighth session).
+GEMV_MAX_WEIGHT = 32 << 20
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:

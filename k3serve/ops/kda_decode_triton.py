@@ -130,14 +130,14 @@ def _kda_decode_fused_kernel(
     head = n * H + h
     slot = tl.load(SLOTS + n).to(tl.int64)
     has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-    # The state tile first: a load cannot be moved above the conv-state store below (the compiler
-    # must assume they alias), and the tile's latency is the kernel's whole cost (issued after the
-    # v conv, 70-73 % of copy at N >= 64; the probes' bare load-store pattern reaches 91-93 %).
-    s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
-    s = tl.load(s_ptr)
     # ---- short causal conv with state: the head's q and k channels, this block's v channels ---
     q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W, NB == 1)
     k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W, NB == 1)
+    # The state tile before v's conv: no load moves above that conv's state store (the compiler
+    # must assume they alias), and issued after it the tile cost 70-73 % of copy at N >= 64. Not
+    # before q and k either: held across their convs it spilled (43-44 %; RESULTS.md eighth session).
+    s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
+    s = tl.load(s_ptr)
     v = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dv, stride_conv_slot, stride_x, W)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
