@@ -42,9 +42,9 @@ def check(N, H, D, lb):
     return (((o - o_ref[:, 0]).norm() / o_ref.norm()).item(), ((state[slots] - s_ref).norm() / s_ref.norm()).item())
 
 
-# (value block, warps): value blocks are programs (eighth session); the default is (64, 4), the
-# state probes' best access pattern below.
-FUSED_VARIANTS = [(32, 4), (32, 2), (64, 8), (128, 8)]
+# (value block, warps, programs a head); the default: 64-wide blocks, 4 warps, programs by
+# ``kda_decode_fused``'s rule (one a value block while heads alone leave SMs idle, else one a head).
+FUSED_VARIANTS = [(64, 4, 1), (64, 4, 2), (32, 4, 1), (32, 4, 4), (128, 8, 1)]
 
 
 def mixer_inputs(N, H, D, num_slots, seed):
@@ -63,11 +63,11 @@ def fused_check(N, H, D, lb):
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
     x, conv_w, conv0, gate, has = mixer_inputs(N, H, D, state0.shape[0], 5)
     outs = []
-    for bv, nw in [(64, 4)] + FUSED_VARIANTS:
+    for bv, nw, parts in [(64, 4, None)] + FUSED_VARIANTS:
         st, cs = state0.clone(), conv0.clone()
         y = kda_decode_fused(x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
                              torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H, block_v=bv,
-                             num_warps=nw)
+                             num_warps=nw, parts=parts)
         outs.append((y, st))
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return max(max(rel(y, outs[0][0]), rel(st, outs[0][1])) for y, st in outs[1:])
@@ -83,13 +83,13 @@ def timing(N, H, D, lb=-5.0):
     fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                      torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
     row["fused_ms"] = gpu_ms(fused, rep=200)
-    # fused-kernel variants: (value block width, warps)
+    # fused-kernel variants: (value block width, warps, programs a head)
     row["fused_variants"] = {}
-    for bv, nw in FUSED_VARIANTS:
+    for bv, nw, parts in FUSED_VARIANTS:
         run = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                        torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H, block_v=bv,
-                                       num_warps=nw)
-        row["fused_variants"][(bv, nw)] = gpu_ms(run, rep=200)
+                                       num_warps=nw, parts=parts)
+        row["fused_variants"][(bv, nw, parts)] = gpu_ms(run, rep=200)
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -166,7 +166,7 @@ def main():
         print(f"| {N} | 96 | 128 | {r['ours_ms']:.3f} | {tb(r['ours_ms']):.2f} | {100 * tb(r['ours_ms']) / ceil:.0f} % | "
               f"{r['fused_ms']:.3f} | {100 * tb(r['fused_ms']) / ceil:.0f} % | {fla} |")
         rows.append((N, r))
-    print("\nfused mixer variants (value block, warps), variants vs default rel err "
+    print("\nfused mixer variants (value block, warps, programs a head), variants vs default rel err "
           f"{fused_check(64, 96, 128, -5.0):.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
     for N, r in rows:
         for var, ms in r["fused_variants"].items():

@@ -104,14 +104,14 @@ def kda_fused_rows() -> None:
     ints = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b", "stride_g")}
     ints.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
     divisible = tuple(ptrs) + tuple(ints)[:6]
-    print("\n| KDA fused decode (D 128, a program per value block) | instructions / thread | top opcodes |"
+    print("\n| KDA fused decode (D 128) | instructions / thread | top opcodes |"
           "\n|---|---|---|")
-    for bv, nw in ((32, 4), (64, 4), (128, 8)):
-        consts = dict(D=128, W=4, BV=bv, USE_LOWER_BOUND=True, USE_PDL=False)
+    for bv, blocks, nw in ((64, 1, 4), (64, 2, 4), (32, 4, 4), (128, 1, 8)):
+        consts = dict(D=128, W=4, BV=bv, BLOCKS=blocks, USE_LOWER_BOUND=True, USE_PDL=False)
         kernel = compile_sm90(kda_decode_triton._kda_decode_fused_kernel, {**ptrs, **ints}, consts, divisible,
                               num_warps=nw)
         total, ops = whole_mix(kernel)
-        print(f"| value block {bv}, {nw} warps | {total} | {', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
+        print(f"| {128 // (bv * blocks)} programs a head, value block {bv}, {nw} warps | {total} | {', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
 
 
 def whole_mix(kernel) -> tuple[int, collections.Counter]:

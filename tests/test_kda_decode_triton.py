@@ -81,12 +81,13 @@ FUSED = textwrap.dedent('''
         packed = torch.cat([x, f, b, gate, torch.zeros(N, 3)], dim=-1)
         xs, fs, bs, gs = packed[:, :3 * P], packed[:, 3 * P:4 * P], packed[:, 4 * P:4 * P + H], packed[:, 4 * P + H:-3]
         assert not xs.is_contiguous() and torch.equal(gs, gate)
-        # 1, 2 and 4 value-block programs per head (the last one of a head normalises it and shifts
-        # the q/k conv state); each call must leave the per-head tickets at zero for the next
-        for bv in (D, D // 2, D // 4, D // 2):
+        # (value block, programs a head): one program looping over 1 or 4 blocks; 2 or 4 programs of
+        # one block, 2 of two (the last of a head normalises it and shifts the q/k conv state); the
+        # default rule. Each call must leave the per-head tickets at zero for the next.
+        for bv, parts in ((D, 1), (D // 4, 1), (D // 2, 2), (D // 4, 4), (D // 4, 2), (D // 2, None), (D // 2, 2)):
             conv_t, state_t = conv0.clone(), state0.clone()
             y = kda_decode_fused(xs, conv_w, conv_t, torch.tensor(ctx) > 0, fs, bs, A_log, dt_bias, gs, onw, 1e-5, lb,
-                                 state_t, slots, H, block_v=bv)
+                                 state_t, slots, H, block_v=bv, parts=parts)
             worst = max(worst, ((y - y_ref).norm() / y_ref.norm()).item(),
                         ((state_t - state_r).norm() / state_r.norm()).item(),
                         ((conv_t - conv_r).norm() / conv_r.norm()).item())

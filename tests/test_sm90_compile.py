@@ -52,8 +52,8 @@ def test_pdl_kernels_wait_before_touching_memory():
     assert "griddepcontrol" not in _add_rms_norm_ptx(False)
 
 
-@pytest.mark.parametrize("block_v", [64, 128])
-def test_kda_fused_decode_compiles_for_sm90(block_v):
+@pytest.mark.parametrize("block_v, blocks", [(64, 1), (64, 2), (128, 1)])
+def test_kda_fused_decode_compiles_for_sm90(block_v, blocks):
     """Value blocks as programs: the head's last program is elected by an acquire-release ticket
     (one per CTA, after a barrier) and reads the other blocks' outputs from L2."""
     f32, bf16 = "*fp32", "*bf16"
@@ -63,10 +63,10 @@ def test_kda_fused_decode_compiles_for_sm90(block_v):
     scalars = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b",
                                   "stride_g")}
     scalars.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
-    consts = dict(D=128, W=4, BV=block_v, USE_LOWER_BOUND=True, USE_PDL=True)
+    consts = dict(D=128, W=4, BV=block_v, BLOCKS=blocks, USE_LOWER_BOUND=True, USE_PDL=True)
     ptx = _compile(kda_decode_triton._kda_decode_fused_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
     assert "griddepcontrol.wait" in ptx
-    if block_v < 128:
+    if block_v * blocks < 128:
         assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     else:  # one program per head: no ticket
         assert "atom." not in ptx

@@ -4,9 +4,11 @@ extra config would only re-run the kernel."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
+import torch
 import triton
 
 
@@ -21,6 +23,13 @@ def interpreted() -> bool:
 # compiling and tuning on the H200); it also makes the chosen tiles, and so the numerics, the same
 # from one process to the next.
 _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (an H200's 132 off the GPU: grid-shape rules in the
+    CPU tests then pick what they would on the device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def autotuned(kernel, candidates: list, interpreted_config, key: list[str], prune=None):

@@ -62,8 +62,9 @@ def _gemv_kernel(X, W, OUT, PART, TICKETS, T, N, K, stride_x, stride_w, stride_o
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), picked per (N, K) on the GPU at first use.
 GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=st)
-                for bn, bk, sk, w, st in ((32, 256, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 8, 4, 4), (32, 512, 2, 4, 3),
-                                          (128, 128, 2, 4, 4), (64, 256, 2, 4, 3), (128, 256, 1, 8, 3), (32, 256, 8, 4, 3))]
+                for bn, bk, sk, w, st in ((32, 256, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 8, 4, 4),
+                                          (32, 512, 2, 4, 3), (128, 128, 2, 4, 4), (64, 256, 2, 4, 3),
+                                          (128, 256, 1, 8, 3), (32, 256, 8, 4, 3))]
 _gemv_tuned = autotuned(_gemv_kernel, GEMV_CONFIGS, triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}),
                         key=["N", "K", "IEEE"])
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .autotune import sm_count
 from .pdl import pdl_start
 from .tickets import last_arrival, tickets
 
@@ -109,36 +110,30 @@ def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride
 def _kda_decode_fused_kernel(
     X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, SUMSQ, TICKETS, Y,
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
-    D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, BLOCKS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """One program per (sequence, head, value block): the head's q/k conv, SiLU, gates and L2
-    norms (recomputed by each of the head's programs: cheap next to the state), the block's v
-    conv and state update. The gated RMSNorm needs the whole head's output, so the head's last
-    program to finish (a ticket per head, reset to zero for the next call) normalises it and
-    shifts the q/k conv state, which every program of the head has read by then. Value blocks as
-    programs, not a loop in one: the loop kept one [D, BV] tile in flight per head, 71-74 % of
-    copy at N >= 64 (RESULTS.md seventh/eighth sessions)."""
+    """Program (sequence, head, part): the head's q/k conv, SiLU, gates and L2 norms, then BLOCKS
+    value blocks of BV columns: v's conv and the state update. A head is D // (BV * BLOCKS)
+    programs. One (BLOCKS = D // BV) normalises its own output; several recompute q and k (cheap
+    next to the state) and the head's last to finish (a ticket per head, reset for the next call)
+    does the gated RMSNorm and shifts the q/k conv state, which every program of the head has read
+    by then. Several programs a head win when heads alone leave SMs idle (a batch-1 step:
+    0.120 vs 0.168 ms on kimi-linear), one wins once heads fill the GPU (N >= 64: 79-82 % of
+    copy vs 70-74 %; RESULTS.md eighth session)."""
     pdl_start(USE_PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
-    vb = tl.program_id(2)
-    NB: tl.constexpr = D // BV
+    part = tl.program_id(2)
+    PARTS: tl.constexpr = D // (BV * BLOCKS)
     P = H * D
     dk = tl.arange(0, D)
-    dv = vb * BV + tl.arange(0, BV)
     head = n * H + h
     slot = tl.load(SLOTS + n).to(tl.int64)
     has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-    # ---- short causal conv with state: the head's q and k channels, this block's v channels ---
-    q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W, NB == 1)
-    k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W, NB == 1)
-    # The state tile before v's conv: no load moves above that conv's state store (the compiler
-    # must assume they alias), and issued after it the tile cost 70-73 % of copy at N >= 64. Not
-    # before q and k either: held across their convs it spilled (43-44 %; RESULTS.md eighth session).
-    s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
-    s = tl.load(s_ptr)
-    v = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dv, stride_conv_slot, stride_x, W)
+    # ---- short causal conv with state for the head's q and k channels; gates and norms -----------
+    q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W, PARTS == 1)
+    k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W, PARTS == 1)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
     f = tl.load(F + n * stride_f + h * D + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
@@ -147,42 +142,68 @@ def _kda_decode_fused_kernel(
         g = lower_bound * tl.sigmoid(a * f)
     else:
         g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
+    decay = tl.exp(g)
     beta = tl.sigmoid(tl.load(BETA + n * stride_b + h).to(tl.float32))
-    # ---- delta rule on this value block (a fresh sequence starts from zeros, whatever its slot holds)
-    s = tl.where(has > 0, s, 0.0) * tl.exp(g)[:, None]
-    r = v - tl.sum(s * k[:, None], 0)
-    s = s + beta * k[:, None] * r[None, :]
-    o = tl.sum(s * q[:, None], 0)
-    tl.store(s_ptr, s)
-    # ---- gated RMSNorm over the head: y = RMSNorm(o; w) * sigmoid(gate) ------------------------
-    if NB == 1:
-        y = o / tl.sqrt(tl.sum(o * o) / D + eps) * tl.load(ONORM_W + dv) * \
-            tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dv).to(tl.float32))
-        tl.store(Y + n * P + h * D + dv, y.to(Y.dtype.element_ty))
-    else:
+    # ---- delta rule over this program's value blocks ------------------------------------------
+    sumsq = 0.0
+    for j in tl.static_range(BLOCKS):
+        dv = (part * BLOCKS + j) * BV + tl.arange(0, BV)
+        # The state tile before v's conv: no load moves above that conv's state store (the
+        # compiler must assume they alias), and issued after it the tile waited on the conv (70-73 %
+        # of copy at N >= 64); not before q and k either: held across their convs the kernel grew
+        # to 3,160 SASS instructions a thread from 1,200 (bench/sass_mix.py) and ran at 43 %.
+        s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
+        s = tl.load(s_ptr)
+        v = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dv, stride_conv_slot, stride_x, W)
+        s = tl.where(has > 0, s, 0.0) * decay[:, None]  # a fresh sequence starts from zeros, whatever its slot holds
+        r = v - tl.sum(s * k[:, None], 0)
+        s = s + beta * k[:, None] * r[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(s_ptr, s)
         tl.store(O_SCRATCH + head * D + dv, o)
-        tl.store(SUMSQ + head * NB + vb, tl.sum(o * o))
-        if last_arrival(TICKETS, head, NB):  # the head's other programs are done: outputs and conv reads
+        sumsq += tl.sum(o * o)
+    # ---- gated RMSNorm over the head: y = RMSNorm(o; w) * sigmoid(gate) ------------------------
+    if PARTS == 1:
+        tl.debug_barrier()  # the value blocks' outputs, written by other threads of this program
+        _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, P, D, False)
+    else:
+        tl.store(SUMSQ + head * PARTS + part, sumsq)
+        if last_arrival(TICKETS, head, PARTS):  # the head's other programs are done: outputs and conv reads
             _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W)
             _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W)
-            o_head = tl.load(O_SCRATCH + head * D + dk, cache_modifier=".cg")  # from L2, not a stale L1
-            sumsq = tl.sum(tl.load(SUMSQ + head * NB + tl.arange(0, NB), cache_modifier=".cg"))
-            y = o_head / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * \
-                tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32))
-            tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
+            sumsq = tl.sum(tl.load(SUMSQ + head * PARTS + tl.arange(0, PARTS), cache_modifier=".cg"))
+            _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, P, D, True)
+
+
+@triton.jit
+def _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, P, D: tl.constexpr,
+                    FROM_L2: tl.constexpr):
+    """y = RMSNorm(o; w) * sigmoid(gate) over the head's output in scratch (FROM_L2: written by
+    other programs, so read past this SM's L1)."""
+    dk = tl.arange(0, D)
+    if FROM_L2:
+        o = tl.load(O_SCRATCH + head * D + dk, cache_modifier=".cg")
+    else:
+        o = tl.load(O_SCRATCH + head * D + dk)
+    y = o / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * \
+        tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32))
+    tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
 
 
 def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, has_ctx: torch.Tensor,
                      f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 64,
-                     out_dtype: torch.dtype = torch.float32, num_warps: int = 4) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, num_warps: int = 4,
+                     parts: int | None = None) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
     context start from zeros; ``has_ctx`` [N], bool or int32); f, gate [N, P]; beta_logits [N, H].
-    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``block_v`` and
-    ``num_warps``: the variants bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
+    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``parts``:
+    programs per head (each D / parts value columns), None: one per value block while heads alone
+    would not fill two waves of SMs, else one. ``block_v``, ``num_warps``, ``parts``: the variants
+    bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
     the next value block inside one program, TMA state tiles, evict-first loads with streaming
     stores; RESULTS.md seventh and eighth sessions.)"""
     N, P3 = x_qkv.shape
@@ -194,18 +215,23 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     if conv_state[0].stride() != (W - 1, 1) or state[0].stride() != (D * D, D, 1):
         raise ValueError("conv state slots must be contiguous [3P, W-1], recurrent slots contiguous [H, D, D]")
     bv = min(block_v, D)
+    if parts is None:
+        parts = D // bv if N * H < 2 * sm_count(x_qkv.device) else 1
+    if parts < 1 or D % (bv * parts):
+        raise ValueError(f"{parts} programs a head do not split {D} value columns into blocks of {bv}")
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
-    sumsq = torch.empty(N, H, D // bv, dtype=torch.float32, device=x_qkv.device)
+    sumsq = torch.empty(N, H, parts, dtype=torch.float32, device=x_qkv.device)
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-    _kda_decode_fused_kernel[(N, H, D // bv)](
+    _kda_decode_fused_kernel[(N, H, parts)](
         x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
         gate, o_norm_w.float().contiguous(), state, slots, o_scratch, sumsq, tickets(x_qkv.device, N * H), y,
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
-        eps, H, D=D, W=W, BV=bv, USE_LOWER_BOUND=lower_bound is not None, num_warps=num_warps,
+        eps, H, D=D, W=W, BV=bv, BLOCKS=D // (bv * parts), USE_LOWER_BOUND=lower_bound is not None,
+        num_warps=num_warps,
         **pdl.launch(y.device),
     )
     return y

@@ -12,14 +12,13 @@ Reference: ``mla_ref.mla_absorbed_ref``. Checked on CPU with ``TRITON_INTERPRET=
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
-from .autotune import autotuned
+from .autotune import autotuned, sm_count
 from .pdl import pdl_start
 
 
@@ -79,11 +78,6 @@ def _mla_decode_split_kernel(
     tl.store(LSE + b * stride_lb + heads * stride_lh + sp, lse, mask=hmask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def _heads_that_fit(configs, named_args, **kwargs):
     """No head block wider than the heads (rounded up to a power of two, at least 16)."""
     cap = max(16, triton.next_power_of_2(named_args["H"]))
@@ -132,7 +126,7 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
     q_abs, q_pe = (t.to(latent_pages.dtype) if t.stride(2) == 1 else t.to(latent_pages.dtype).contiguous()
                    for t in (q_abs, q_pe))
     if num_splits is None:
-        num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], _sm_count(q_abs.device))
+        num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], sm_count(q_abs.device))
     partial = torch.empty(B, H, num_splits, kv_lora_rank, dtype=torch.float32, device=q_abs.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_abs.device)
     kernel, tiles = (_mla_decode_tuned, {}) if tiles is None else (_mla_decode_split_kernel, tiles)
