@@ -1,7 +1,9 @@
 """GPU check of the single-purpose Triton kernels against their torch references at model sizes
 (run on the H200; not a CI test, where the same kernels run through Triton's interpreter on small
 shapes): the varlen short conv, the gated output norm, the MoE combine, the MLA flash prefill and
-the split-KV MLA decode. Fresh random inputs, mixed decode / prefill batches with cached context.
+the split-KV MLA decode, the router, the dense split-K GEMV and the fused KDA decode mixer (each
+way of splitting a head over programs). Fresh random inputs, mixed decode / prefill batches with
+cached context.
 
 Usage: python bench/gpu_check_kernels.py   (prints one row per check; exit code 1 if any fails)
 """
@@ -17,6 +19,10 @@ import torch.nn.functional as F
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
 from k3serve.ops import mla_ref
+from k3serve.ops.gemv_triton import GEMV_CONFIGS, gemv
+from k3serve.ops.kda import kda_core
+from k3serve.ops.kda_decode_triton import kda_decode_fused
+from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_prefill_triton import mla_prefill
 from k3serve.ops.moe_triton import combine_experts, route_triton, router_logits
@@ -117,6 +123,49 @@ def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
     record("route from partial sums: tokens with the same experts", f"T={T} E={E} K={K}", 1 - same, 0.05)
 
 
+def check_gemv(T: int, K: int, N: int, gen: torch.Generator) -> None:
+    """bf16 through the tensor cores vs float64, autotuned and every pinned tile (split-K partials
+    summed by the last program of each column block; each tile run twice: tickets reset)."""
+    x = torch.randn(T, K, generator=gen, device=DEV).bfloat16()
+    w = (torch.randn(N, K, generator=gen, device=DEV) * K ** -0.5).bfloat16()
+    ref = F.linear(x.double(), w.double())
+    worst = rel(gemv(x, w), ref)
+    for c in GEMV_CONFIGS:
+        cfg = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+        worst = max(worst, rel(gemv(x, w, cfg), ref), rel(gemv(x, w, cfg), ref))
+    record("dense GEMV (split-K, all tiles)", f"T={T} K={K} N={N}", worst, 1e-2)
+
+
+def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generator) -> None:
+    """The fused decode mixer (conv, gates, norms, delta rule, gated RMSNorm) vs the reference
+    mixer, a head as one program, as one program per value block (the ticket), and by the rule."""
+    P, W, S = H * D, 4, N + 3
+    x = torch.randn(N, 3 * P, generator=gen, device=DEV)
+    conv_w = torch.randn(3 * P, W, generator=gen, device=DEV) * 0.5
+    f, gate = torch.randn(N, P, generator=gen, device=DEV) * 2, torch.randn(N, P, generator=gen, device=DEV)
+    b = torch.randn(N, H, generator=gen, device=DEV)
+    A_log, dt_bias = torch.rand(H, generator=gen, device=DEV) * 2, torch.randn(P, generator=gen, device=DEV)
+    onw = torch.rand(D, generator=gen, device=DEV) + 0.5
+    conv0 = torch.randn(S, 3 * P, W - 1, generator=gen, device=DEV)
+    state0 = torch.randn(S, H, D, D, generator=gen, device=DEV) * 0.2
+    slots = torch.randperm(S, generator=gen, device=DEV)[:N]
+    ctx = [(7 * i) % 11 for i in range(N)]  # some fresh sequences (context 0): their slots must not be read
+    batch = ForwardBatch.build([SeqChunk([0], c, int(s), [0]) for c, s in zip(ctx, slots.tolist())], 64, DEV)
+    conv_r, state_r = conv0.clone(), state0.clone()
+    u = F.silu(short_conv_ref(x, conv_w, conv_r, batch))
+    q, k, v = (t.reshape(N, H, D) for t in u.split(P, dim=-1))
+    o = kda_core(q, k, v, kda_gate(f.view(N, H, D), A_log, dt_bias, lb), torch.sigmoid(b), D ** -0.5, state_r, batch,
+                 backend="torch")
+    y_ref = (rms_norm(o, onw, 1e-5, torch.float32) * torch.sigmoid(gate.view(N, H, D))).reshape(N, P)
+    has = torch.tensor(ctx, device=DEV) > 0
+    for bv, parts in ((64, 1), (64, 2), (32, 4), (64, None)):
+        conv_t, state_t = conv0.clone(), state0.clone()
+        y = kda_decode_fused(x, conv_w, conv_t, has, f, b, A_log, dt_bias, gate, onw, 1e-5, lb, state_t, slots, H,
+                             block_v=bv, parts=parts)
+        err = max(rel(y, y_ref), rel(state_t, state_r), rel(conv_t, conv_r))
+        record("KDA fused decode mixer", f"N={N} H={H} D={D} block {bv}, parts {parts}", err, 1e-4)
+
+
 def main() -> int:
     gen = torch.Generator(device=DEV).manual_seed(0)
     print(torch.cuda.get_device_name(), "\n| check | shape | rel err | tol | |\n|---|---|---|---|---|")
@@ -134,6 +183,10 @@ def main() -> int:
     for T, E, D, K in ((1, 256, 2304, 8), (64, 256, 2304, 8), (16, 896, 7168, 16)):
         check_router(T, E, D, K, gen)
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
+    for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):
+        check_gemv(T, K, N, gen)
+    for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0)):
+        check_kda_fused(N, H, 128, lb, gen)
     failed = [r for r in ROWS if r[2] > r[3]]
     print(f"{len(ROWS) - len(failed)} of {len(ROWS)} checks passed")
     return 1 if failed else 0
