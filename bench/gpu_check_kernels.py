@@ -25,7 +25,7 @@ from k3serve.ops.kda_decode_triton import kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_prefill_triton import mla_prefill
-from k3serve.ops.moe_triton import combine_experts, route_triton, router_logits
+from k3serve.ops.moe_triton import combine_experts, route_hidden, route_triton, router_logits
 from k3serve.ops.moe_ref import route
 from k3serve.ops.norm_triton import rms_norm_triton
 from k3serve.ops.short_conv import short_conv_ref
@@ -121,6 +121,9 @@ def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
     wt, ids = route_triton(parts, bias, K, True, 2.5, "sigmoid")
     same = (ids.sort(1).values == ids_ref.sort(1).values).all(1).float().mean().item()
     record("route from partial sums: tokens with the same experts", f"T={T} E={E} K={K}", 1 - same, 0.05)
+    wh, idh = route_hidden(x, w, bias, K, True, 2.5, "sigmoid")  # one launch up to 4 tokens
+    record("router + route in one launch vs two (1 = any difference)", f"T={T} E={E} K={K}",
+           float(not (torch.equal(idh, ids) and torch.equal(wh, wt))), 0.0)
 
 
 def check_gemv(T: int, K: int, N: int, gen: torch.Generator) -> None:
@@ -180,7 +183,7 @@ def main() -> int:
     check_mla_prefill(32, 700, 300, gen)
     check_mla_prefill(96, 0, 37, gen)
     check_mla_decode(1, 32, [4096], gen)
-    for T, E, D, K in ((1, 256, 2304, 8), (64, 256, 2304, 8), (16, 896, 7168, 16)):
+    for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16)):
         check_router(T, E, D, K, gen)
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
     for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):

@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, dense, kda, engine48: see each case below)
+#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, dense, kda, engine48, verify: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -104,6 +104,14 @@ case "$1" in
   kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
+  verify)  # the eighth session's untimed code first: kernel checks (GEMV, fused KDA both ways, one-launch
+           # router), the KDA decode bench, the small kernels (router one launch vs two), then the engine
+    step kernels_check 150 python3 bench/gpu_check_kernels.py
+    step kda "$(left 230)" python3 -m bench.kernels_kda_decode
+    step small "$(left 300)" python3 -m bench.kernels_small
+    step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
+    grep "FAIL\|checks passed" "$OUT/kernels_check.log"; head -30 "$OUT/kda.log" | tail -24
+    grep "router + route\|^| route " "$OUT/small.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;

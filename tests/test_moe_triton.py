@@ -247,6 +247,36 @@ def test_router_logits_kernel_is_fp32_exact(seed):
     assert worst_error(LOGITS_SCRIPT, str(seed)) < 1e-6
 
 
+ROUTE_HIDDEN_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.ops import moe_triton as m
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    # (tokens, experts, D, top-k, shared, score function): one launch up to ROUTE_IN_ROUTER_MAX_TOKENS
+    for T, E, D, K, S, func in [(1, 256, 2304, 8, 1, "sigmoid"), (3, 64, 300, 6, 0, "softmax"),
+                                (4, 96, 1000, 4, 2, "sigmoid"), (6, 64, 256, 6, 0, "sigmoid")]:
+        x = torch.randn(T, D, generator=gen)
+        w = torch.randn(E, D, generator=gen) * D ** -0.5
+        bias = torch.randn(E, generator=gen) * 0.1 if S != 2 else None
+        for _ in range(2):  # twice: the router launch must leave its ticket at zero
+            wt, ids = m.route_hidden(x, w, bias, K, True, 2.5, func, num_shared=S)
+            w2, ids2 = m.route_triton(m.router_logits(x, w, split=True), bias, K, True, 2.5, func, num_shared=S)
+            assert torch.equal(ids, ids2) and torch.equal(wt, w2), (T, E, ids, ids2)  # the same sums, same order
+        if S:
+            assert (ids[:, K:] == torch.arange(E, E + S)).all() and (wt[:, K:] == 1).all()
+        worst = max(worst, float(ids.max() >= E + S) + float(ids.min() < 0))
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_router_routes_decode_tokens_in_its_own_launch(seed):
+    """A decode step's router: its logits kernel's last program routes the tokens (one launch),
+    with the same experts and weights, bit for bit, as the logits kernel then the route kernel."""
+    assert worst_error(ROUTE_HIDDEN_SCRIPT, str(seed)) == 0.0
+
+
 JOIN_SCRIPT = textwrap.dedent('''
     import dataclasses, os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"

@@ -70,3 +70,22 @@ def test_kda_fused_decode_compiles_for_sm90(block_v, blocks):
         assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     else:  # one program per head: no ticket
         assert "atom." not in ptx
+
+
+@pytest.mark.parametrize("route_t", [0, 4])
+def test_router_kernel_with_routing_in_its_last_program_compiles_for_sm90(route_t):
+    ptrs = {"X": "*bf16", "W": "*bf16", "OUT": "*fp32", "BIAS": "*fp32", "W_OUT": "*fp32", "ID_OUT": "*i64",
+            "TICKETS": "*i32"}
+    scalars = {n: "i32" for n in ("T", "E", "D", "stride_x")} | {"scaling": "fp32"}
+    consts = dict(BLOCK_T=16, BLOCK_E=32, BLOCK_D=128, BF16_MMA=True, ROUTE_T=route_t, K=8, K_P=8, E_P=256,
+                  HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, USE_PDL=True)
+    ptx = _compile(moe_triton._router_logits_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == (route_t > 0)
+
+
+def test_route_kernel_compiles_for_sm90():
+    ptrs = {"LOGITS": "*fp32", "BIAS": "*fp32", "W_OUT": "*fp32", "ID_OUT": "*i64"}
+    scalars = {n: "i32" for n in ("num_parts", "stride_part", "stride_l", "E")} | {"scaling": "fp32"}
+    consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, USE_PDL=True)
+    assert _compile(moe_triton._route_kernel, ptrs, scalars, consts, num_warps=4).asm["cubin"]

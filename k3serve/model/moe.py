@@ -58,11 +58,11 @@ class Router(nn.Module):
         routed stacks)."""
         a = self.args
         if not torch.is_grad_enabled() and triton_enabled("MOE", x.device):
-            from ..ops.moe_triton import route_triton, router_logits
+            from ..ops.moe_triton import route_hidden, router_logits
 
-            if a["num_groups"] == 1:  # two launches (partial logits, then their sum and top-k) instead of ~9
-                return route_triton(router_logits(x, self.weight, split=True), self.e_score_correction_bias,
-                                    a["top_k"], a["renormalize"], a["scaling"], a["score_func"], num_shared=num_shared)
+            if a["num_groups"] == 1:  # one or two launches (partial logits, their sum and top-k) instead of ~9
+                return route_hidden(x, self.weight, self.e_score_correction_bias, a["top_k"], a["renormalize"],
+                                    a["scaling"], a["score_func"], num_shared=num_shared)
             logits = router_logits(x, self.weight)
         else:
             logits = F.linear(x.float(), self.weight.float())

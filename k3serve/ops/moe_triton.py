@@ -26,6 +26,7 @@ from . import pdl
 from .autotune import autotuned, interpreted
 from .glu_triton import glu
 from .pdl import pdl_start
+from .tickets import last_arrival, tickets
 
 
 @triton.jit
@@ -243,59 +244,76 @@ _grouped_gemm_tuned = autotuned(
 
 
 @triton.jit
-def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
+def _route_tokens(LOGITS, BIAS, W_OUT, ID_OUT, t, tmask, num_parts, stride_part, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr,
-                  USE_PDL: tl.constexpr = False):
-    """One token's routing (``moe_ref.route`` with one expert group): logits as the sum of
-    ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores,
-    bias-corrected choice, top-k by K rounds of argmax (descending, as torch.topk), weights from
-    the unbiased scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ... of
-    weight 1."""
-    pdl_start(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
+                  RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr):
+    """The routing of tokens ``t`` [BT] (``moe_ref.route`` with one expert group): logits as the sum
+    of ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits; read from L2:
+    other programs may have written them), scores, bias-corrected choice, top-k by K rounds of
+    argmax (descending, as torch.topk), weights from the unbiased scores, renormalised, scaled;
+    then NUM_SHARED always-on experts E, E + 1, ... of weight 1."""
     e = tl.arange(0, E_P)
-    live = e < E
-    logit = tl.zeros([E_P], tl.float32)
-    for part in range(num_parts):  # a fixed order: the same logits every run
-        logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
+    live = (e < E)[None, :]
+    logit = tl.zeros([t.shape[0], E_P], tl.float32)
+    for part in range(num_parts):  # a fixed order: the same logits every run, and in either launch form
+        logit += tl.load(LOGITS + part * stride_part + t[:, None] * stride_l + e[None, :],
+                         mask=tmask[:, None] & live, other=0.0, cache_modifier=".cg").to(tl.float32)
     logit = tl.where(live, logit, float("-inf"))
     if SIGMOID:
         score = tl.sigmoid(logit)
     else:
-        p = tl.exp(logit - tl.max(logit, 0))
-        score = p / tl.sum(p, 0)
+        p = tl.exp(logit - tl.max(logit, 1)[:, None])
+        score = p / tl.sum(p, 1)[:, None]
     choice = score
     if HAS_BIAS:
-        choice = choice + tl.load(BIAS + e, mask=live, other=0.0).to(tl.float32)
+        choice = choice + tl.load(BIAS + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
     # NaN scores (an overflowed activation) are never chosen, so every id stays a real expert
     # (ids index the expert weights and the sort's cursors: a bad one would read or write wild memory).
     choice = tl.where(live & (choice == choice), choice, float("-inf"))
-    ks = tl.arange(0, K_P)
-    ids = tl.zeros([K_P], tl.int32)
-    ws = tl.zeros([K_P], tl.float32)
+    ks = tl.arange(0, K_P)[None, :]
+    ids = tl.zeros([t.shape[0], K_P], tl.int32)
+    ws = tl.zeros([t.shape[0], K_P], tl.float32)
     for j in tl.static_range(K):
-        best = tl.argmax(choice, 0)
+        best = tl.argmax(choice, 1)[:, None]
         ids = tl.where(ks == j, best, ids)
-        ws = tl.where(ks == j, tl.sum(tl.where(e == best, score, 0.0), 0), ws)
-        choice = tl.where(e == best, float("-inf"), choice)
+        ws = tl.where(ks == j, tl.sum(tl.where(e[None, :] == best, score, 0.0), 1)[:, None], ws)
+        choice = tl.where(e[None, :] == best, float("-inf"), choice)
     if RENORM:
-        ws = ws / (tl.sum(ws, 0) + 1e-20)
-    row = t * (K + NUM_SHARED)
-    tl.store(W_OUT + row + ks, ws * scaling, mask=ks < K)
-    tl.store(ID_OUT + row + ks, ids.to(tl.int64), mask=ks < K)
+        ws = ws / (tl.sum(ws, 1)[:, None] + 1e-20)
+    row = t.to(tl.int64)[:, None] * (K + NUM_SHARED)
+    out_mask = tmask[:, None] & (ks < K)
+    tl.store(W_OUT + row + ks, ws * scaling, mask=out_mask)
+    tl.store(ID_OUT + row + ks, ids.to(tl.int64), mask=out_mask)
     for s in tl.static_range(NUM_SHARED):
-        tl.store(W_OUT + row + K + s, 1.0)
-        tl.store(ID_OUT + row + K + s, (E + s).to(tl.int64))
+        tl.store(W_OUT + row + K + s, tl.zeros([t.shape[0], 1], tl.float32) + 1.0, mask=tmask[:, None])
+        tl.store(ID_OUT + row + K + s, tl.zeros([t.shape[0], 1], tl.int64) + (E + s), mask=tmask[:, None])
 
 
 @triton.jit
-def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BF16_MMA: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
+                  K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
+    """One token's routing a program."""
+    pdl_start(USE_PDL)
+    t = tl.program_id(0) + tl.arange(0, 1)
+    _route_tokens(LOGITS, BIAS, W_OUT, ID_OUT, t, t >= 0, num_parts, stride_part, stride_l, E, scaling,
+                  K, K_P, E_P, HAS_BIAS, RENORM, SIGMOID, NUM_SHARED)
+
+
+@triton.jit
+def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BIAS, W_OUT, ID_OUT, TICKETS, scaling,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BF16_MMA: tl.constexpr, ROUTE_T: tl.constexpr = 0, K: tl.constexpr = 1,
+                          K_P: tl.constexpr = 1, E_P: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
+                          RENORM: tl.constexpr = False, SIGMOID: tl.constexpr = True,
+                          NUM_SHARED: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
     """Program (expert block, D chunk, token block): the partial logits of one BLOCK_D-wide chunk,
     OUT[chunk, t, e] = x[t, chunk] . W[e, chunk], in fp32. bf16 x and W go through the tensor
     cores: a product of two bf16 values is exact in fp32 and the MMA accumulates in fp32, so this
-    is the fp32 product of the casts up to summation order. Other dtypes: IEEE fp32 (no TF32)."""
+    is the fp32 product of the casts up to summation order. Other dtypes: IEEE fp32 (no TF32).
+    ROUTE_T > 0 (at most that many tokens, one token block): the last program to finish also
+    routes them (``_route_tokens``), so a decode step's router is one launch, not two."""
     pdl_start(USE_PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     chunk = tl.program_id(1)
@@ -309,12 +327,20 @@ def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, B
     else:
         acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     tl.store(OUT + (chunk * T + t.to(tl.int64))[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+    if ROUTE_T > 0:
+        if last_arrival(TICKETS, 0, tl.num_programs(0) * tl.num_programs(1)):
+            tr = tl.arange(0, ROUTE_T)
+            _route_tokens(OUT, BIAS, W_OUT, ID_OUT, tr, tr < T, tl.num_programs(1), T * E, E, E, scaling,
+                          K, K_P, E_P, HAS_BIAS, RENORM, SIGMOID, NUM_SHARED)
 
 
 # Up to this many tokens the router's logits come from one Triton launch that reads x and the
 # weight in the model dtype (a decode step); past it, cuBLAS's fp32 GEMM reads the weight once for
 # the whole batch.
 ROUTER_KERNEL_MAX_TOKENS = 64
+# Up to this many tokens that launch also routes them (its last program: ``route_hidden``); more tokens
+# take the route kernel's program a token (one program would serialise their partial-sum reads).
+ROUTE_IN_ROUTER_MAX_TOKENS = 4
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) -> torch.Tensor:
@@ -323,20 +349,59 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     (S >= 1), which ``route_triton`` adds up. The split spreads a decode step's GEMV over ~150
     programs (one program per 32 experts over all of D took 85 us a layer on kimi-linear's
     1.2 MB weight, RESULTS.md seventh session) without atomics: same logits every run."""
-    T, D = x.shape
-    E = weight.shape[0]
+    T = x.shape[0]
     if T > ROUTER_KERNEL_MAX_TOKENS or x.stride(-1) != 1 or not weight.is_contiguous():
         logits = F.linear(x.float(), weight.float())
         return logits[None] if split else logits
+    out = _router_partials(x, weight)
+    return out if split else out.sum(0)
+
+
+def _router_partials(x: torch.Tensor, weight: torch.Tensor, route_args: tuple | None = None) -> torch.Tensor:
+    """The partial logits [S, T, E] in one launch; with ``route_args`` (w_out, ids_out, bias,
+    top_k, renormalize, scaling, score_func, num_shared) its last program also routes the tokens."""
+    T, D = x.shape
+    E = weight.shape[0]
     block_d = 128 if D <= 4096 else 256
     parts = triton.cdiv(D, block_d)
     out = torch.empty(parts, T, E, dtype=torch.float32, device=x.device)
     if T:
         bf16 = x.dtype == weight.dtype == torch.bfloat16 and not interpreted()  # (the interpreter's bf16 dot is not exact)
+        route: dict = {}
+        w_out = ids_out = bias = tick = out
+        scaling = 1.0
+        if route_args is not None:
+            w_out, ids_out, bias, top_k, renormalize, scaling, score_func, num_shared = route_args
+            route = _route_constants(top_k, E, bias, renormalize, score_func, num_shared)
+            route["ROUTE_T"] = max(2, triton.next_power_of_2(T))
+            tick = tickets(x.device, 1)
+            bias = bias if bias is not None else out
         _router_logits_kernel[(triton.cdiv(E, 32), parts, triton.cdiv(T, 16))](
-            x, weight, out, T, E, D, x.stride(0), BLOCK_T=16, BLOCK_E=32, BLOCK_D=block_d, BF16_MMA=bf16,
-            **pdl.launch(out.device))
-    return out if split else out.sum(0)
+            x, weight, out, T, E, D, x.stride(0), bias, w_out, ids_out, tick, float(scaling), BLOCK_T=16,
+            BLOCK_E=32, BLOCK_D=block_d, BF16_MMA=bf16, **route, **pdl.launch(out.device))
+    return out
+
+
+def _route_constants(top_k: int, E: int, bias, renormalize: bool, score_func: str, num_shared: int) -> dict:
+    return dict(K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E), HAS_BIAS=bias is not None,
+                RENORM=renormalize, SIGMOID=score_func == "sigmoid", NUM_SHARED=num_shared)
+
+
+def route_hidden(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+                 scaling: float, score_func: str = "sigmoid",
+                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits and ``route_triton``'s routing of them: for up to ROUTE_IN_ROUTER_MAX_TOKENS
+    tokens in one launch (the logits kernel's last program routes; a batch-1 step's route kernel
+    was 26 launches, 0.14 ms, of kimi-linear's step: RESULTS.md eighth session), else two. The
+    same partial sums added in the same order either way: the same experts and weights."""
+    T = x.shape[0]
+    if not 0 < T <= ROUTE_IN_ROUTER_MAX_TOKENS or x.stride(-1) != 1 or not weight.is_contiguous():
+        return route_triton(router_logits(x, weight, split=True), bias, top_k, renormalize, scaling, score_func,
+                            num_shared)
+    w = torch.empty(T, top_k + num_shared, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k + num_shared, dtype=torch.int64, device=x.device)
+    _router_partials(x, weight, (w, ids, bias, top_k, renormalize, scaling, score_func, num_shared))
+    return w, ids
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
@@ -353,9 +418,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
         parts = parts if parts.stride(-1) == 1 else parts.contiguous()
         _route_kernel[(T,)](parts, bias if bias is not None else parts, w, ids, parts.shape[0], parts.stride(0),
                             parts.stride(1), E, float(scaling),
-                            K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
-                            HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
-                            NUM_SHARED=num_shared, **pdl.launch(w.device))
+                            **_route_constants(top_k, E, bias, renormalize, score_func, num_shared),
+                            **pdl.launch(w.device))
     return w, ids
 
 
