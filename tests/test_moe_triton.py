@@ -40,6 +40,10 @@ SCRIPT = textwrap.dedent('''
             block_m=bm, tiles=dict(BLOCK_N=32, SWAP_AB=T != 1 and bm == 16))
         out = experts_triton(x, w, ids, moe.experts, **tiles)
         worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+        if tiles and bm == 16:  # K split over 2 and 3 programs a tile (partials summed by the tile's last)
+            for split in (2, 3):
+                out = experts_triton(x, w, ids, moe.experts, block_m=bm, tiles=dict(tiles["tiles"], SPLIT_K=split))
+                worst = max(worst, ((out - ref).norm() / ref.norm()).item())
         rows, blocks = sort_by_expert(ids, moe.experts.num_experts, 16)
         real = rows[rows < ids.numel()]
         assert sorted(real.tolist()) == list(range(ids.numel()))  # every assignment exactly once
@@ -157,8 +161,8 @@ GEMM_SCRIPT = textwrap.dedent('''
         ea = ids.flatten()
         ref_g = torch.einsum("ak,ank->an", xa, w[0, ea])
         ref_u = torch.einsum("ak,ank->an", xa, w[1, ea])
-        tiles = dict(BLOCK_N=16, SWAP_AB=swap)
-        for upcast in ("dot_scaled", "asm"):  # (asm: the interpreted twin of the PTX, same k order and scaling)
+        for upcast, split in (("dot_scaled", 1), ("asm", 1), ("dot_scaled", 2)):  # (asm: the interpreted twin of the PTX)
+            tiles = dict(BLOCK_N=16, SWAP_AB=swap, SPLIT_K=split)
             out = grouped_gemm(x, rows, blocks, T * top_k, top_k, packed[0], scale[0], N, 16, tiles=tiles,
                                row_scale=row_scale, mx_upcast=upcast)
             ref = ref_g * row_scale[:, None]
@@ -345,6 +349,12 @@ def test_mxfp4_upcast_choice_and_tuned_tiles(monkeypatch):
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_asm")) == m._ASM_TILES
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_dot_scaled")) == m._TILES
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16"})) == m._TILES
+    # K split over programs only for one- or two-token steps, never with our upcast
+    splits = lambda cs: {c.kwargs["SPLIT_K"] for c in cs}  # noqa: E731
+    assert splits(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16", "num_assign": 9})) == {1, 2, 4}
+    assert splits(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16", "num_assign": 64})) == {1}
+    assert splits(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"num_assign": 16}, WEIGHTS="mx_dot_scaled")) == {1, 2, 4}
+    assert splits(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"num_assign": 16}, WEIGHTS="mx_asm")) == {1}
 
 
 def test_one_token_layout_is_a_block_per_assignment():

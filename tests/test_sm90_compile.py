@@ -26,12 +26,12 @@ def _compile(fn, pointers: dict, scalars: dict, consts: dict, **options):
 @pytest.mark.parametrize("swap, block_n, warps", [(True, 32, 2), (False, 64, 4)])
 def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
     ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
-            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32", "PART": "*fp32", "TICKETS": "*i32"}
     ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
                                "stride_se", "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
     consts = dict(WEIGHTS="mx_asm", GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
-                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, USE_PDL=True)
+                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, SPLIT_K=1, USE_PDL=True)
     kernel = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=warps, num_stages=3)
     ptx = kernel.asm["ptx"]
     assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx  # our upcast made it into the kernel
@@ -89,3 +89,19 @@ def test_route_kernel_compiles_for_sm90():
     scalars = {n: "i32" for n in ("num_parts", "stride_part", "stride_l", "E")} | {"scaling": "fp32"}
     consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, USE_PDL=True)
     assert _compile(moe_triton._route_kernel, ptrs, scalars, consts, num_warps=4).asm["cubin"]
+
+
+@pytest.mark.parametrize("weights, split", [("bf16", 2), ("bf16", 4), ("mx_dot_scaled", 4)])
+def test_split_k_grouped_gemm_compiles_for_sm90(weights, split):
+    """One- or two-token steps: K split over programs, partials summed by the tile's last program."""
+    w = "*bf16" if weights == "bf16" else "*u8"
+    ptrs = {"X": "*bf16", "W": w, "S": "*u8", "W_UP": w, "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32", "PART": "*fp32", "TICKETS": "*i32"}
+    ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
+                               "stride_se", "stride_sn", "stride_on")}
+    ints.update(beta="fp32", linear_beta="fp32")
+    consts = dict(WEIGHTS=weights, GLU=True, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=False, BLOCK_M=16,
+                  BLOCK_N=32, BLOCK_K=64 if weights == "bf16" else 128, SWAP_AB=True, INTERPRETED=False,
+                  SPLIT_K=split, USE_PDL=True)
+    ptx = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=2, num_stages=4).asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx and "griddepcontrol.wait" in ptx

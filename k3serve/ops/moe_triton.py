@@ -147,12 +147,12 @@ def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stri
 
 @triton.jit
 def _grouped_gemm_kernel(
-    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
+    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE, PART, TICKETS,
     num_assign, rows_class, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
     WEIGHTS: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr,
+    SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
@@ -161,10 +161,15 @@ def _grouped_gemm_kernel(
     with the scale on the partial products ("mx_asm"), for fp32 activations decoded here one
     32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold to 1e-5).
     ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want different
-    tiles)."""
+    tiles). SPLIT_K > 1 (a step of one or two tokens): K is split over that many programs a tile,
+    which write fp32 partials to PART [SPLIT_K, row blocks * BLOCK_M, N (x2 with the GLU)]; the
+    tile's last program (ops/tickets.py) sums them in a fixed order and runs the epilogue. A
+    token's ~9-16 experts are otherwise too few, too long programs: ramp and tail left kimi-
+    linear's one-token MoE at 63-68 % of copy in every tile (RESULTS.md eighth session)."""
     pdl_start(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
     rows = tl.load(ROWS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_assign
@@ -181,7 +186,11 @@ def _grouped_gemm_kernel(
     # valid rows lead each block, so its first row says whether any is valid. An empty block skips
     # the K loop: it must not stream its expert's weights.
     k_end = tl.where(tl.load(ROWS + pid_m * BLOCK_M) < num_assign, K, 0)
-    for k0 in range(0, k_end, BLOCK_K):
+    k_lo, k_hi = 0, k_end
+    if SPLIT_K > 1:
+        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo, k_hi = pid_k * k_per_split, tl.minimum((pid_k + 1) * k_per_split, k_end)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if WEIGHTS == "mx_asm":
             for g in tl.static_range(BLOCK_K // 32):
                 acc += _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
@@ -206,11 +215,45 @@ def _grouped_gemm_kernel(
             if GLU:
                 acc_up = _weight_tile_product(a, W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se,
                                               stride_sn, acc_up, WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K)
+    if SPLIT_K == 1:
+        if GLU:
+            acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        _gemm_epilogue(acc, acc, OUT, ROW_SCALE, rows, valid, cols, cmask, stride_on, beta, linear_beta,
+                       False, SITU, LINEAR_CLIP, HAS_ROW_SCALE)
+    else:
+        if SWAP_AB:
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
+        width = N * (2 if GLU else 1)
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's rows of the padded row buffer
+        keep = valid[:, None] & cmask[None, :]
+        part = PART + (pid_k * tl.num_programs(0) * BLOCK_M + r[:, None]).to(tl.int64) * width + cols[None, :]
+        tl.store(part, acc, mask=keep)
+        if GLU:
+            tl.store(part + N, acc_up, mask=keep)
+        if last_arrival(TICKETS, pid_m * tl.num_programs(1) + pid_n, SPLIT_K):
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            split_stride = tl.num_programs(0) * BLOCK_M * width
+            for k in range(SPLIT_K):  # a fixed order: the same sums whichever program came last
+                total += tl.load(part + (k - pid_k) * split_stride, mask=keep, other=0.0, cache_modifier=".cg")
+                if GLU:
+                    total_up += tl.load(part + N + (k - pid_k) * split_stride, mask=keep, other=0.0,
+                                        cache_modifier=".cg")
+            _gemm_epilogue(total, total_up, OUT, ROW_SCALE, rows, valid, cols, cmask, stride_on, beta, linear_beta,
+                           GLU, SITU, LINEAR_CLIP, HAS_ROW_SCALE)
+
+
+@triton.jit
+def _gemm_epilogue(acc, acc_up, OUT, ROW_SCALE, rows, valid, cols, cmask, stride_on, beta, linear_beta,
+                   GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr):
+    """[BLOCK_M rows, BLOCK_N cols] accumulators -> the GLU (if not applied yet), the routing weight
+    of each assignment, the store."""
     if GLU:
         acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    if HAS_ROW_SCALE:  # the routing weight of each assignment, applied in the epilogue
+    if HAS_ROW_SCALE:
         acc = acc * tl.load(ROW_SCALE + tl.where(valid, rows, 0), mask=valid, other=0.0)[:, None]
     tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc.to(OUT.dtype.element_ty),
              mask=valid[:, None] & cmask[None, :])
@@ -226,15 +269,24 @@ def _grouped_gemm_kernel(
 # over the original five.
 _TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4)}
 _ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
-GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
-                        for bn, swap, w, st in sorted(_TILES | _ASM_TILES)]
+# K split over programs for steps of up to SPLIT_K_MAX_ASSIGN token-expert pairs (one or two
+# tokens): (tile, split) candidates, bf16 and tl.dot_scaled only (our upcast serves larger steps).
+_SPLIT_TILES = {(32, True, 2, 4, 2), (32, True, 2, 4, 4), (64, False, 4, 3, 2), (64, False, 4, 3, 4),
+                (32, False, 4, 3, 4)}
+SPLIT_K_MAX_ASSIGN = 32
+GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+                        for bn, swap, w, st, sk in sorted({t + (1,) for t in _TILES | _ASM_TILES} | _SPLIT_TILES)]
 
 
 def _tiles_for_weights(configs, named_args, **kwargs):
     weights = kwargs.get("WEIGHTS", named_args.get("WEIGHTS"))
+    assign = kwargs.get("num_assign", named_args.get("num_assign", SPLIT_K_MAX_ASSIGN + 1))
+    split_ok = weights != "mx_asm" and assign <= SPLIT_K_MAX_ASSIGN
+    split = lambda c: c.kwargs.get("SPLIT_K", 1)  # noqa: E731
     keep = _ASM_TILES if weights == "mx_asm" else _TILES
-    return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["SWAP_AB"], c.num_warps, c.num_stages) in keep] \
-        or configs[:1]
+    tile = lambda c: (c.kwargs["BLOCK_N"], c.kwargs["SWAP_AB"], c.num_warps, c.num_stages)  # noqa: E731
+    return [c for c in configs if (split(c) == 1 and tile(c) in keep)
+            or (split_ok and tile(c) + (split(c),) in _SPLIT_TILES)] or configs[:1]
 
 
 _grouped_gemm_tuned = autotuned(
@@ -601,9 +653,16 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     # for (K3, top-16 of 896), so ~98 % of the programs are never launched.
     row_blocks = min(rows.numel() // block_m, num_assign)
     kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, tiles)
-    kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]))](
-        x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
-        num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
+    # the split-K partials' buffer and tile tickets, where a K split may be chosen (else unused)
+    splits = max(c.kwargs.get("SPLIT_K", 1) for c in _grouped_gemm_tuned.configs) if not tiles else tiles.get("SPLIT_K", 1)
+    part = out
+    if splits > 1 and (num_assign <= SPLIT_K_MAX_ASSIGN or tiles):
+        part = torch.empty(splits * row_blocks * block_m * n_out * (2 if up is not None else 1), dtype=torch.float32,
+                           device=x.device)
+    tile_tickets = tickets(x.device, row_blocks * triton.cdiv(n_out, 16)) if part is not out else out
+    kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](
+        x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out, part,
+        tile_tickets, num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
         float(beta), float(linear_beta or 1.0),
         WEIGHTS=weights, INTERPRETED=interpreted(), GLU=up is not None,
