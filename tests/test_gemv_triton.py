@@ -68,3 +68,25 @@ def test_gemv_compiles_for_sm90_with_bf16_mma_and_a_ticket():
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "wgmma" in ptx or "mma.sync" in ptx  # the tensor cores, not FMA
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
+
+
+def test_which_linears_take_the_gemv(monkeypatch):
+    """Decode-sized inputs without gradients, weights up to GEMV_MAX_WEIGHT; everything else cuBLAS."""
+    import torch
+
+    from k3serve.ops import gemv_triton as g
+
+    taken = []
+    monkeypatch.setattr(g, "triton_enabled", lambda op, device: op == "GEMV")
+    monkeypatch.setattr(g, "gemv", lambda x, w: taken.append(tuple(x.shape)) or torch.nn.functional.linear(x, w))
+    w = torch.randn(8, 16)
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        assert torch.allclose(g.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+        g.linear(torch.randn(2, 16).double(), w)  # cast to the weight's dtype first
+        g.linear(torch.randn(5, 16), w)  # too many tokens
+        g.linear(torch.randn(1, 2, 16), w)  # not a token matrix
+        monkeypatch.setattr(g, "GEMV_MAX_WEIGHT", 100)
+        g.linear(torch.randn(1, 16), w)  # weight too large
+    g.linear(torch.randn(1, 16), torch.randn(4, 16))  # gradients recorded
+    assert taken == [(4, 16), (2, 16)]

@@ -103,9 +103,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) (x cast to the weight's dtype), through ``gemv`` for a few tokens on
-    the GPU where the GEMV backend is on and the weight is not LM-head sized."""
+    the GPU where the GEMV backend is on, the weight is at most GEMV_MAX_WEIGHT elements and no
+    gradient is being recorded."""
     x = x.to(weight.dtype)
     if (x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and weight.numel() <= GEMV_MAX_WEIGHT
+            and not torch.is_grad_enabled()  # (no backward: training keeps cuBLAS)
             and triton_enabled("GEMV", x.device) and x.stride(-1) == 1 and weight.stride(-1) == 1):
         return gemv(x, weight)
     return F.linear(x, weight)
