@@ -106,10 +106,10 @@ case "$1" in
     tail -c 5000 "$OUT/kda.log" ;;
   verify)  # the eighth session's untimed code first: kernel checks (GEMV, fused KDA both ways, one-launch
            # router), the KDA decode bench, the small kernels (router one launch vs two), then the engine
-    step kernels_check 150 python3 bench/gpu_check_kernels.py
-    step kda "$(left 230)" python3 -m bench.kernels_kda_decode
-    step small "$(left 300)" python3 -m bench.kernels_small
-    step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
+    step kernels_check 240 python3 bench/gpu_check_kernels.py
+    step kda "$(left 300)" python3 -m bench.kernels_kda_decode
+    step small "$(left 370)" python3 -m bench.kernels_small
+    step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep "FAIL\|checks passed" "$OUT/kernels_check.log"; head -30 "$OUT/kda.log" | tail -24
     grep "router + route\|^| route " "$OUT/small.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
