@@ -67,6 +67,7 @@ GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num
                                           (128, 256, 1, 8, 3), (32, 256, 8, 4, 3))]
 _gemv_tuned = autotuned(_gemv_kernel, GEMV_CONFIGS, triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}),
                         key=["N", "K", "IEEE"])
+_MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in GEMV_CONFIGS)  # rows of the partials' buffer, / 16
 
 # Tokens up to which a linear takes the GEMV (the tokens share one 16-wide MMA tile).
 GEMV_MAX_TOKENS = 4
@@ -85,8 +86,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
         raise ValueError(f"gemv takes up to 16 tokens with dense rows, got x {tuple(x.shape)} {x.stride()}")
     out = torch.empty(T, N, dtype=weight.dtype, device=x.device)
     ieee = weight.dtype == torch.float32 or interpreted()  # (the interpreter's bf16 dot is not exact)
-    splits = max(c.kwargs["SPLIT_K"] for c in GEMV_CONFIGS)
-    part = torch.empty(splits * 16, N, dtype=torch.float32, device=x.device)
+    part = torch.empty(_MAX_SPLIT_K * 16, N, dtype=torch.float32, device=x.device)
     args = (x, weight, out, part, tickets(x.device, triton.cdiv(N, 16)), T, N, K, x.stride(0), weight.stride(0),
             out.stride(0))
     if config is None:

@@ -293,6 +293,7 @@ _grouped_gemm_tuned = autotuned(
     _grouped_gemm_kernel, GROUPED_GEMM_CONFIGS,
     triton.Config({"BLOCK_N": 32, "SWAP_AB": False}, num_warps=4, num_stages=1),
     key=["N", "K", "WEIGHTS", "GLU", "BLOCK_M", "BLOCK_K", "rows_class"], prune=_tiles_for_weights)
+_MAX_SPLIT_K = max(c.kwargs.get("SPLIT_K", 1) for c in _grouped_gemm_tuned.configs)  # (1 when interpreted)
 
 
 @triton.jit
@@ -654,7 +655,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     row_blocks = min(rows.numel() // block_m, num_assign)
     kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, tiles)
     # the split-K partials' buffer and tile tickets, where a K split may be chosen (else unused)
-    splits = max(c.kwargs.get("SPLIT_K", 1) for c in _grouped_gemm_tuned.configs) if not tiles else tiles.get("SPLIT_K", 1)
+    splits = tiles.get("SPLIT_K", 1) if tiles else _MAX_SPLIT_K
     part = out
     if splits > 1 and (num_assign <= SPLIT_K_MAX_ASSIGN or tiles):
         part = torch.empty(splits * row_blocks * block_m * n_out * (2 if up is not None else 1), dtype=torch.float32,
