@@ -122,6 +122,55 @@ def timing(model, rng, sizes, contexts, pool_bytes, iters) -> list[dict]:
     return rows
 
 
+def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters) -> list[dict]:
+    """Graph-replayed decode steps under variants of module constants, in one process (one model
+    load): ``variants`` "name:module.CONST=value,...;name2:..." (values Python literals; "base" with
+    nothing after the colon keeps the code's own). Each variant sets its constants, forgets the
+    in-memory autotuning choices (a constant that prunes configs changes the candidates; the disk
+    cache is keyed by them), captures fresh graphs and times them; the constants go back after."""
+    import ast
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner
+
+    def forget_tuning():
+        for name in ("moe_triton", "gemv_triton", "kda_decode_triton", "mla_decode_triton", "norm_triton"):
+            mod = importlib.import_module(f"k3serve.ops.{name}")
+            for obj in vars(mod).values():
+                if isinstance(obj, Autotuner):
+                    obj.cache.clear()
+
+    rows = []
+    for spec in variants.split(";"):
+        name, _, assigns = spec.partition(":")
+        saved = []
+        for a in filter(None, assigns.split(",")):
+            target, _, value = a.partition("=")
+            mod_name, _, const = target.strip().rpartition(".")
+            mod = importlib.import_module(mod_name)
+            saved.append((mod, const, getattr(mod, const)))
+            setattr(mod, const, ast.literal_eval(value.strip()))
+        forget_tuning()
+        pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+        max_pages = -(-(ctx + 16) // PAGE)
+        B = max(sizes)
+        slots = [pool.alloc_slot() for _ in range(B)]
+        pages = [[pool.alloc_page() for _ in range(max_pages)] for _ in range(B)]
+        graphs = DecodeGraphs(model, pool, B, max_pages, capture=True)
+        for n in sizes:
+            chunks = [SeqChunk([rng.randrange(1000)], ctx, slots[i], pages[i]) for i in range(n)]
+            graphs.run(chunks)
+            rows.append({"variant": name.strip(), "set": assigns, "context": ctx, "batch": n,
+                         "graph_ms": round(timed(lambda: graphs.run(chunks), iters), 3)})
+            print(rows[-1], flush=True)
+        del graphs, pool
+        torch.cuda.empty_cache()
+        for mod, const, value in saved:
+            setattr(mod, const, value)
+    forget_tuning()
+    return rows
+
+
 def engine_match(model, rng, n_prompts) -> dict:
     """Greedy tokens with graphs off (twice: a control for run-to-run determinism) and on. On random
     dummy weights in bf16 a near-tied argmax can flip on any kernel difference, so each mode also
@@ -211,7 +260,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, engine, profile, profile_prefill")
+                    help="comma-separated subset of check, timing, engine, profile, profile_prefill, ab")
+    ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
+    ap.add_argument("--ab-batches", default="1,16")
+    ap.add_argument("--top", type=int, default=25, help="kernels listed per profile")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     rng = random.Random(0)
@@ -225,11 +277,17 @@ def main() -> None:
         print("\n| context | batch | eager ms | graph ms | speedup |\n|---|---|---|---|---|")
         for r in res["timing"]:
             print(f"| {r['context']} | {r['batch']} | {r['eager_ms']} | {r['graph_ms']} | {r['speedup']}x |")
+    if "ab" in parts:
+        res["ab"] = ab_timing(model, rng, args.ab, [int(b) for b in args.ab_batches.split(",")], 512, pool_bytes,
+                              args.iters)
+        print("\n| variant | set | batch | graph ms |\n|---|---|---|---|")
+        for r in res["ab"]:
+            print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} |")
     if "engine" in parts:
         res["engine"] = engine_match(model, rng, 12)
         print(json.dumps(res["engine"]))
     if "profile" in parts:
-        res["profile"] = [kernel_profile(model, rng, b, 4096, pool_bytes) for b in (1, 64)]
+        res["profile"] = [kernel_profile(model, rng, b, 4096, pool_bytes, top=args.top) for b in (1, 64)]
     if "profile_prefill" in parts:  # the engine's default 8192-token step: 4 prompts of 2048, 1 of 8192
         res["profile"] = res.get("profile", []) + [kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
                                                    for b, n in ((4, 2048), (1, 8192))]

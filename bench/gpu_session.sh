@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, dense, kda, engine48, verify: see each case below)
+#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, dense, kda, engine48, verify, ab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -112,6 +112,12 @@ case "$1" in
     step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep "FAIL\|checks passed" "$OUT/kernels_check.log"; head -30 "$OUT/kda.log" | tail -24
     grep "router + route\|^| route " "$OUT/small.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
+  ab)  # kimi-linear-48b graph-replayed decode steps under variants of module constants (one model load;
+       # AB="name:module.CONST=value,...;...", see gpu_check_graphs.ab_timing), then the step profile
+    step ab "$(left "${AB_UNTIL:-580}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts "ab,${AB_PARTS:-profile}" --ab "${AB:-base:}" --ab-batches "${AB_BATCHES:-1}" --top 70 --iters 20 \
+      --out /tmp/gpu_work
+    grep -A30 "| variant" "$OUT/ab.log"; grep -A75 "kernels, " "$OUT/ab.log" ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;

@@ -16,7 +16,7 @@ from bench.timing import gpu_ms
 from k3serve.model.layers import RMSNorm, glu_activation, rms_norm
 from k3serve.ops.glu_triton import glu_triton
 from k3serve.ops.moe_ref import route
-from k3serve.ops.moe_triton import route_hidden, route_triton, router_logits, sort_by_expert, sort_by_expert_torch
+from k3serve.ops.moe_triton import route_triton, sort_by_expert, sort_by_expert_torch
 from k3serve.ops.norm_triton import add_rms_norm_triton, rms_norm_triton
 
 
@@ -85,15 +85,6 @@ def main() -> None:
         t_ours = _us(lambda: sort_by_expert(ids, E, 16))
         t_ref = _us(lambda: sort_by_expert_torch(ids, E, 16))
         print(f"| expert alignment | {T * K} assignments, {E} experts | {t_ours:.1f} | {t_ref:.1f} | {check} |")
-    # a decode step's router from the hidden state: logits kernel + route kernel, or one launch
-    for T, E, D, K in ((1, 256, 2304, 8), (4, 256, 2304, 8), (1, 896, 7168, 16)):
-        x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(E, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
-        bias = torch.randn(E, device="cuda", generator=g) * 0.1
-        two = lambda: route_triton(router_logits(x, w, split=True), bias, K, True, 2.5)  # noqa: E731
-        same = all(torch.equal(a, b) for a, b in zip(route_hidden(x, w, bias, K, True, 2.5), two()))
-        print(f"| router + route, one launch (vs two) | {T} tokens, {E} experts, D {D} | "
-              f"{_us(lambda: route_hidden(x, w, bias, K, True, 2.5)):.1f} | {_us(two):.1f} | bit-equal: {same} |")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,6 @@ SCRIPT = textwrap.dedent('''
             block_m=bm, tiles=dict(BLOCK_N=32, SWAP_AB=T != 1 and bm == 16))
         out = experts_triton(x, w, ids, moe.experts, **tiles)
         worst = max(worst, ((out - ref).norm() / ref.norm()).item())
-        if tiles and bm == 16:  # K split over 2 and 3 programs a tile (partials summed by the tile's last)
-            for split in (2, 3):
-                out = experts_triton(x, w, ids, moe.experts, block_m=bm, tiles=dict(tiles["tiles"], SPLIT_K=split))
-                worst = max(worst, ((out - ref).norm() / ref.norm()).item())
         rows, blocks = sort_by_expert(ids, moe.experts.num_experts, 16)
         real = rows[rows < ids.numel()]
         assert sorted(real.tolist()) == list(range(ids.numel()))  # every assignment exactly once
@@ -161,8 +157,8 @@ GEMM_SCRIPT = textwrap.dedent('''
         ea = ids.flatten()
         ref_g = torch.einsum("ak,ank->an", xa, w[0, ea])
         ref_u = torch.einsum("ak,ank->an", xa, w[1, ea])
-        for upcast, split in (("dot_scaled", 1), ("asm", 1), ("dot_scaled", 2)):  # (asm: the interpreted twin of the PTX)
-            tiles = dict(BLOCK_N=16, SWAP_AB=swap, SPLIT_K=split)
+        tiles = dict(BLOCK_N=16, SWAP_AB=swap)
+        for upcast in ("dot_scaled", "asm"):  # (asm: the interpreted twin of the PTX, same k order and scaling)
             out = grouped_gemm(x, rows, blocks, T * top_k, top_k, packed[0], scale[0], N, 16, tiles=tiles,
                                row_scale=row_scale, mx_upcast=upcast)
             ref = ref_g * row_scale[:, None]
@@ -251,36 +247,6 @@ def test_router_logits_kernel_is_fp32_exact(seed):
     assert worst_error(LOGITS_SCRIPT, str(seed)) < 1e-6
 
 
-ROUTE_HIDDEN_SCRIPT = textwrap.dedent('''
-    import os, sys, torch
-    os.environ["TRITON_INTERPRET"] = "1"
-    from k3serve.ops import moe_triton as m
-    gen = torch.Generator().manual_seed(int(sys.argv[1]))
-    worst = 0.0
-    # (tokens, experts, D, top-k, shared, score function): one launch up to ROUTE_IN_ROUTER_MAX_TOKENS
-    for T, E, D, K, S, func in [(1, 256, 2304, 8, 1, "sigmoid"), (3, 64, 300, 6, 0, "softmax"),
-                                (4, 96, 1000, 4, 2, "sigmoid"), (6, 64, 256, 6, 0, "sigmoid")]:
-        x = torch.randn(T, D, generator=gen)
-        w = torch.randn(E, D, generator=gen) * D ** -0.5
-        bias = torch.randn(E, generator=gen) * 0.1 if S != 2 else None
-        for _ in range(2):  # twice: the router launch must leave its ticket at zero
-            wt, ids = m.route_hidden(x, w, bias, K, True, 2.5, func, num_shared=S)
-            w2, ids2 = m.route_triton(m.router_logits(x, w, split=True), bias, K, True, 2.5, func, num_shared=S)
-            assert torch.equal(ids, ids2) and torch.equal(wt, w2), (T, E, ids, ids2)  # the same sums, same order
-        if S:
-            assert (ids[:, K:] == torch.arange(E, E + S)).all() and (wt[:, K:] == 1).all()
-        worst = max(worst, float(ids.max() >= E + S) + float(ids.min() < 0))
-    print(worst)
-''')
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_router_routes_decode_tokens_in_its_own_launch(seed):
-    """A decode step's router: its logits kernel's last program routes the tokens (one launch),
-    with the same experts and weights, bit for bit, as the logits kernel then the route kernel."""
-    assert worst_error(ROUTE_HIDDEN_SCRIPT, str(seed)) == 0.0
-
-
 JOIN_SCRIPT = textwrap.dedent('''
     import dataclasses, os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
@@ -326,6 +292,54 @@ def test_shared_expert_joined_to_routed_stacks_matches_reference(groups):
     assert worst_error(JOIN_SCRIPT, str(groups)) < 1e-5
 
 
+RESIDUAL_SCRIPT = textwrap.dedent('''
+    import dataclasses, os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.config import ModelConfig
+    from k3serve.model import moe as moe_module
+    from k3serve.model.layers import RMSNorm
+    from k3serve.model.moe import MoE
+    from k3serve.ops import moe_triton
+    from k3serve.ops.norm_triton import add_rms_norm_triton
+    from k3serve.presets import preset_config
+    cfg = dataclasses.replace(ModelConfig.from_dict(preset_config("kimi-linear-48b")), hidden_size=64,
+                              moe_intermediate_size=32, num_experts=12, num_experts_per_token=3)
+    dtype = getattr(torch, sys.argv[1])
+    gen = torch.Generator().manual_seed(0)
+    moe = MoE(cfg, dtype)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    norm = RMSNorm(64, 1e-5, dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    moe.join_shared_experts()
+    worst = 0.0
+    with torch.inference_mode():
+        for T in (1, 3, 4, 6):  # one token (no sort), sorted blocks, the most in the GEMM, past it
+            x, h = torch.randn(T, 64, generator=gen).to(dtype), torch.randn(T, 64, generator=gen).to(dtype)
+            s = h.double() + moe(x).double()  # the reference path (torch), then the add and the norm in fp64
+            ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+            moe_module.triton_enabled = lambda op, device: op == "MOE"  # Triton on CPU tensors (interpreted)
+            for _ in range(2):  # twice: the tickets back at zero
+                h_new, y = moe(x, residual=(h, norm))
+                assert h_new.dtype == y.dtype == dtype and h_new.shape == y.shape == (T, 64)
+                h2, y2 = add_rms_norm_triton(h, moe(x), norm.weight, norm.eps)  # combine kernel, then add + norm
+                assert torch.equal(h_new, h2) and torch.equal(y, y2), T
+            worst = max(worst, ((h_new.double() - s).norm() / s.norm()).item(),
+                        ((y.double() - ref).norm() / ref.norm()).item())
+            moe_module.triton_enabled = lambda op, device: False
+    assert moe_triton.COMBINE_IN_GEMM_MAX_TOKENS == 4
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_down_gemm_combines_into_the_residual_and_norms_it(dtype, tol):
+    """A decode step's MoE output joins the residual stream and the next norm inside the down
+    GEMM's launch (up to COMBINE_IN_GEMM_MAX_TOKENS tokens): the same bits as the combine kernel
+    and the add + norm kernel after it, and the reference's sums within rounding."""
+    assert worst_error(RESIDUAL_SCRIPT, dtype) < tol
+
+
 def test_mxfp4_upcast_choice_and_tuned_tiles(monkeypatch):
     """Which MXFP4 path a call takes (our upcast only where it measured faster, and where the GPU
     has mul.bf16x2), and that each path is tuned only over the tiles it was checked with."""
@@ -349,12 +363,6 @@ def test_mxfp4_upcast_choice_and_tuned_tiles(monkeypatch):
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_asm")) == m._ASM_TILES
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_dot_scaled")) == m._TILES
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16"})) == m._TILES
-    # K split over programs only for one- or two-token steps, never with our upcast
-    splits = lambda cs: {c.kwargs["SPLIT_K"] for c in cs}  # noqa: E731
-    assert splits(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16", "num_assign": 9})) == {1, 2, 4}
-    assert splits(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16", "num_assign": 64})) == {1}
-    assert splits(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"num_assign": 16}, WEIGHTS="mx_dot_scaled")) == {1, 2, 4}
-    assert splits(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"num_assign": 16}, WEIGHTS="mx_asm")) == {1}
 
 
 def test_one_token_layout_is_a_block_per_assignment():

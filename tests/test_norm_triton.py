@@ -92,3 +92,37 @@ GATED_SCRIPT = textwrap.dedent('''
 def test_gated_norm_matches_reference(seed):
     """KDA's output norm times sigmoid(gate), the gate's heads read from a strided [T, H*D] row."""
     assert worst_error(GATED_SCRIPT, str(seed)) < 1.0
+
+
+LATENT_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.model.layers import rms_norm
+    from k3serve.ops.norm_triton import latent_to_cache, rms_norm_triton
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    for T, R, DR, page, dtype in [(1, 64, 16, 8, torch.float32), (5, 48, 8, 4, torch.bfloat16), (3, 512, 64, 16, torch.bfloat16)]:
+        wide = torch.randn(T, 7 + R + DR, generator=gen).to(dtype)
+        kv = wide[:, 7:]  # strided rows: a column slice of the fused input projection
+        w = (torch.rand(R, generator=gen) + 0.5).to(dtype)
+        layers = torch.randn(6, 2, page, R + DR, generator=gen).to(dtype)
+        cache = layers[:, 1]  # a strided per-layer view of the pool
+        before = layers.clone()
+        slot = torch.randperm(6 * page, generator=gen)[:T]
+        page_ix, offset = slot // page, slot % page
+        latent_to_cache(kv, w, 1e-6, cache, page_ix, offset)
+        ref = before.clone()
+        ref[:, 1][page_ix, offset] = torch.cat([rms_norm_triton(kv[:, :R], w, 1e-6), kv[:, R:]], -1)
+        assert torch.equal(layers, ref), (T, R, dtype)  # the norm kernel's bits, nothing else touched
+        exact = rms_norm(kv[:, :R], w, 1e-6, torch.float32)
+        tol = 1e-6 if dtype == torch.float32 else 2.0 ** -8
+        worst = max(worst, ((cache[page_ix, offset, :R].float() - exact).norm() / exact.norm()).item() / tol)
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_latent_rows_normed_and_written_to_their_pages_in_one_launch(seed):
+    """MLA's new cache rows: the latent normed, k_pe copied, stored at (page, offset) of a strided
+    cache view; the same bits as the norm kernel, the concatenation and the indexed store."""
+    assert worst_error(LATENT_SCRIPT, str(seed)) < 1.0

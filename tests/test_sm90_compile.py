@@ -23,19 +23,40 @@ def _compile(fn, pointers: dict, scalars: dict, consts: dict, **options):
     return triton.compile(src, target=HOPPER, options=options)
 
 
+def _grouped_gemm_sig(weights: str) -> tuple[dict, dict]:
+    w = "*bf16" if weights == "bf16" else "*u8"
+    ptrs = {"X": "*bf16", "W": w, "S": "*u8", "W_UP": w, "S_UP": "*u8", "OUT": "*fp32", "ROWS": "*i64",
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32", "TICKETS": "*i32", "RES": "*bf16", "H_OUT": "*bf16",
+            "NORM_W": "*bf16", "Y": "*bf16"}
+    ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
+                               "stride_se", "stride_sn", "stride_on", "num_tokens", "combine_k")}
+    ints.update(beta="fp32", linear_beta="fp32", eps="fp32")
+    return ptrs, ints
+
+
 @pytest.mark.parametrize("swap, block_n, warps", [(True, 32, 2), (False, 64, 4)])
 def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
-    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
-            "EXPERTS": "*i64", "ROW_SCALE": "*fp32", "PART": "*fp32", "TICKETS": "*i32"}
-    ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
-                               "stride_se", "stride_sn", "stride_on")}
-    ints.update(beta="fp32", linear_beta="fp32")
+    ptrs, ints = _grouped_gemm_sig("mx_asm")
     consts = dict(WEIGHTS="mx_asm", GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
-                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, SPLIT_K=1, USE_PDL=True)
+                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, COMBINE=False, NORM_BLOCK=1,
+                  USE_PDL=True)
     kernel = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=warps, num_stages=3)
     ptx = kernel.asm["ptx"]
     assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx  # our upcast made it into the kernel
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
+    assert "atom." not in ptx  # no combine, no ticket
+
+
+@pytest.mark.parametrize("weights, swap", [("bf16", True), ("bf16", False), ("mx_dot_scaled", True)])
+def test_down_gemm_with_the_combine_and_residual_norm_compiles_for_sm90(weights, swap):
+    """A few tokens' down GEMM: the last row block of a column tile sums the tokens' rows into the
+    residual (an acquire-release ticket, the others' rows read from L2), the last tile norms."""
+    ptrs, ints = _grouped_gemm_sig(weights)
+    consts = dict(WEIGHTS=weights, GLU=False, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=True, BLOCK_M=16,
+                  BLOCK_N=32, BLOCK_K=64 if weights == "bf16" else 128, SWAP_AB=swap, INTERPRETED=False,
+                  COMBINE=True, NORM_BLOCK=4096, USE_PDL=True)
+    ptx = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=2, num_stages=4).asm["ptx"]
+    assert ptx.count("atom.global.gpu.acq_rel.add") >= 2 and "ld.global.cg" in ptx and "griddepcontrol.wait" in ptx
 
 
 def _add_rms_norm_ptx(use_pdl: bool) -> str:
@@ -72,16 +93,12 @@ def test_kda_fused_decode_compiles_for_sm90(block_v, blocks):
         assert "atom." not in ptx
 
 
-@pytest.mark.parametrize("route_t", [0, 4])
-def test_router_kernel_with_routing_in_its_last_program_compiles_for_sm90(route_t):
-    ptrs = {"X": "*bf16", "W": "*bf16", "OUT": "*fp32", "BIAS": "*fp32", "W_OUT": "*fp32", "ID_OUT": "*i64",
-            "TICKETS": "*i32"}
-    scalars = {n: "i32" for n in ("T", "E", "D", "stride_x")} | {"scaling": "fp32"}
-    consts = dict(BLOCK_T=16, BLOCK_E=32, BLOCK_D=128, BF16_MMA=True, ROUTE_T=route_t, K=8, K_P=8, E_P=256,
-                  HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, USE_PDL=True)
+def test_router_logits_kernel_compiles_for_sm90():
+    ptrs = {"X": "*bf16", "W": "*bf16", "OUT": "*fp32"}
+    scalars = {n: "i32" for n in ("T", "E", "D", "stride_x")}
+    consts = dict(BLOCK_T=16, BLOCK_E=32, BLOCK_D=128, BF16_MMA=True, USE_PDL=True)
     ptx = _compile(moe_triton._router_logits_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
-    assert "griddepcontrol.wait" in ptx
-    assert ("atom.global.gpu.acq_rel.add" in ptx) == (route_t > 0)
+    assert "griddepcontrol.wait" in ptx and "atom." not in ptx
 
 
 def test_route_kernel_compiles_for_sm90():
@@ -89,19 +106,3 @@ def test_route_kernel_compiles_for_sm90():
     scalars = {n: "i32" for n in ("num_parts", "stride_part", "stride_l", "E")} | {"scaling": "fp32"}
     consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, USE_PDL=True)
     assert _compile(moe_triton._route_kernel, ptrs, scalars, consts, num_warps=4).asm["cubin"]
-
-
-@pytest.mark.parametrize("weights, split", [("bf16", 2), ("bf16", 4), ("mx_dot_scaled", 4)])
-def test_split_k_grouped_gemm_compiles_for_sm90(weights, split):
-    """One- or two-token steps: K split over programs, partials summed by the tile's last program."""
-    w = "*bf16" if weights == "bf16" else "*u8"
-    ptrs = {"X": "*bf16", "W": w, "S": "*u8", "W_UP": w, "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
-            "EXPERTS": "*i64", "ROW_SCALE": "*fp32", "PART": "*fp32", "TICKETS": "*i32"}
-    ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
-                               "stride_se", "stride_sn", "stride_on")}
-    ints.update(beta="fp32", linear_beta="fp32")
-    consts = dict(WEIGHTS=weights, GLU=True, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=False, BLOCK_M=16,
-                  BLOCK_N=32, BLOCK_K=64 if weights == "bf16" else 128, SWAP_AB=True, INTERPRETED=False,
-                  SPLIT_K=split, USE_PDL=True)
-    ptx = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=2, num_stages=4).asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx and "griddepcontrol.wait" in ptx

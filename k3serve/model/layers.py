@@ -15,7 +15,7 @@ from ..ops.backend import triton_enabled
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype=None) -> torch.Tensor:
     """gamma * x / sqrt(mean(x^2) + eps) with statistics and the weight product in fp32."""
-    if _norm_kernel_on(x):
+    if norm_kernel_on(x):
         from ..ops.norm_triton import rms_norm_triton  # one launch instead of ~6
 
         return rms_norm_triton(x, weight, eps, out_dtype)
@@ -29,7 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """KDA's output: rms_norm(x) * sigmoid(gate) in fp32, cast once; x [T, H, D], gate [T, H*D]."""
-    if _norm_kernel_on(x):
+    if norm_kernel_on(x):
         from ..ops.norm_triton import rms_norm_triton  # one launch instead of ~9
 
         return rms_norm_triton(x, weight, eps, out_dtype, gate=gate)
@@ -37,14 +37,27 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     return y.to(out_dtype)
 
 
-def _norm_kernel_on(x: torch.Tensor) -> bool:
+def norm_kernel_on(x: torch.Tensor) -> bool:
+    """Whether the Triton norm kernels (and the fusions built on them) serve ``x``: no gradient
+    being recorded, the NORM backend on for its device."""
     return not torch.is_grad_enabled() and triton_enabled("NORM", x.device)
+
+
+# The residual stream a block's output joins and the norm that follows the add: (h, RMSNorm). A
+# block given one returns (h + out, norm(h + out)) instead of out, fused into its last kernel
+# where it can (``Linear.forward``, ``RoutedExperts.forward``).
+Residual = tuple[torch.Tensor, "RMSNorm"]
+
+
+def join_residual(out: torch.Tensor, residual: Residual | None):
+    """``out`` added to the residual stream and normed, (h', norm(h')); ``out`` itself without one."""
+    return out if residual is None else add_rms_norm(residual[0], out, residual[1])
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
     """The residual update and the next norm: (h + delta, norm(h + delta)); one launch with the
     Triton norm backend instead of an add and a norm."""
-    if _norm_kernel_on(h) and h.dim() == 2 and delta.dtype == h.dtype:
+    if norm_kernel_on(h) and h.dim() == 2 and delta.dtype == h.dtype:
         from ..ops.norm_triton import add_rms_norm_triton
 
         return add_rms_norm_triton(h, delta, norm.weight, norm.eps)
@@ -123,8 +136,18 @@ class Linear(nn.Module):
             return full
         return full.chunk(self.tp_size, dim=self.tp_dim)[self.tp_rank]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight)
+    def forward(self, x: torch.Tensor, residual: Residual | None = None):
+        """x W^T; with ``residual`` (h, norm): (h + x W^T, norm(h + x W^T)), in one GEMV launch
+        for decode-sized batches."""
+        if residual is not None and x.is_cuda:
+            from ..ops import gemv_triton
+
+            h, norm = residual
+            x = x.to(self.weight.dtype)
+            if (x.shape[0] <= gemv_triton.RESIDUAL_MAX_TOKENS and gemv_triton.takes_gemv(x, self.weight)
+                    and h.dtype == self.weight.dtype and norm_kernel_on(h)):
+                return gemv_triton.gemv(x, self.weight, residual=(h, norm.weight, norm.eps))
+        return join_residual(dense_linear(x, self.weight), residual)
 
 
 def fuse_as_views(params: list[nn.Parameter]) -> torch.Tensor:

@@ -25,6 +25,7 @@ import triton.language as tl
 from . import pdl
 from .autotune import autotuned, interpreted
 from .glu_triton import glu
+from .norm_triton import add_rms_norm_triton, add_to_residual, norm_rows_when_done
 from .pdl import pdl_start
 from .tickets import last_arrival, tickets
 
@@ -119,13 +120,15 @@ def _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we,
 
 @triton.jit
 def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
-                         MXFP4: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr):
+                         MXFP4: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
     """acc + a @ W[e][cols, k0:k0+BLOCK_K]^T (or its transpose with SWAP_AB). MXFP4 goes through
     tl.dot_scaled: Triton upcasts the E2M1 codes and E8M0 scales to bf16 in registers on Hopper
     (no FP4 tensor cores) with its own conversion, far fewer instructions than a decode written
     here, and the packed tile is loaded [cols, BLOCK_K / 2] straight from the checkpoint layout.
     SWAP_AB computes W @ a^T: the weight tile becomes the M side of the MMA, so a decode step's
-    handful of rows per expert sits on the small N side instead of padding M to 16 or 64."""
+    handful of rows per expert sits on the small N side instead of padding M to 16 or 64. Under
+    the interpreter bf16 tiles are multiplied in fp32 (its bf16 dot returns garbage)."""
     if MXFP4:
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -138,22 +141,26 @@ def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stri
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(W + e * stride_we + cols[:, None] * stride_wn + kk[None, :], mask=cmask[:, None], other=0.0)
+        w = w.to(a.dtype)
+        if INTERPRETED:
+            w, a = w.to(tl.float32), a.to(tl.float32)
         if SWAP_AB:
-            acc = tl.dot(w.to(a.dtype), tl.trans(a), acc)
+            acc = tl.dot(w, tl.trans(a), acc)
         else:
-            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+            acc = tl.dot(a, tl.trans(w), acc)
     return acc
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE, PART, TICKETS,
+    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE, TICKETS,
     num_assign, rows_class, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
+    RES, H_OUT, NORM_W, Y, eps, num_tokens, combine_k,
     WEIGHTS: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, COMBINE: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
     epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). WEIGHTS: "bf16"; or MXFP4 upcast in
@@ -161,15 +168,13 @@ def _grouped_gemm_kernel(
     with the scale on the partial products ("mx_asm"), for fp32 activations decoded here one
     32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold to 1e-5).
     ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want different
-    tiles). SPLIT_K > 1 (a step of one or two tokens): K is split over that many programs a tile,
-    which write fp32 partials to PART [SPLIT_K, row blocks * BLOCK_M, N (x2 with the GLU)]; the
-    tile's last program (ops/tickets.py) sums them in a fixed order and runs the epilogue. A
-    token's ~9-16 experts are otherwise too few, too long programs: ramp and tail left kimi-
-    linear's one-token MoE at 63-68 % of copy in every tile (RESULTS.md eighth session)."""
+    tiles). COMBINE (the down GEMM of a few tokens): ``_combine_tail`` then sums each token's
+    ``combine_k`` rows into the residual stream RES -> H_OUT and norms it into Y. (A K split over
+    programs for one- and two-token steps lost to the plain tiles on the H200: RESULTS.md ninth
+    session.)"""
     pdl_start(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
     rows = tl.load(ROWS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_assign
@@ -186,11 +191,7 @@ def _grouped_gemm_kernel(
     # valid rows lead each block, so its first row says whether any is valid. An empty block skips
     # the K loop: it must not stream its expert's weights.
     k_end = tl.where(tl.load(ROWS + pid_m * BLOCK_M) < num_assign, K, 0)
-    k_lo, k_hi = 0, k_end
-    if SPLIT_K > 1:
-        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_lo, k_hi = pid_k * k_per_split, tl.minimum((pid_k + 1) * k_per_split, k_end)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         if WEIGHTS == "mx_asm":
             for g in tl.static_range(BLOCK_K // 32):
                 acc += _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
@@ -211,52 +212,39 @@ def _grouped_gemm_kernel(
             a = tl.load(X + tok[:, None] * stride_xt + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
                         other=0.0)
             acc = _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
-                                       WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K)
+                                       WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K, INTERPRETED)
             if GLU:
                 acc_up = _weight_tile_product(a, W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se,
-                                              stride_sn, acc_up, WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K)
-    if SPLIT_K == 1:
-        if GLU:
-            acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
-        if SWAP_AB:
-            acc = tl.trans(acc)
-        _gemm_epilogue(acc, acc, OUT, ROW_SCALE, rows, valid, cols, cmask, stride_on, beta, linear_beta,
-                       False, SITU, LINEAR_CLIP, HAS_ROW_SCALE)
-    else:
-        if SWAP_AB:
-            acc = tl.trans(acc)
-            acc_up = tl.trans(acc_up)
-        width = N * (2 if GLU else 1)
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's rows of the padded row buffer
-        keep = valid[:, None] & cmask[None, :]
-        part = PART + (pid_k * tl.num_programs(0) * BLOCK_M + r[:, None]).to(tl.int64) * width + cols[None, :]
-        tl.store(part, acc, mask=keep)
-        if GLU:
-            tl.store(part + N, acc_up, mask=keep)
-        if last_arrival(TICKETS, pid_m * tl.num_programs(1) + pid_n, SPLIT_K):
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            total_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            split_stride = tl.num_programs(0) * BLOCK_M * width
-            for k in range(SPLIT_K):  # a fixed order: the same sums whichever program came last
-                total += tl.load(part + (k - pid_k) * split_stride, mask=keep, other=0.0, cache_modifier=".cg")
-                if GLU:
-                    total_up += tl.load(part + N + (k - pid_k) * split_stride, mask=keep, other=0.0,
-                                        cache_modifier=".cg")
-            _gemm_epilogue(total, total_up, OUT, ROW_SCALE, rows, valid, cols, cmask, stride_on, beta, linear_beta,
-                           GLU, SITU, LINEAR_CLIP, HAS_ROW_SCALE)
-
-
-@triton.jit
-def _gemm_epilogue(acc, acc_up, OUT, ROW_SCALE, rows, valid, cols, cmask, stride_on, beta, linear_beta,
-                   GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr):
-    """[BLOCK_M rows, BLOCK_N cols] accumulators -> the GLU (if not applied yet), the routing weight
-    of each assignment, the store."""
+                                              stride_sn, acc_up, WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K,
+                                              INTERPRETED)
     if GLU:
         acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if HAS_ROW_SCALE:
         acc = acc * tl.load(ROW_SCALE + tl.where(valid, rows, 0), mask=valid, other=0.0)[:, None]
     tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc.to(OUT.dtype.element_ty),
              mask=valid[:, None] & cmask[None, :])
+    if COMBINE:
+        _combine_tail(OUT, RES, H_OUT, NORM_W, Y, TICKETS, pid_n, cols, cmask, num_tokens, combine_k, stride_on, N,
+                      eps, NORM_BLOCK, BLOCK_N)
+
+
+@triton.jit
+def _combine_tail(OUT, RES, H_OUT, NORM_W, Y, TICKETS, pid_n, cols, cmask, num_tokens, combine_k,
+                  stride_on, N, eps, NORM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``combine_experts`` and the residual add + norm after it, inside the down GEMM: the last row
+    block to finish a column tile sums each token's ``combine_k`` weighted rows there (fixed order,
+    as the combine kernel) into the residual stream, and the last column tile norms the rows."""
+    if last_arrival(TICKETS, pid_n, tl.num_programs(0)):
+        for t in range(num_tokens):
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for j in range(combine_k):
+                acc += tl.load(OUT + (t * combine_k + j) * stride_on + cols, mask=cmask, other=0.0,
+                               cache_modifier=".cg")
+            add_to_residual(acc, RES, H_OUT, t, cols, cmask, N)
+        norm_rows_when_done(TICKETS, tl.cdiv(N, 16), tl.num_programs(1), H_OUT, NORM_W, Y,
+                            num_tokens, N, eps, N, NORM_BLOCK)
 
 
 # Tile width, orientation and pipelining, picked on the GPU at first use of each shape (~1 s a
@@ -269,31 +257,21 @@ def _gemm_epilogue(acc, acc_up, OUT, ROW_SCALE, rows, valid, cols, cmask, stride
 # over the original five.
 _TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4)}
 _ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
-# K split over programs for steps of up to SPLIT_K_MAX_ASSIGN token-expert pairs (one or two
-# tokens): (tile, split) candidates, bf16 and tl.dot_scaled only (our upcast serves larger steps).
-_SPLIT_TILES = {(32, True, 2, 4, 2), (32, True, 2, 4, 4), (64, False, 4, 3, 2), (64, False, 4, 3, 4),
-                (32, False, 4, 3, 4)}
-SPLIT_K_MAX_ASSIGN = 32
-GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap, "SPLIT_K": sk}, num_warps=w, num_stages=st)
-                        for bn, swap, w, st, sk in sorted({t + (1,) for t in _TILES | _ASM_TILES} | _SPLIT_TILES)]
+GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
+                        for bn, swap, w, st in sorted(_TILES | _ASM_TILES)]
 
 
 def _tiles_for_weights(configs, named_args, **kwargs):
     weights = kwargs.get("WEIGHTS", named_args.get("WEIGHTS"))
-    assign = kwargs.get("num_assign", named_args.get("num_assign", SPLIT_K_MAX_ASSIGN + 1))
-    split_ok = weights != "mx_asm" and assign <= SPLIT_K_MAX_ASSIGN
-    split = lambda c: c.kwargs.get("SPLIT_K", 1)  # noqa: E731
     keep = _ASM_TILES if weights == "mx_asm" else _TILES
-    tile = lambda c: (c.kwargs["BLOCK_N"], c.kwargs["SWAP_AB"], c.num_warps, c.num_stages)  # noqa: E731
-    return [c for c in configs if (split(c) == 1 and tile(c) in keep)
-            or (split_ok and tile(c) + (split(c),) in _SPLIT_TILES)] or configs[:1]
+    return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["SWAP_AB"], c.num_warps, c.num_stages) in keep] \
+        or configs[:1]
 
 
 _grouped_gemm_tuned = autotuned(
     _grouped_gemm_kernel, GROUPED_GEMM_CONFIGS,
     triton.Config({"BLOCK_N": 32, "SWAP_AB": False}, num_warps=4, num_stages=1),
     key=["N", "K", "WEIGHTS", "GLU", "BLOCK_M", "BLOCK_K", "rows_class"], prune=_tiles_for_weights)
-_MAX_SPLIT_K = max(c.kwargs.get("SPLIT_K", 1) for c in _grouped_gemm_tuned.configs)  # (1 when interpreted)
 
 
 @triton.jit
@@ -301,16 +279,15 @@ def _route_tokens(LOGITS, BIAS, W_OUT, ID_OUT, t, tmask, num_parts, stride_part,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr):
     """The routing of tokens ``t`` [BT] (``moe_ref.route`` with one expert group): logits as the sum
-    of ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits; read from L2:
-    other programs may have written them), scores, bias-corrected choice, top-k by K rounds of
+    of ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores, bias-corrected choice, top-k by K rounds of
     argmax (descending, as torch.topk), weights from the unbiased scores, renormalised, scaled;
     then NUM_SHARED always-on experts E, E + 1, ... of weight 1."""
     e = tl.arange(0, E_P)
     live = (e < E)[None, :]
     logit = tl.zeros([t.shape[0], E_P], tl.float32)
-    for part in range(num_parts):  # a fixed order: the same logits every run, and in either launch form
+    for part in range(num_parts):  # a fixed order: the same logits every run
         logit += tl.load(LOGITS + part * stride_part + t[:, None] * stride_l + e[None, :],
-                         mask=tmask[:, None] & live, other=0.0, cache_modifier=".cg").to(tl.float32)
+                         mask=tmask[:, None] & live, other=0.0).to(tl.float32)
     logit = tl.where(live, logit, float("-inf"))
     if SIGMOID:
         score = tl.sigmoid(logit)
@@ -326,13 +303,16 @@ def _route_tokens(LOGITS, BIAS, W_OUT, ID_OUT, t, tmask, num_parts, stride_part,
     ks = tl.arange(0, K_P)[None, :]
     ids = tl.zeros([t.shape[0], K_P], tl.int32)
     ws = tl.zeros([t.shape[0], K_P], tl.float32)
+    total = tl.zeros([t.shape[0], 1], tl.float32)
     for j in tl.static_range(K):
         best = tl.argmax(choice, 1)[:, None]
         ids = tl.where(ks == j, best, ids)
-        ws = tl.where(ks == j, tl.sum(tl.where(e[None, :] == best, score, 0.0), 1)[:, None], ws)
+        picked = tl.sum(tl.where(e[None, :] == best, score, 0.0), 1)[:, None]  # (one non-zero term: exact)
+        ws = tl.where(ks == j, picked, ws)
+        total += picked  # in choice order, not a tree over the tile: the same sum in any block shape
         choice = tl.where(e[None, :] == best, float("-inf"), choice)
     if RENORM:
-        ws = ws / (tl.sum(ws, 1)[:, None] + 1e-20)
+        ws = ws / (total + 1e-20)
     row = t.to(tl.int64)[:, None] * (K + NUM_SHARED)
     out_mask = tmask[:, None] & (ks < K)
     tl.store(W_OUT + row + ks, ws * scaling, mask=out_mask)
@@ -355,18 +335,12 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l,
 
 
 @triton.jit
-def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BIAS, W_OUT, ID_OUT, TICKETS, scaling,
-                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BF16_MMA: tl.constexpr, ROUTE_T: tl.constexpr = 0, K: tl.constexpr = 1,
-                          K_P: tl.constexpr = 1, E_P: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
-                          RENORM: tl.constexpr = False, SIGMOID: tl.constexpr = True,
-                          NUM_SHARED: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
+def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BF16_MMA: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Program (expert block, D chunk, token block): the partial logits of one BLOCK_D-wide chunk,
     OUT[chunk, t, e] = x[t, chunk] . W[e, chunk], in fp32. bf16 x and W go through the tensor
     cores: a product of two bf16 values is exact in fp32 and the MMA accumulates in fp32, so this
-    is the fp32 product of the casts up to summation order. Other dtypes: IEEE fp32 (no TF32).
-    ROUTE_T > 0 (at most that many tokens, one token block): the last program to finish also
-    routes them (``_route_tokens``), so a decode step's router is one launch, not two."""
+    is the fp32 product of the casts up to summation order. Other dtypes: IEEE fp32 (no TF32)."""
     pdl_start(USE_PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     chunk = tl.program_id(1)
@@ -380,20 +354,12 @@ def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BIAS, W_OUT, ID_OUT, TIC
     else:
         acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     tl.store(OUT + (chunk * T + t.to(tl.int64))[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
-    if ROUTE_T > 0:
-        if last_arrival(TICKETS, 0, tl.num_programs(0) * tl.num_programs(1)):
-            tr = tl.arange(0, ROUTE_T)
-            _route_tokens(OUT, BIAS, W_OUT, ID_OUT, tr, tr < T, tl.num_programs(1), T * E, E, E, scaling,
-                          K, K_P, E_P, HAS_BIAS, RENORM, SIGMOID, NUM_SHARED)
 
 
 # Up to this many tokens the router's logits come from one Triton launch that reads x and the
 # weight in the model dtype (a decode step); past it, cuBLAS's fp32 GEMM reads the weight once for
 # the whole batch.
 ROUTER_KERNEL_MAX_TOKENS = 64
-# Up to this many tokens that launch also routes them (its last program: ``route_hidden``); more tokens
-# take the route kernel's program a token (one program would serialise their partial-sum reads).
-ROUTE_IN_ROUTER_MAX_TOKENS = 4
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) -> torch.Tensor:
@@ -402,59 +368,25 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     (S >= 1), which ``route_triton`` adds up. The split spreads a decode step's GEMV over ~150
     programs (one program per 32 experts over all of D took 85 us a layer on kimi-linear's
     1.2 MB weight, RESULTS.md seventh session) without atomics: same logits every run."""
-    T = x.shape[0]
+    T, D = x.shape
+    E = weight.shape[0]
     if T > ROUTER_KERNEL_MAX_TOKENS or x.stride(-1) != 1 or not weight.is_contiguous():
         logits = F.linear(x.float(), weight.float())
         return logits[None] if split else logits
-    out = _router_partials(x, weight)
-    return out if split else out.sum(0)
-
-
-def _router_partials(x: torch.Tensor, weight: torch.Tensor, route_args: tuple | None = None) -> torch.Tensor:
-    """The partial logits [S, T, E] in one launch; with ``route_args`` (w_out, ids_out, bias,
-    top_k, renormalize, scaling, score_func, num_shared) its last program also routes the tokens."""
-    T, D = x.shape
-    E = weight.shape[0]
     block_d = 128 if D <= 4096 else 256
     parts = triton.cdiv(D, block_d)
     out = torch.empty(parts, T, E, dtype=torch.float32, device=x.device)
     if T:
         bf16 = x.dtype == weight.dtype == torch.bfloat16 and not interpreted()  # (the interpreter's bf16 dot is not exact)
-        route: dict = {}
-        w_out = ids_out = bias = tick = out
-        scaling = 1.0
-        if route_args is not None:
-            w_out, ids_out, bias, top_k, renormalize, scaling, score_func, num_shared = route_args
-            route = _route_constants(top_k, E, bias, renormalize, score_func, num_shared)
-            route["ROUTE_T"] = max(2, triton.next_power_of_2(T))
-            tick = tickets(x.device, 1)
-            bias = bias if bias is not None else out
         _router_logits_kernel[(triton.cdiv(E, 32), parts, triton.cdiv(T, 16))](
-            x, weight, out, T, E, D, x.stride(0), bias, w_out, ids_out, tick, float(scaling), BLOCK_T=16,
-            BLOCK_E=32, BLOCK_D=block_d, BF16_MMA=bf16, **route, **pdl.launch(out.device))
-    return out
+            x, weight, out, T, E, D, x.stride(0), BLOCK_T=16, BLOCK_E=32, BLOCK_D=block_d, BF16_MMA=bf16,
+            **pdl.launch(out.device))
+    return out if split else out.sum(0)
 
 
 def _route_constants(top_k: int, E: int, bias, renormalize: bool, score_func: str, num_shared: int) -> dict:
     return dict(K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E), HAS_BIAS=bias is not None,
                 RENORM=renormalize, SIGMOID=score_func == "sigmoid", NUM_SHARED=num_shared)
-
-
-def route_hidden(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-                 scaling: float, score_func: str = "sigmoid",
-                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits and ``route_triton``'s routing of them: for up to ROUTE_IN_ROUTER_MAX_TOKENS
-    tokens in one launch (the logits kernel's last program routes; a batch-1 step's route kernel
-    was 26 launches, 0.14 ms, of kimi-linear's step: RESULTS.md eighth session), else two. The
-    same partial sums added in the same order either way: the same experts and weights."""
-    T = x.shape[0]
-    if not 0 < T <= ROUTE_IN_ROUTER_MAX_TOKENS or x.stride(-1) != 1 or not weight.is_contiguous():
-        return route_triton(router_logits(x, weight, split=True), bias, top_k, renormalize, scaling, score_func,
-                            num_shared)
-    w = torch.empty(T, top_k + num_shared, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k + num_shared, dtype=torch.int64, device=x.device)
-    _router_partials(x, weight, (w, ids, bias, top_k, renormalize, scaling, score_func, num_shared))
-    return w, ids
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
@@ -568,6 +500,10 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return rows, block_expert
 
 
+# Up to this many tokens the down GEMM's launch also combines the experts' rows into the residual
+# stream and norms it (``_combine_tail``: the last programs' serial sums grow with the tokens).
+COMBINE_IN_GEMM_MAX_TOKENS = 4
+
 _ONE_ROW_BLOCKS: dict = {}
 
 
@@ -626,7 +562,8 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
                  block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
-                 row_scale: torch.Tensor | None = None, mx_upcast: str | None = None) -> torch.Tensor:
+                 row_scale: torch.Tensor | None = None, mx_upcast: str | None = None,
+                 combine: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``. ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
     [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
@@ -635,7 +572,9 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     bf16 activations goes through tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight
     row); fp32 activations take the exact hand-decoded path. ``mx_upcast``: "asm" for our PTX upcast
     ("mx_asm") instead, "dot_scaled", or None: ``MX_UPCAST`` where it was measured to win (decode
-    row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere."""
+    row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere. ``combine`` = (top_k, h,
+    norm weight, eps) for fp32 rows of a few tokens' assignments: also ``combine_experts`` of them
+    into the residual stream h [T, n_out]; returns (h + combined, RMSNorm(h + combined) * weight)."""
     mx = scale is not None
     K = x.shape[1]
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
@@ -654,37 +593,49 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     # for (K3, top-16 of 896), so ~98 % of the programs are never launched.
     row_blocks = min(rows.numel() // block_m, num_assign)
     kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, tiles)
-    # the split-K partials' buffer and tile tickets, where a K split may be chosen (else unused)
-    splits = tiles.get("SPLIT_K", 1) if tiles else _MAX_SPLIT_K
-    part = out
-    if splits > 1 and (num_assign <= SPLIT_K_MAX_ASSIGN or tiles):
-        part = torch.empty(splits * row_blocks * block_m * n_out * (2 if up is not None else 1), dtype=torch.float32,
-                           device=x.device)
-    tile_tickets = tickets(x.device, row_blocks * triton.cdiv(n_out, 16)) if part is not out else out
-    kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](
-        x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out, part,
-        tile_tickets, num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
+    res = h_out = norm_w = y = col_tickets = out
+    extra: dict = {}
+    eps, num_tokens, combine_k = 0.0, 0, 0
+    if combine is not None:
+        combine_k, res, norm_w, eps = combine
+        num_tokens = num_assign // combine_k
+        if out_dtype != torch.float32 or res.shape != (num_tokens, n_out):
+            raise ValueError(f"combine sums fp32 rows into a residual of [{num_tokens}, {n_out}], got "
+                             f"{out_dtype} rows and {tuple(res.shape)}")
+        res = res.contiguous()
+        h_out, y = torch.empty_like(res), torch.empty_like(res)
+        col_tickets = tickets(x.device, triton.cdiv(n_out, 16) + 1)  # a counter a column tile, one for all
+        extra = {"COMBINE": True, "NORM_BLOCK": triton.next_power_of_2(n_out)}
+    kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]))](
+        x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
+        col_tickets, num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
-        float(beta), float(linear_beta or 1.0),
+        float(beta), float(linear_beta or 1.0), res, h_out, norm_w, y, float(eps), num_tokens, combine_k,
         WEIGHTS=weights, INTERPRETED=interpreted(), GLU=up is not None,
-        SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
-        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **pdl.launch(out.device),
+        SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
+        BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **extra, **pdl.launch(out.device),
     )
-    return out
+    return out if combine is None else (h_out, y)
 
 
 def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, block_m: int | None = None,
                    norm=None, add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                   **blocks) -> torch.Tensor:
+                   residual: tuple | None = None, **blocks) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for ``moe_ref.experts_ref`` over a ``model.moe.RoutedExperts``: gate/up GEMM, GLU,
     down GEMM, weighted sum (fp32), then ``combine_experts``'s optional norm / add / cast. No host
     sync. Row blocks of 16 while experts see a few rows
     each (decode); of 64 once they see dozens and 128 past a hundred (prefill), so each upcast
-    weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64 on the H200)."""
+    weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64 on the H200).
+    ``residual`` (h, norm weight, eps), without ``norm`` / ``add`` and with ``out_dtype`` h's:
+    returns (h + result, RMSNorm(h + result) * weight); up to COMBINE_IN_GEMM_MAX_TOKENS tokens
+    inside the down GEMM's launch (``_combine_tail``), else combine + ``add_rms_norm_triton``."""
     T, top_k = ids.shape
     E = experts.num_experts + experts.num_shared  # ids may name joined shared experts (moe.RoutedExperts.join_shared)
+    if residual is not None and (norm is not None or add is not None or out_dtype != residual[0].dtype):
+        raise ValueError("a residual joins the plain combined output, in the residual's dtype")
     if T == 0:
-        return torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
+        empty = torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
+        return empty if residual is None else (empty, empty.clone())
     if block_m is None:  # rows per expert on average: a few (decode), dozens, or a hundred and more
         block_m = 16 if T * top_k < 16 * E else 64 if T * top_k < 128 * E else 128
     if T == 1:  # one token's experts are distinct: a block per assignment, in routing order, is the sort's layout
@@ -700,9 +651,13 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
                      up=stored("w3"), act=experts.act, out_dtype=experts.dtype, **blocks)
     w2, s2 = stored("w2")
     # rows of h are assignments already; the routing weights scale the rows in the epilogue
-    y = grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m,
-                     row_scale=weights.float().flatten().contiguous(), **blocks)
-    return combine_experts(y, top_k, norm, add, out_dtype)
+    down = dict(row_scale=weights.float().flatten().contiguous(), **blocks)
+    if residual is not None and T <= COMBINE_IN_GEMM_MAX_TOKENS:
+        return grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m,
+                            combine=(top_k, *residual), **down)
+    y = grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m, **down)
+    out = combine_experts(y, top_k, norm, add, out_dtype)
+    return out if residual is None else add_rms_norm_triton(residual[0], out, *residual[1:])
 
 
 @triton.jit

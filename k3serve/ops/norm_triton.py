@@ -13,6 +13,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import pdl_start
+from .tickets import last_arrival
 
 
 @triton.jit
@@ -78,3 +79,65 @@ def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
         _add_rms_norm_kernel[(T,)](h, delta, weight, h_out, y, h.stride(0), delta.stride(0), h_out.stride(0),
                                    y.stride(0), D, eps, BLOCK=triton.next_power_of_2(D), **pdl.launch(y.device))
     return h_out, y
+
+
+@triton.jit
+def _latent_to_cache_kernel(KV, W, CACHE, PAGE, OFFSET, stride_kv, stride_cp, stride_ct, R, DR, eps,
+                            R_P: tl.constexpr, DR_P: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    r, p = tl.arange(0, R_P), tl.arange(0, DR_P)
+    c = tl.load(KV + t * stride_kv + r, mask=r < R, other=0.0).to(tl.float32)
+    y = c / tl.sqrt(tl.sum(c * c, 0) / R + eps) * tl.load(W + r, mask=r < R, other=0.0).to(tl.float32)
+    row = CACHE + tl.load(PAGE + t) * stride_cp + tl.load(OFFSET + t) * stride_ct
+    # rounded to the projection's dtype first, as the norm's output would be, then to the cache's
+    tl.store(row + r, y.to(KV.dtype.element_ty).to(CACHE.dtype.element_ty), mask=r < R)
+    pe = tl.load(KV + t * stride_kv + R + p, mask=p < DR, other=0.0)
+    tl.store(row + R + p, pe.to(CACHE.dtype.element_ty), mask=p < DR)
+
+
+def latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor, page: torch.Tensor,
+                    offset: torch.Tensor) -> None:
+    """MLA's new cache rows in one launch: kv [T, R + DR] = [c ; k_pe] (rows may be strided), the
+    latent c RMSNorm-ed with ``weight`` [R], k_pe as is, written to cache[page[t], offset[t]]
+    ([pages, page_size, R + DR], rows dense). Replaces the norm, the concatenation and the
+    indexed store (three launches a layer)."""
+    T, width = kv.shape
+    R = weight.shape[0]
+    if kv.stride(1) != 1 or cache.stride(2) != 1 or cache.shape[2] != width:
+        raise ValueError(f"kv {tuple(kv.shape)} and cache {tuple(cache.shape)} need dense rows of one width")
+    if T:
+        _latent_to_cache_kernel[(T,)](kv, weight, cache, page, offset, kv.stride(0), cache.stride(0), cache.stride(1),
+                                      R, width - R, eps, R_P=triton.next_power_of_2(R),
+                                      DR_P=triton.next_power_of_2(max(width - R, 1)), **pdl.launch(kv.device))
+
+
+# The add + norm as the tail of the kernel that produces the residual's delta (a decode step's
+# o_proj GEMV, its MoE down GEMM): each program that completes some columns of the delta adds them
+# to the residual stream, and the last of them (ops/tickets.py) norms the finished rows. Saves the
+# add + norm launch (2.3 us each, two a layer: 0.12 ms of kimi-linear's 2.6 ms batch-1 step,
+# RESULTS.md eighth session). Same roundings as ``_add_rms_norm_kernel`` after a delta stored in
+# the stream's dtype.
+
+
+@triton.jit
+def add_to_residual(delta, H, H_OUT, t, cols, mask, stride_h):
+    """H_OUT[t, cols] = H[t, cols] + delta (fp32, [tokens, cols] or any broadcast of t and cols),
+    the delta rounded to the stream's dtype first, as a stored delta would be, the sum once more."""
+    d = delta.to(H_OUT.dtype.element_ty).to(tl.float32)
+    h = tl.load(H + t * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(H_OUT + t * stride_h + cols, (h + d).to(H_OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_rows_when_done(TICKETS, slot, count, H_OUT, NORM_W, Y, T, D, eps, stride_h, BLOCK_D: tl.constexpr):
+    """Called by each of the ``count`` programs that wrote part of H_OUT [T, D]; the last one to
+    arrive writes Y = RMSNorm(H_OUT) * NORM_W, row by row, reading the others' columns from L2."""
+    if last_arrival(TICKETS, slot, count):
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        w = tl.load(NORM_W + cols, mask=mask, other=0.0).to(tl.float32)
+        for t in range(T):
+            x = tl.load(H_OUT + t * stride_h + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y = x / tl.sqrt(tl.sum(x * x, 0) / D + eps) * w
+            tl.store(Y + t * stride_h + cols, y.to(Y.dtype.element_ty), mask=mask)
