@@ -35,9 +35,6 @@ DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 3
         (128, True, 128, 4, 3), (128, True, 256, 8, 3))]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)]
-# (..., upcast, K split): the split-K tiles the autotuner offers one- and two-token steps (eighth session)
-SPLIT_VARIANTS = [(16, 32, True, 64, 2, 4, "dot_scaled", 2), (16, 32, True, 64, 2, 4, "dot_scaled", 4),
-                  (16, 64, False, 64, 4, 3, "dot_scaled", 4), (16, 32, False, 64, 4, 3, "dot_scaled", 4)]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
@@ -65,22 +62,22 @@ def rel(a, b):
 
 def sweep(ex, cases, variants, copy, mm, label):
     """Every variant on every (tokens, x, weights, ids, reference) case: checked, then timed."""
-    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages, MXFP4 upcast, K split)")
+    print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages, MXFP4 upcast)")
     print("| tokens | variant | ms | TB/s | % copy | TFLOP/s | % matmul | rel err |")
     print("|---|---|---|---|---|---|---|---|")
     for T, z, w, ids, ref in cases:
         _, gbytes, flops = work(ex, ids)
-        for bm, bn, swap, bk, nw, st, *rest in variants:
-            up, split = (rest + ["dot_scaled", 1][len(rest):])[:2]
-            tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st, SPLIT_K=split)
+        for bm, bn, swap, bk, nw, st, *up in variants:
+            tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
+            up = up[0] if up else "dot_scaled"
             run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
             try:
                 err = rel(run(), ref) if ref is not None else float("nan")
                 ms = gpu_ms(run, rep=60)
             except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
-                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up},{split} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
+                print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
                 continue
-            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up},{split} | {ms:.3f} | {gbytes / ms:.2f} | "
+            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up} | {ms:.3f} | {gbytes / ms:.2f} | "
                   f"{100 * gbytes / ms / copy:.0f} % | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
                   f"{err:.2e} |", flush=True)
 
@@ -113,8 +110,6 @@ def main():
         cases[T] = (T, z, w, ids, ref_of(z, w, ids))  # 8K tokens too: the prefill tiles are checked
     if "--no-sweep" not in sys.argv:
         sweep(ex, [cases[T] for T in (1, 16, 64)], DECODE_VARIANTS, copy, mm, "K3 MXFP4 experts, decode")
-        sweep(ex, [cases[1]], [v[:3] + (128,) + v[4:] for v in SPLIT_VARIANTS], copy, mm,
-              "K3 MXFP4 experts, one token, K split")
         if "--decode-only" not in sys.argv:
             sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill")
     if "--no-sweep" not in sys.argv and "--mxfp4-only" not in sys.argv:
@@ -128,7 +123,7 @@ def main():
             kl_cases.append((T, z, w, ids, experts_ref(z.float(), w, ids, lambda e: tuple(t.float() for t in kl.expert(e)),
                                                        *kl.act)))
         if "--bf16-decode" in sys.argv:  # 94-98 % of copy in the fifth session's sweep
-            sweep(kl, kl_cases[:3], BF16_VARIANTS + SPLIT_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
+            sweep(kl, kl_cases[:3], BF16_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
             print("\nKimi-Linear bf16 experts, autotuned as the model calls them:\n| tokens | ms | TB/s | % copy | rel err |"
                   "\n|---|---|---|---|---|")
             for T, z, w, ids, ref in kl_cases[:3]:

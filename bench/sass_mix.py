@@ -74,11 +74,10 @@ def grouped_gemm_rows() -> None:
     from k3serve.ops import moe_triton
 
     ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
-            "EXPERTS": "*i64", "ROW_SCALE": "*fp32", "TICKETS": "*i32", "RES": "*bf16", "H_OUT": "*bf16",
-            "NORM_W": "*bf16", "Y": "*bf16"}
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
     ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
-                               "stride_se", "stride_sn", "stride_on", "num_tokens", "combine_k")}
-    ints.update(beta="fp32", linear_beta="fp32", eps="fp32")
+                               "stride_se", "stride_sn", "stride_on")}
+    ints.update(beta="fp32", linear_beta="fp32")
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
     print("| grouped GEMM (gate + up, 16 rows) | tile (BLOCK_N, swap, BLOCK_K, warps, stages) | loop instr / thread "
           "| per weight | top opcodes |\n|---|---|---|---|---|")
@@ -86,8 +85,7 @@ def grouped_gemm_rows() -> None:
                                           ("mx_asm", 128, True, 128, 4, 3), ("bf16", 32, True, 64, 2, 4)):
         sig = dict(ptrs, W="*bf16", W_UP="*bf16", S="*bf16", S_UP="*bf16") if weights == "bf16" else ptrs
         consts = dict(WEIGHTS=weights, GLU=True, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=False, BLOCK_M=16,
-                      BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, INTERPRETED=False, COMBINE=False, NORM_BLOCK=1,
-                      USE_PDL=False)
+                      BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, INTERPRETED=False, USE_PDL=False)
         kernel = compile_sm90(moe_triton._grouped_gemm_kernel, {**sig, **ints}, consts, divisible,
                               num_warps=nw, num_stages=st)
         total, ops = hottest_loop_mix(kernel)

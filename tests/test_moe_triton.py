@@ -292,54 +292,6 @@ def test_shared_expert_joined_to_routed_stacks_matches_reference(groups):
     assert worst_error(JOIN_SCRIPT, str(groups)) < 1e-5
 
 
-RESIDUAL_SCRIPT = textwrap.dedent('''
-    import dataclasses, os, sys, torch
-    os.environ["TRITON_INTERPRET"] = "1"
-    from k3serve.config import ModelConfig
-    from k3serve.model import moe as moe_module
-    from k3serve.model.layers import RMSNorm
-    from k3serve.model.moe import MoE
-    from k3serve.ops import moe_triton
-    from k3serve.ops.norm_triton import add_rms_norm_triton
-    from k3serve.presets import preset_config
-    cfg = dataclasses.replace(ModelConfig.from_dict(preset_config("kimi-linear-48b")), hidden_size=64,
-                              moe_intermediate_size=32, num_experts=12, num_experts_per_token=3)
-    dtype = getattr(torch, sys.argv[1])
-    gen = torch.Generator().manual_seed(0)
-    moe = MoE(cfg, dtype)
-    for p in moe.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    norm = RMSNorm(64, 1e-5, dtype)
-    norm.weight.data = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
-    moe.join_shared_experts()
-    worst = 0.0
-    with torch.inference_mode():
-        for T in (1, 3, 4, 6):  # one token (no sort), sorted blocks, the most in the GEMM, past it
-            x, h = torch.randn(T, 64, generator=gen).to(dtype), torch.randn(T, 64, generator=gen).to(dtype)
-            s = h.double() + moe(x).double()  # the reference path (torch), then the add and the norm in fp64
-            ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
-            moe_module.triton_enabled = lambda op, device: op == "MOE"  # Triton on CPU tensors (interpreted)
-            for _ in range(2):  # twice: the tickets back at zero
-                h_new, y = moe(x, residual=(h, norm))
-                assert h_new.dtype == y.dtype == dtype and h_new.shape == y.shape == (T, 64)
-                h2, y2 = add_rms_norm_triton(h, moe(x), norm.weight, norm.eps)  # combine kernel, then add + norm
-                assert torch.equal(h_new, h2) and torch.equal(y, y2), T
-            worst = max(worst, ((h_new.double() - s).norm() / s.norm()).item(),
-                        ((y.double() - ref).norm() / ref.norm()).item())
-            moe_module.triton_enabled = lambda op, device: False
-    assert moe_triton.COMBINE_IN_GEMM_MAX_TOKENS == 4
-    print(worst)
-''')
-
-
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_down_gemm_combines_into_the_residual_and_norms_it(dtype, tol):
-    """A decode step's MoE output joins the residual stream and the next norm inside the down
-    GEMM's launch (up to COMBINE_IN_GEMM_MAX_TOKENS tokens): the same bits as the combine kernel
-    and the add + norm kernel after it, and the reference's sums within rounding."""
-    assert worst_error(RESIDUAL_SCRIPT, dtype) < tol
-
-
 def test_mxfp4_upcast_choice_and_tuned_tiles(monkeypatch):
     """Which MXFP4 path a call takes (our upcast only where it measured faster, and where the GPU
     has mul.bf16x2), and that each path is tuned only over the tiles it was checked with."""

@@ -26,11 +26,10 @@ def _compile(fn, pointers: dict, scalars: dict, consts: dict, **options):
 def _grouped_gemm_sig(weights: str) -> tuple[dict, dict]:
     w = "*bf16" if weights == "bf16" else "*u8"
     ptrs = {"X": "*bf16", "W": w, "S": "*u8", "W_UP": w, "S_UP": "*u8", "OUT": "*fp32", "ROWS": "*i64",
-            "EXPERTS": "*i64", "ROW_SCALE": "*fp32", "TICKETS": "*i32", "RES": "*bf16", "H_OUT": "*bf16",
-            "NORM_W": "*bf16", "Y": "*bf16"}
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
     ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
-                               "stride_se", "stride_sn", "stride_on", "num_tokens", "combine_k")}
-    ints.update(beta="fp32", linear_beta="fp32", eps="fp32")
+                               "stride_se", "stride_sn", "stride_on")}
+    ints.update(beta="fp32", linear_beta="fp32")
     return ptrs, ints
 
 
@@ -38,25 +37,11 @@ def _grouped_gemm_sig(weights: str) -> tuple[dict, dict]:
 def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
     ptrs, ints = _grouped_gemm_sig("mx_asm")
     consts = dict(WEIGHTS="mx_asm", GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
-                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, COMBINE=False, NORM_BLOCK=1,
-                  USE_PDL=True)
+                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, USE_PDL=True)
     kernel = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=warps, num_stages=3)
     ptx = kernel.asm["ptx"]
     assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx  # our upcast made it into the kernel
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
-    assert "atom." not in ptx  # no combine, no ticket
-
-
-@pytest.mark.parametrize("weights, swap", [("bf16", True), ("bf16", False), ("mx_dot_scaled", True)])
-def test_down_gemm_with_the_combine_and_residual_norm_compiles_for_sm90(weights, swap):
-    """A few tokens' down GEMM: the last row block of a column tile sums the tokens' rows into the
-    residual (an acquire-release ticket, the others' rows read from L2), the last tile norms."""
-    ptrs, ints = _grouped_gemm_sig(weights)
-    consts = dict(WEIGHTS=weights, GLU=False, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=True, BLOCK_M=16,
-                  BLOCK_N=32, BLOCK_K=64 if weights == "bf16" else 128, SWAP_AB=swap, INTERPRETED=False,
-                  COMBINE=True, NORM_BLOCK=4096, USE_PDL=True)
-    ptx = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=2, num_stages=4).asm["ptx"]
-    assert ptx.count("atom.global.gpu.acq_rel.add") >= 2 and "ld.global.cg" in ptx and "griddepcontrol.wait" in ptx
 
 
 def _add_rms_norm_ptx(use_pdl: bool) -> str:

@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from .attn_res import AttnResMixer, AttnResState
 from .batch import CacheHandles, ForwardBatch
 from .kda import KDAMixer
-from .layers import LinearGroup, Residual, RMSNorm
+from .layers import LinearGroup, RMSNorm, add_rms_norm
 from .mla import MLAMixer
 from .moe import GLUMLP, MoE
 
@@ -34,9 +34,8 @@ class DecoderLayer(nn.Module):
             self.self_attention_res = AttnResMixer(d, eps, dtype, device)
             self.mlp_res = AttnResMixer(d, eps, dtype, device)
 
-    def ffn(self, x: torch.Tensor, residual: Residual | None = None):
-        """The channel mixer's output; with ``residual`` (h, norm): (h + output, norm(h + output))."""
-        return (self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp)(x, residual)
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
 
 class K3Backbone(nn.Module):
@@ -106,12 +105,12 @@ class K3ForCausalLM(nn.Module):
         layers = self.model.layers
         for i, layer in enumerate(layers):
             cache = caches.kda[self.cache_index[i]] if layer.is_kda else caches.mla[self.cache_index[i]]
-            if res is None:  # pre-norm residual stream; each add is fused with the norm that follows it,
-                if x is None:  # and both with the block's last kernel where they can (layers.Residual)
+            if res is None:  # pre-norm residual stream; each add is fused with the norm that follows it
+                if x is None:
                     x = layer.input_layernorm(h)
-                h, x = layer.self_attn(x, batch, cache, residual=(h, layer.post_attention_layernorm))
+                h, x = add_rms_norm(h, layer.self_attn(x, batch, cache), layer.post_attention_layernorm)
                 if i + 1 < len(layers):
-                    h, x = layer.ffn(x, residual=(h, layers[i + 1].input_layernorm))
+                    h, x = add_rms_norm(h, layer.ffn(x), layers[i + 1].input_layernorm)
                 else:
                     h = h + layer.ffn(x)  # the final norm runs on the sampled rows only (compute_logits)
                 continue

@@ -10,7 +10,7 @@ from ..ops.backend import triton_enabled
 from ..ops.kda import kda_core
 from ..ops.short_conv import short_conv_silu
 from .batch import ForwardBatch, KDALayerCache
-from .layers import Linear, LinearGroup, Residual, fuse_as_views, gated_rms_norm
+from .layers import Linear, LinearGroup, fuse_as_views, gated_rms_norm
 
 
 class KDAMixer(nn.Module):
@@ -69,8 +69,7 @@ class KDAMixer(nn.Module):
         f, gate = torch.bmm(fg_a.unflatten(1, (2, D)).transpose(0, 1), self.fg_b.transpose(1, 2).to(fg_a.dtype))
         return qkv, f, b, gate
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache, residual: Residual | None = None):
-        """The mixer output [T, d]; with ``residual`` (h, norm): (h + output, norm(h + output))."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
         T = x.shape[0]
         H, D = self.num_heads, self.head_dim
         P = H * D
@@ -83,11 +82,11 @@ class KDAMixer(nn.Module):
             y = kda_decode_fused(qkv, conv_w, cache.conv, batch.has_context, f, b, self.A_log, self.dt_bias,
                                  gate, self.o_norm, self.eps, self.lower_bound, cache.recurrent, batch.kda_slots, H,
                                  out_dtype=x.dtype)
-            return self.o_proj(y, residual)
+            return self.o_proj(y)
         q, k, v = (t.view(T, H, D) for t in short_conv_silu(qkv, conv_w, cache.conv, batch, plane=P))
         # Gates and beta come from the layer input x, not from the conv output; the decay is
         # computed from f inside kda_core (fla's chunk kernel on CUDA).
         beta = torch.sigmoid(b.float())
         o = kda_core(q, k, v, f.view(T, H, D), beta, D ** -0.5, cache.recurrent, batch,
                      gate=(self.A_log, self.dt_bias, self.lower_bound))
-        return self.o_proj(gated_rms_norm(o, self.o_norm, gate, self.eps, x.dtype).view(T, P), residual)
+        return self.o_proj(gated_rms_norm(o, self.o_norm, gate, self.eps, x.dtype).view(T, P))

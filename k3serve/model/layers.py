@@ -38,20 +38,9 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
 
 
 def norm_kernel_on(x: torch.Tensor) -> bool:
-    """Whether the Triton norm kernels (and the fusions built on them) serve ``x``: no gradient
+    """Whether the Triton norm kernels (also MLA's latent write) serve ``x``: no gradient
     being recorded, the NORM backend on for its device."""
     return not torch.is_grad_enabled() and triton_enabled("NORM", x.device)
-
-
-# The residual stream a block's output joins and the norm that follows the add: (h, RMSNorm). A
-# block given one returns (h + out, norm(h + out)) instead of out, fused into its last kernel
-# where it can (``Linear.forward``, ``RoutedExperts.forward``).
-Residual = tuple[torch.Tensor, "RMSNorm"]
-
-
-def join_residual(out: torch.Tensor, residual: Residual | None):
-    """``out`` added to the residual stream and normed, (h', norm(h')); ``out`` itself without one."""
-    return out if residual is None else add_rms_norm(residual[0], out, residual[1])
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,18 +125,8 @@ class Linear(nn.Module):
             return full
         return full.chunk(self.tp_size, dim=self.tp_dim)[self.tp_rank]
 
-    def forward(self, x: torch.Tensor, residual: Residual | None = None):
-        """x W^T; with ``residual`` (h, norm): (h + x W^T, norm(h + x W^T)), in one GEMV launch
-        for decode-sized batches."""
-        if residual is not None and x.is_cuda:
-            from ..ops import gemv_triton
-
-            h, norm = residual
-            x = x.to(self.weight.dtype)
-            if (x.shape[0] <= gemv_triton.RESIDUAL_MAX_TOKENS and gemv_triton.takes_gemv(x, self.weight)
-                    and h.dtype == self.weight.dtype and norm_kernel_on(h)):
-                return gemv_triton.gemv(x, self.weight, residual=(h, norm.weight, norm.eps))
-        return join_residual(dense_linear(x, self.weight), residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight)
 
 
 def fuse_as_views(params: list[nn.Parameter]) -> torch.Tensor:

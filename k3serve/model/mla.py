@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from ..ops import mla_ref
 from ..ops.backend import triton_enabled
 from .batch import ForwardBatch, MLALayerCache
-from .layers import Linear, LinearGroup, Residual, RMSNorm, glu_activation, norm_kernel_on
+from .layers import Linear, LinearGroup, RMSNorm, glu_activation, norm_kernel_on
 
 
 class MLAMixer(nn.Module):
@@ -117,15 +117,14 @@ class MLAMixer(nn.Module):
         return mla_decode(q_c, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale,
                           q_pe=q[:, :, self.nope:], unabsorb=unabsorb)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache, residual: Residual | None = None):
-        """The mixer output [T, d]; with ``residual`` (h, norm): (h + output, norm(h + output))."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         q, kv, gate = self.project(x)
         self.write_latent(kv, batch, cache)
         if batch.num_decodes == batch.num_seqs and triton_enabled("MLA", q.device):
             # a decode-only step: the split kernel, then merge, W_UV, the gate and the cast in one launch
             o = self._decode_triton(q, batch, cache.latent, (self.kv_b_proj.weight, self.nope, gate, x.dtype))
-            return self.o_proj(o, residual)
+            return self.o_proj(o)
         o = self.attend(q, batch, cache.latent).reshape(x.shape[0], -1)
         if gate is not None:  # sigmoid(gate) * o in fp32, rounded once to the gate's (model) dtype
             o = glu_activation(gate, o, "sigmoid")
-        return self.o_proj(o.to(x.dtype), residual)
+        return self.o_proj(o.to(x.dtype))

@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..ops.backend import triton_enabled
 from ..ops.moe_ref import experts_ref, route
 from ..ops.mxfp4 import dequantize_mxfp4
-from .layers import Linear, LinearGroup, Residual, RMSNorm, glu_activation, join_residual
+from .layers import Linear, LinearGroup, RMSNorm, glu_activation
 
 # Decode-sized batches run the shared expert inside the routed grouped GEMMs once it has joined
 # their stacks (``RoutedExperts.join_shared``); larger batches keep cuBLAS's dense GEMMs for it.
@@ -33,9 +33,8 @@ class GLUMLP(nn.Module):
         self.gate_up = LinearGroup(self.gate_proj, self.up_proj)  # one GEMM once fused
         self.act = (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
 
-    def forward(self, x: torch.Tensor, residual: Residual | None = None):
-        """down(act(gate x, up x)); with ``residual`` (h, norm): (h + that, norm(h + that))."""
-        return self.down_proj(glu_activation(*self.gate_up(x), *self.act), residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_activation(*self.gate_up(x), *self.act))
 
 
 class Router(nn.Module):
@@ -141,25 +140,17 @@ class RoutedExperts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, norm: RMSNorm | None = None,
-                add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                residual: Residual | None = None):
+                add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Per token sum_k weights_k * expert_k(x) (fp32), then RMSNorm ``norm`` and / or ``+ add``,
         cast to ``out_dtype`` (None: fp32). The Triton path does the sum, norm, add and cast in one
-        launch and rounds once; the reference rounds before the add, as the layer used to. With
-        ``residual`` (h, next norm): (h + result, next norm(h + result)), for a few tokens inside
-        the down GEMM's launch."""
+        launch and rounds once; the reference rounds before the add, as the layer used to."""
         if triton_enabled("MOE", x.device):
             from ..ops.moe_triton import experts_triton
 
-            if residual is not None and norm is None and add is None and out_dtype == residual[0].dtype:
-                h, next_norm = residual
-                return experts_triton(x, weights, ids, self, out_dtype=out_dtype,
-                                      residual=(h, next_norm.weight, next_norm.eps))
-            return join_residual(experts_triton(x, weights, ids, self, norm=norm, add=add, out_dtype=out_dtype),
-                                 residual)
+            return experts_triton(x, weights, ids, self, norm=norm, add=add, out_dtype=out_dtype)
         r = experts_ref(x, weights, ids, self.expert, *self.act)
         r = norm(r, out_dtype=out_dtype) if norm is not None else r.to(out_dtype) if out_dtype else r
-        return join_residual(r + add if add is not None else r, residual)
+        return r + add if add is not None else r
 
 
 class MoE(nn.Module):
@@ -191,16 +182,15 @@ class MoE(nn.Module):
         if self.shared_experts is not None and not self.latent:
             self.experts.join_shared(self.shared_experts)
 
-    def forward(self, x: torch.Tensor, residual: Residual | None = None):
-        """The layer's output; with ``residual`` (h, norm): (h + output, norm(h + output))."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.experts.num_shared and x.shape[0] <= SHARED_JOIN_MAX_TOKENS and not torch.is_grad_enabled()
                 and triton_enabled("MOE", x.device)):  # the shared expert runs inside the grouped GEMMs
             weights, ids = self.gate(x, num_shared=self.experts.num_shared)
-            return self.experts(x, weights, ids, out_dtype=x.dtype, residual=residual)
+            return self.experts(x, weights, ids, out_dtype=x.dtype)
         weights, ids = self.gate(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if not self.latent:  # the shared experts' output joins the routed sum before its one rounding
-            return join_residual(self.experts(x, weights, ids, add=shared, out_dtype=x.dtype), residual)
+            return self.experts(x, weights, ids, add=shared, out_dtype=x.dtype)
         r = self.experts(self.routed_expert_down_proj(x), weights, ids, norm=self.routed_expert_norm, out_dtype=x.dtype)
         routed = self.routed_expert_up_proj(r)
-        return join_residual(routed + shared if shared is not None else routed, residual)
+        return routed + shared if shared is not None else routed

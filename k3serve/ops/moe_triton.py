@@ -25,9 +25,7 @@ import triton.language as tl
 from . import pdl
 from .autotune import autotuned, interpreted
 from .glu_triton import glu
-from .norm_triton import add_rms_norm_triton, add_to_residual, norm_rows_when_done
 from .pdl import pdl_start
-from .tickets import last_arrival, tickets
 
 
 @triton.jit
@@ -153,14 +151,13 @@ def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stri
 
 @triton.jit
 def _grouped_gemm_kernel(
-    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE, TICKETS,
+    X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     num_assign, rows_class, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
-    RES, H_OUT, NORM_W, Y, eps, num_tokens, combine_k,
     WEIGHTS: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, COMBINE: tl.constexpr = False,
-    NORM_BLOCK: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
     epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). WEIGHTS: "bf16"; or MXFP4 upcast in
@@ -168,10 +165,8 @@ def _grouped_gemm_kernel(
     with the scale on the partial products ("mx_asm"), for fp32 activations decoded here one
     32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold to 1e-5).
     ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want different
-    tiles). COMBINE (the down GEMM of a few tokens): ``_combine_tail`` then sums each token's
-    ``combine_k`` rows into the residual stream RES -> H_OUT and norms it into Y. (A K split over
-    programs for one- and two-token steps lost to the plain tiles on the H200: RESULTS.md ninth
-    session.)"""
+    tiles). (A K split over programs for one- and two-token steps, and the combine with the
+    residual add + norm as this kernel's tail, both lost on the H200: RESULTS.md ninth session.)"""
     pdl_start(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -221,30 +216,10 @@ def _grouped_gemm_kernel(
         acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
     if SWAP_AB:
         acc = tl.trans(acc)
-    if HAS_ROW_SCALE:
+    if HAS_ROW_SCALE:  # the routing weight of each assignment, applied in the epilogue
         acc = acc * tl.load(ROW_SCALE + tl.where(valid, rows, 0), mask=valid, other=0.0)[:, None]
     tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc.to(OUT.dtype.element_ty),
              mask=valid[:, None] & cmask[None, :])
-    if COMBINE:
-        _combine_tail(OUT, RES, H_OUT, NORM_W, Y, TICKETS, pid_n, cols, cmask, num_tokens, combine_k, stride_on, N,
-                      eps, NORM_BLOCK, BLOCK_N)
-
-
-@triton.jit
-def _combine_tail(OUT, RES, H_OUT, NORM_W, Y, TICKETS, pid_n, cols, cmask, num_tokens, combine_k,
-                  stride_on, N, eps, NORM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``combine_experts`` and the residual add + norm after it, inside the down GEMM: the last row
-    block to finish a column tile sums each token's ``combine_k`` weighted rows there (fixed order,
-    as the combine kernel) into the residual stream, and the last column tile norms the rows."""
-    if last_arrival(TICKETS, pid_n, tl.num_programs(0)):
-        for t in range(num_tokens):
-            acc = tl.zeros([BLOCK_N], tl.float32)
-            for j in range(combine_k):
-                acc += tl.load(OUT + (t * combine_k + j) * stride_on + cols, mask=cmask, other=0.0,
-                               cache_modifier=".cg")
-            add_to_residual(acc, RES, H_OUT, t, cols, cmask, N)
-        norm_rows_when_done(TICKETS, tl.cdiv(N, 16), tl.num_programs(1), H_OUT, NORM_W, Y,
-                            num_tokens, N, eps, N, NORM_BLOCK)
 
 
 # Tile width, orientation and pipelining, picked on the GPU at first use of each shape (~1 s a
@@ -275,63 +250,50 @@ _grouped_gemm_tuned = autotuned(
 
 
 @triton.jit
-def _route_tokens(LOGITS, BIAS, W_OUT, ID_OUT, t, tmask, num_parts, stride_part, stride_l, E, scaling,
-                  K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr):
-    """The routing of tokens ``t`` [BT] (``moe_ref.route`` with one expert group): logits as the sum
-    of ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores, bias-corrected choice, top-k by K rounds of
-    argmax (descending, as torch.topk), weights from the unbiased scores, renormalised, scaled;
-    then NUM_SHARED always-on experts E, E + 1, ... of weight 1."""
-    e = tl.arange(0, E_P)
-    live = (e < E)[None, :]
-    logit = tl.zeros([t.shape[0], E_P], tl.float32)
-    for part in range(num_parts):  # a fixed order: the same logits every run
-        logit += tl.load(LOGITS + part * stride_part + t[:, None] * stride_l + e[None, :],
-                         mask=tmask[:, None] & live, other=0.0).to(tl.float32)
-    logit = tl.where(live, logit, float("-inf"))
-    if SIGMOID:
-        score = tl.sigmoid(logit)
-    else:
-        p = tl.exp(logit - tl.max(logit, 1)[:, None])
-        score = p / tl.sum(p, 1)[:, None]
-    choice = score
-    if HAS_BIAS:
-        choice = choice + tl.load(BIAS + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
-    # NaN scores (an overflowed activation) are never chosen, so every id stays a real expert
-    # (ids index the expert weights and the sort's cursors: a bad one would read or write wild memory).
-    choice = tl.where(live & (choice == choice), choice, float("-inf"))
-    ks = tl.arange(0, K_P)[None, :]
-    ids = tl.zeros([t.shape[0], K_P], tl.int32)
-    ws = tl.zeros([t.shape[0], K_P], tl.float32)
-    total = tl.zeros([t.shape[0], 1], tl.float32)
-    for j in tl.static_range(K):
-        best = tl.argmax(choice, 1)[:, None]
-        ids = tl.where(ks == j, best, ids)
-        picked = tl.sum(tl.where(e[None, :] == best, score, 0.0), 1)[:, None]  # (one non-zero term: exact)
-        ws = tl.where(ks == j, picked, ws)
-        total += picked  # in choice order, not a tree over the tile: the same sum in any block shape
-        choice = tl.where(e[None, :] == best, float("-inf"), choice)
-    if RENORM:
-        ws = ws / (total + 1e-20)
-    row = t.to(tl.int64)[:, None] * (K + NUM_SHARED)
-    out_mask = tmask[:, None] & (ks < K)
-    tl.store(W_OUT + row + ks, ws * scaling, mask=out_mask)
-    tl.store(ID_OUT + row + ks, ids.to(tl.int64), mask=out_mask)
-    for s in tl.static_range(NUM_SHARED):
-        tl.store(W_OUT + row + K + s, tl.zeros([t.shape[0], 1], tl.float32) + 1.0, mask=tmask[:, None])
-        tl.store(ID_OUT + row + K + s, tl.zeros([t.shape[0], 1], tl.int64) + (E + s), mask=tmask[:, None])
-
-
-@triton.jit
 def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr,
                   USE_PDL: tl.constexpr = False):
-    """One token's routing a program."""
+    """One token's routing (``moe_ref.route`` with one expert group): logits as the sum of
+    ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores,
+    bias-corrected choice, top-k by K rounds of argmax (descending, as torch.topk), weights from
+    the unbiased scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ... of
+    weight 1."""
     pdl_start(USE_PDL)
-    t = tl.program_id(0) + tl.arange(0, 1)
-    _route_tokens(LOGITS, BIAS, W_OUT, ID_OUT, t, t >= 0, num_parts, stride_part, stride_l, E, scaling,
-                  K, K_P, E_P, HAS_BIAS, RENORM, SIGMOID, NUM_SHARED)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P)
+    live = e < E
+    logit = tl.zeros([E_P], tl.float32)
+    for part in range(num_parts):  # a fixed order: the same logits every run
+        logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
+    logit = tl.where(live, logit, float("-inf"))
+    if SIGMOID:
+        score = tl.sigmoid(logit)
+    else:
+        p = tl.exp(logit - tl.max(logit, 0))
+        score = p / tl.sum(p, 0)
+    choice = score
+    if HAS_BIAS:
+        choice = choice + tl.load(BIAS + e, mask=live, other=0.0).to(tl.float32)
+    # NaN scores (an overflowed activation) are never chosen, so every id stays a real expert
+    # (ids index the expert weights and the sort's cursors: a bad one would read or write wild memory).
+    choice = tl.where(live & (choice == choice), choice, float("-inf"))
+    ks = tl.arange(0, K_P)
+    ids = tl.zeros([K_P], tl.int32)
+    ws = tl.zeros([K_P], tl.float32)
+    for j in tl.static_range(K):
+        best = tl.argmax(choice, 0)
+        ids = tl.where(ks == j, best, ids)
+        ws = tl.where(ks == j, tl.sum(tl.where(e == best, score, 0.0), 0), ws)
+        choice = tl.where(e == best, float("-inf"), choice)
+    if RENORM:
+        ws = ws / (tl.sum(ws, 0) + 1e-20)
+    row = t * (K + NUM_SHARED)
+    tl.store(W_OUT + row + ks, ws * scaling, mask=ks < K)
+    tl.store(ID_OUT + row + ks, ids.to(tl.int64), mask=ks < K)
+    for s in tl.static_range(NUM_SHARED):
+        tl.store(W_OUT + row + K + s, 1.0)
+        tl.store(ID_OUT + row + K + s, (E + s).to(tl.int64))
 
 
 @triton.jit
@@ -384,11 +346,6 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     return out if split else out.sum(0)
 
 
-def _route_constants(top_k: int, E: int, bias, renormalize: bool, score_func: str, num_shared: int) -> dict:
-    return dict(K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E), HAS_BIAS=bias is not None,
-                RENORM=renormalize, SIGMOID=score_func == "sigmoid", NUM_SHARED=num_shared)
-
-
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
                  score_func: str = "sigmoid", num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_ref.route`` for one expert group in one launch (the torch form takes ~7): logits
@@ -403,8 +360,9 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
         parts = parts if parts.stride(-1) == 1 else parts.contiguous()
         _route_kernel[(T,)](parts, bias if bias is not None else parts, w, ids, parts.shape[0], parts.stride(0),
                             parts.stride(1), E, float(scaling),
-                            **_route_constants(top_k, E, bias, renormalize, score_func, num_shared),
-                            **pdl.launch(w.device))
+                            K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
+                            HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
+                            NUM_SHARED=num_shared, **pdl.launch(w.device))
     return w, ids
 
 
@@ -500,10 +458,6 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return rows, block_expert
 
 
-# Up to this many tokens the down GEMM's launch also combines the experts' rows into the residual
-# stream and norms it (``_combine_tail``: the last programs' serial sums grow with the tokens).
-COMBINE_IN_GEMM_MAX_TOKENS = 4
-
 _ONE_ROW_BLOCKS: dict = {}
 
 
@@ -562,8 +516,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
                  block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
-                 row_scale: torch.Tensor | None = None, mx_upcast: str | None = None,
-                 combine: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 row_scale: torch.Tensor | None = None, mx_upcast: str | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``. ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
     [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
@@ -572,9 +525,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     bf16 activations goes through tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight
     row); fp32 activations take the exact hand-decoded path. ``mx_upcast``: "asm" for our PTX upcast
     ("mx_asm") instead, "dot_scaled", or None: ``MX_UPCAST`` where it was measured to win (decode
-    row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere. ``combine`` = (top_k, h,
-    norm weight, eps) for fp32 rows of a few tokens' assignments: also ``combine_experts`` of them
-    into the residual stream h [T, n_out]; returns (h + combined, RMSNorm(h + combined) * weight)."""
+    row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere."""
     mx = scale is not None
     K = x.shape[1]
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
@@ -593,49 +544,30 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     # for (K3, top-16 of 896), so ~98 % of the programs are never launched.
     row_blocks = min(rows.numel() // block_m, num_assign)
     kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, tiles)
-    res = h_out = norm_w = y = col_tickets = out
-    extra: dict = {}
-    eps, num_tokens, combine_k = 0.0, 0, 0
-    if combine is not None:
-        combine_k, res, norm_w, eps = combine
-        num_tokens = num_assign // combine_k
-        if out_dtype != torch.float32 or res.shape != (num_tokens, n_out):
-            raise ValueError(f"combine sums fp32 rows into a residual of [{num_tokens}, {n_out}], got "
-                             f"{out_dtype} rows and {tuple(res.shape)}")
-        res = res.contiguous()
-        h_out, y = torch.empty_like(res), torch.empty_like(res)
-        col_tickets = tickets(x.device, triton.cdiv(n_out, 16) + 1)  # a counter a column tile, one for all
-        extra = {"COMBINE": True, "NORM_BLOCK": triton.next_power_of_2(n_out)}
     kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]))](
         x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
-        col_tickets, num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
+        num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
-        float(beta), float(linear_beta or 1.0), res, h_out, norm_w, y, float(eps), num_tokens, combine_k,
+        float(beta), float(linear_beta or 1.0),
         WEIGHTS=weights, INTERPRETED=interpreted(), GLU=up is not None,
-        SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **extra, **pdl.launch(out.device),
+        SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
+        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **pdl.launch(out.device),
     )
-    return out if combine is None else (h_out, y)
+    return out
 
 
 def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, block_m: int | None = None,
                    norm=None, add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                   residual: tuple | None = None, **blocks) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   **blocks) -> torch.Tensor:
     """Drop-in for ``moe_ref.experts_ref`` over a ``model.moe.RoutedExperts``: gate/up GEMM, GLU,
     down GEMM, weighted sum (fp32), then ``combine_experts``'s optional norm / add / cast. No host
     sync. Row blocks of 16 while experts see a few rows
     each (decode); of 64 once they see dozens and 128 past a hundred (prefill), so each upcast
-    weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64 on the H200).
-    ``residual`` (h, norm weight, eps), without ``norm`` / ``add`` and with ``out_dtype`` h's:
-    returns (h + result, RMSNorm(h + result) * weight); up to COMBINE_IN_GEMM_MAX_TOKENS tokens
-    inside the down GEMM's launch (``_combine_tail``), else combine + ``add_rms_norm_triton``."""
+    weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64 on the H200)."""
     T, top_k = ids.shape
     E = experts.num_experts + experts.num_shared  # ids may name joined shared experts (moe.RoutedExperts.join_shared)
-    if residual is not None and (norm is not None or add is not None or out_dtype != residual[0].dtype):
-        raise ValueError("a residual joins the plain combined output, in the residual's dtype")
     if T == 0:
-        empty = torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
-        return empty if residual is None else (empty, empty.clone())
+        return torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
     if block_m is None:  # rows per expert on average: a few (decode), dozens, or a hundred and more
         block_m = 16 if T * top_k < 16 * E else 64 if T * top_k < 128 * E else 128
     if T == 1:  # one token's experts are distinct: a block per assignment, in routing order, is the sort's layout
@@ -651,13 +583,9 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
                      up=stored("w3"), act=experts.act, out_dtype=experts.dtype, **blocks)
     w2, s2 = stored("w2")
     # rows of h are assignments already; the routing weights scale the rows in the epilogue
-    down = dict(row_scale=weights.float().flatten().contiguous(), **blocks)
-    if residual is not None and T <= COMBINE_IN_GEMM_MAX_TOKENS:
-        return grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m,
-                            combine=(top_k, *residual), **down)
-    y = grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m, **down)
-    out = combine_experts(y, top_k, norm, add, out_dtype)
-    return out if residual is None else add_rms_norm_triton(residual[0], out, *residual[1:])
+    y = grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m,
+                     row_scale=weights.float().flatten().contiguous(), **blocks)
+    return combine_experts(y, top_k, norm, add, out_dtype)
 
 
 @triton.jit

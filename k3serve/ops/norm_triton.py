@@ -13,7 +13,6 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import pdl_start
-from .tickets import last_arrival
 
 
 @triton.jit
@@ -111,33 +110,3 @@ def latent_to_cache(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: t
                                       R, width - R, eps, R_P=triton.next_power_of_2(R),
                                       DR_P=triton.next_power_of_2(max(width - R, 1)), **pdl.launch(kv.device))
 
-
-# The add + norm as the tail of the kernel that produces the residual's delta (a decode step's
-# o_proj GEMV, its MoE down GEMM): each program that completes some columns of the delta adds them
-# to the residual stream, and the last of them (ops/tickets.py) norms the finished rows. Saves the
-# add + norm launch (2.3 us each, two a layer: 0.12 ms of kimi-linear's 2.6 ms batch-1 step,
-# RESULTS.md eighth session). Same roundings as ``_add_rms_norm_kernel`` after a delta stored in
-# the stream's dtype.
-
-
-@triton.jit
-def add_to_residual(delta, H, H_OUT, t, cols, mask, stride_h):
-    """H_OUT[t, cols] = H[t, cols] + delta (fp32, [tokens, cols] or any broadcast of t and cols),
-    the delta rounded to the stream's dtype first, as a stored delta would be, the sum once more."""
-    d = delta.to(H_OUT.dtype.element_ty).to(tl.float32)
-    h = tl.load(H + t * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(H_OUT + t * stride_h + cols, (h + d).to(H_OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def norm_rows_when_done(TICKETS, slot, count, H_OUT, NORM_W, Y, T, D, eps, stride_h, BLOCK_D: tl.constexpr):
-    """Called by each of the ``count`` programs that wrote part of H_OUT [T, D]; the last one to
-    arrive writes Y = RMSNorm(H_OUT) * NORM_W, row by row, reading the others' columns from L2."""
-    if last_arrival(TICKETS, slot, count):
-        cols = tl.arange(0, BLOCK_D)
-        mask = cols < D
-        w = tl.load(NORM_W + cols, mask=mask, other=0.0).to(tl.float32)
-        for t in range(T):
-            x = tl.load(H_OUT + t * stride_h + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            y = x / tl.sqrt(tl.sum(x * x, 0) / D + eps) * w
-            tl.store(Y + t * stride_h + cols, y.to(Y.dtype.element_ty), mask=mask)
