@@ -1,9 +1,8 @@
 """GPU check of the single-purpose Triton kernels against their torch references at model sizes
 (run on the H200; not a CI test, where the same kernels run through Triton's interpreter on small
 shapes): the varlen short conv, the gated output norm, the MoE combine, the MLA flash prefill and
-the split-KV MLA decode (also merged through W_UV in one launch) and the latent cache write, the
-router, the dense split-K GEMV and the fused KDA decode mixer (each way of splitting a head over
-programs). Fresh random inputs, mixed decode / prefill batches with
+the split-KV MLA decode and the latent cache write, the router, the dense split-K GEMV and the
+fused KDA decode mixer (each way of splitting a head over programs). Fresh random inputs, mixed decode / prefill batches with
 cached context.
 
 Usage: python bench/gpu_check_kernels.py   (prints one row per check; exit code 1 if any fails)
@@ -107,13 +106,6 @@ def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator) -> N
     mask = torch.arange(S, device=DEV)[None, :] < seq_lens[:, None]
     ref = mla_ref.mla_absorbed_ref(q.float()[:, None], lat, mask[:, None], rkv, 0.07)[:, 0]
     record("MLA split-KV decode (default splits)", f"B={B} H={H} lens={lens[:4]}", rel(out, ref), 2e-2)
-    # the merge, W_UV, the output gate and the cast in one launch (the model's decode-only steps)
-    dn, dv = 128, 128
-    w = (torch.randn(H * (dn + dv), rkv, generator=gen, device=DEV) * rkv ** -0.5).bfloat16()
-    gate = torch.randn(B, H * dv, generator=gen, device=DEV).bfloat16()
-    o = mla_decode(q, pool, table, seq_lens, rkv, 0.07, unabsorb=(w, dn, gate, torch.bfloat16))
-    o_ref = mla_ref.unabsorb_output(ref, w.float(), rkv, dn).reshape(B, -1) * torch.sigmoid(gate.float())
-    record("MLA decode + merge + W_UV + gate in one launch", f"B={B} H={H}", rel(o, o_ref), 2e-2)
     # the new rows' latent norm, k_pe and their cache store in one launch
     kv = torch.randn(B, 7 + rkv + dr, generator=gen, device=DEV).bfloat16()[:, 7:]
     nw = (torch.rand(rkv, generator=gen, device=DEV) + 0.5).bfloat16()

@@ -95,6 +95,7 @@ ROUTE_SCRIPT = textwrap.dedent('''
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.ops.moe_ref import route
+    from k3serve.ops import moe_triton
     from k3serve.ops.moe_triton import route_triton, sort_by_expert
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
@@ -109,13 +110,16 @@ ROUTE_SCRIPT = textwrap.dedent('''
         worst = max(worst, ((w - w_ref).norm() / w_ref.norm()).item())
         # partial sums over chunks of D (router_logits(split=True)), exact in fp32 here: added first
         exact = torch.stack([torch.randperm(E, generator=gen) - E // 2 for _ in range(T)]) / 64.0  # no ties
-        parts = torch.randint(-64, 64, (3, T, E), generator=gen) / 16.0
-        parts[2] = exact - parts[0] - parts[1]  # multiples of 1/64: every sum exact
         w_ref, ids_ref = route(exact, bias, K, 1, 1, renorm, scaling, func)
-        w, ids = route_triton(parts, bias, K, renorm, scaling, func, num_shared=2)
-        assert torch.equal(ids[:, :K], ids_ref) and (ids[:, K:] == torch.tensor([E, E + 1])).all()
-        assert (w[:, K:] == 1).all()
-        worst = max(worst, ((w[:, :K] - w_ref).norm() / w_ref.norm()).item())
+        for n, tile in ((3, 8192), (19, 8192), (19, 4 * 1024)):  # parts in one tile, or in ragged chunks of 4
+            moe_triton.ROUTE_TILE = tile
+            parts = torch.randint(-64, 64, (n, T, E), generator=gen) / 16.0
+            parts[-1] = exact - parts[:-1].sum(0)  # multiples of 1/64: every sum exact in any order
+            w, ids = route_triton(parts, bias, K, renorm, scaling, func, num_shared=2)
+            assert torch.equal(ids[:, :K], ids_ref) and (ids[:, K:] == torch.tensor([E, E + 1])).all()
+            assert (w[:, K:] == 1).all()
+            worst = max(worst, ((w[:, :K] - w_ref).norm() / w_ref.norm()).item())
+        moe_triton.ROUTE_TILE = 8192
     for E, K in ((256, 8), (896, 16)):  # NaN scores (an overflowed activation): ids stay real experts
         logits = torch.randn(3, E, generator=gen)
         logits[0] = float("nan")

@@ -45,9 +45,8 @@ class MLAMixer(nn.Module):
         self.register_buffer("w_kv_b_f32", None, persistent=False)
 
     def cache_absorption_weight(self) -> None:
-        """kv_b_proj in fp32, kept: the reference path's absorbed decode takes W_UK into the query
-        and W_UV out of the output in fp32, which otherwise converts the matrix per layer per step
-        (the Triton decode reads the bf16 matrix: ``mla_decode_triton.merge_unabsorb``)."""
+        """kv_b_proj in fp32, kept: decode takes W_UV out of the output in fp32 (and the reference
+        path also absorbs W_UK in fp32), which otherwise converts the matrix per layer per step."""
         if self.w_kv_b_f32 is None:
             self.w_kv_b_f32 = self.kv_b_proj.weight.float()
 
@@ -79,8 +78,15 @@ class MLAMixer(nn.Module):
         w = self.kv_b_proj.weight
         w_dec = self.w_kv_b_f32 if self.w_kv_b_f32 is not None else w  # absorbed decode runs in fp32
         if nd and triton_enabled("MLA", q.device):  # split-KV Triton decode
-            out[:nd] = self._decode_triton(q[:nd], batch, latent_pages, (w, self.nope, None, torch.float32)).view(
-                nd, self.num_heads, self.dv)
+            from ..ops.mla_decode_triton import mla_decode
+
+            # The absorbed query in the model dtype straight from one batched GEMM (fp32
+            # accumulation, one rounding: what the kernel reads anyway); q_pe stays a view of q.
+            w_uk = w.view(self.num_heads, -1, self.rkv)[:, :self.nope]
+            q_c = torch.bmm(q[:nd, :, :self.nope].transpose(0, 1), w_uk).transpose(0, 1)
+            o_lat = mla_decode(q_c, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale,
+                               q_pe=q[:nd, :, self.nope:])
+            out[:nd] = mla_ref.unabsorb_output(o_lat, w_dec, self.rkv, self.nope)
         elif nd:
             # Static steps attend over the block table's full width (masked), not a host maximum.
             max_len = (batch.block_table.shape[1] * batch.page_size if batch.static_shapes
@@ -103,27 +109,9 @@ class MLAMixer(nn.Module):
                 out[s:e] = mla_ref.mla_expanded_ref(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)
         return out
 
-    def _decode_triton(self, q: torch.Tensor, batch: ForwardBatch, latent_pages: torch.Tensor,
-                       unabsorb: tuple) -> torch.Tensor:
-        """The first len(q) sequences' decode tokens through the split-KV kernel: [nd, Ha * dv]
-        (``mla_decode_triton.mla_decode``'s ``unabsorb``: W_UV, gate and dtype)."""
-        from ..ops.mla_decode_triton import mla_decode
-
-        nd = q.shape[0]
-        # The absorbed query in the model dtype straight from one batched GEMM (fp32 accumulation,
-        # one rounding: what the kernel reads anyway); q_pe stays a view of q.
-        w_uk = self.kv_b_proj.weight.view(self.num_heads, -1, self.rkv)[:, :self.nope]
-        q_c = torch.bmm(q[:, :, :self.nope].transpose(0, 1), w_uk).transpose(0, 1)
-        return mla_decode(q_c, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale,
-                          q_pe=q[:, :, self.nope:], unabsorb=unabsorb)
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         q, kv, gate = self.project(x)
         self.write_latent(kv, batch, cache)
-        if batch.num_decodes == batch.num_seqs and triton_enabled("MLA", q.device):
-            # a decode-only step: the split kernel, then merge, W_UV, the gate and the cast in one launch
-            o = self._decode_triton(q, batch, cache.latent, (self.kv_b_proj.weight, self.nope, gate, x.dtype))
-            return self.o_proj(o)
         o = self.attend(q, batch, cache.latent).reshape(x.shape[0], -1)
         if gate is not None:  # sigmoid(gate) * o in fp32, rounded once to the gate's (model) dtype
             o = glu_activation(gate, o, "sigmoid")

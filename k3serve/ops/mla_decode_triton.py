@@ -78,62 +78,6 @@ def _mla_decode_split_kernel(
     tl.store(LSE + b * stride_lb + heads * stride_lh + sp, lse, mask=hmask)
 
 
-@triton.jit
-def _merge_unabsorb_kernel(PART, LSE, W, GATE, OUT, S, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_w,
-                           stride_g, stride_o, NOPE, R: tl.constexpr, DV: tl.constexpr, S_P: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, HAS_GATE: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
-    """Program (sequence, head, value block): the splits' partial latent outputs merged by their
-    log-sum-exp, taken through the head's W_UV rows of kv_b_proj (bf16 in, fp32 products), times
-    sigmoid(output gate) where the layer has one, stored once in OUT's dtype."""
-    pdl_start(USE_PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    s = tl.arange(0, S_P)
-    smask = s < S
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
-    wgt = tl.exp(lse - tl.max(lse, 0))  # empty splits (lse -inf) weigh 0
-    wgt = wgt / tl.sum(wgt, 0)
-    acc = tl.zeros([BLOCK_V], tl.float32)
-    w_rows = W + (h * (NOPE + DV) + NOPE + v).to(tl.int64)[:, None] * stride_w
-    for r0 in tl.static_range(0, R, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        part = tl.load(PART + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + r[None, :],
-                       mask=smask[:, None] & (r < R)[None, :], other=0.0)
-        o_lat = tl.sum(tl.where(wgt[:, None] > 0, part, 0.0) * wgt[:, None], 0)  # [BLOCK_R]
-        w = tl.load(w_rows + r[None, :], mask=(v < DV)[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * o_lat[None, :], 1)
-    if HAS_GATE:
-        acc = acc * tl.sigmoid(tl.load(GATE + b * stride_g + h * DV + v, mask=v < DV, other=0.0).to(tl.float32))
-    tl.store(OUT + b * stride_o + h * DV + v, acc.to(OUT.dtype.element_ty), mask=v < DV)
-
-
-def merge_unabsorb(partial: torch.Tensor, lse: torch.Tensor, w_kv_b: torch.Tensor, nope_dim: int,
-                   gate: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The split decode's partials [B, H, S, rkv] (fp32) and their LSE [B, H, S] -> the heads'
-    outputs [B, H * dv]: merged, through W_UV (``mla_ref.unabsorb_output``), times sigmoid(gate
-    [B, H * dv]) if given, in ``out_dtype``. One launch for what took softmax, a batched GEMV, an
-    fp32 einsum and two copies (RESULTS.md ninth session)."""
-    B, H, S, R = partial.shape
-    dv = w_kv_b.shape[0] // H - nope_dim
-    if partial.stride(3) != 1 or lse.stride(2) != 1 or w_kv_b.stride(1) != 1 or w_kv_b.shape[1] != R:
-        raise ValueError("merge_unabsorb wants dense rows: partial [B, H, S, rkv], lse [B, H, S], kv_b [H*(dn+dv), rkv]")
-    out = torch.empty(B, H * dv, dtype=out_dtype, device=partial.device)
-    if gate is not None and (gate.shape != out.shape or gate.stride(1) != 1):
-        raise ValueError(f"gate {tuple(gate.shape)} must be [{B}, {H * dv}] with dense rows")
-    g = gate if gate is not None else out
-    # Value blocks as programs while the (sequence, head) pairs alone would leave most SMs idle.
-    block_v = triton.next_power_of_2(dv) if B * H >= sm_count(partial.device) else max(16, triton.next_power_of_2(dv) // 4)
-    if B:
-        _merge_unabsorb_kernel[(B, H, triton.cdiv(dv, block_v))](
-            partial, lse, w_kv_b, g, out, S, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-            lse.stride(1), w_kv_b.stride(0), g.stride(0), out.stride(0), nope_dim, R=R, DV=dv,
-            S_P=triton.next_power_of_2(S), BLOCK_R=min(64, triton.next_power_of_2(R)), BLOCK_V=block_v,
-            HAS_GATE=gate is not None, **pdl.launch(out.device))
-    return out
-
-
 def _heads_that_fit(configs, named_args, **kwargs):
     """No head block wider than the heads (rounded up to a power of two, at least 16)."""
     cap = max(16, triton.next_power_of_2(named_args["H"]))
@@ -165,15 +109,13 @@ def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) 
 
 def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                kv_lora_rank: int, scale: float, num_splits: int | None = None, tiles: dict | None = None,
-               q_pe: torch.Tensor | None = None, unabsorb: tuple | None = None) -> torch.Tensor:
+               q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """q_abs [B, H, rkv+dr], or [B, H, rkv] with ``q_pe`` [B, H, dr] apart (both may be strided
     views: the absorbed part straight from a batched GEMM, q_pe a slice of the projected queries);
     latent_pages [num_pages, page, rkv+dr] (any page stride); block_table [B, max_pages]; seq_lens
     [B] (tokens to attend, >= 1). Returns the latent-space output [B, H, rkv] fp32 (unabsorb
     through W_UV afterwards). ``num_splits`` None: from the batch, the heads and the table's width
-    (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps, num_stages) None: autotuned.
-    ``unabsorb`` (kv_b_proj weight, nope dim, output gate or None, dtype): the heads' outputs
-    [B, H * dv] through ``merge_unabsorb`` instead."""
+    (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps, num_stages) None: autotuned."""
     if q_pe is None:
         q_abs, q_pe = q_abs[..., :kv_lora_rank], q_abs[..., kv_lora_rank:]
     B, H, _ = q_abs.shape
@@ -196,8 +138,6 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
         D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)), D_PE_P=max(16, triton.next_power_of_2(d_pe)),
         **tiles, **pdl.launch(partial.device),
     )
-    if unabsorb is not None:
-        return merge_unabsorb(partial, lse, *unabsorb)
     # Merge the splits by their log-sum-exp (empty splits carry -inf and weigh nothing): one
     # batched GEMV [S] x [S, rkv] per (sequence, head), no [B, H, S, rkv] product in memory.
     w = torch.softmax(lse, dim=-1)
