@@ -101,15 +101,20 @@ def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
     return rows
 
 
+def captured_pool(model, pool_bytes, ctx, batch):
+    """A fresh pool with ``batch`` sequences' slots and pages for ``ctx`` tokens, and decode graphs
+    captured over it: (pool, slots, pages, graphs)."""
+    max_pages = -(-(ctx + 16) // PAGE)
+    pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+    slots = [pool.alloc_slot() for _ in range(batch)]
+    pages = [[pool.alloc_page() for _ in range(max_pages)] for _ in range(batch)]
+    return pool, slots, pages, DecodeGraphs(model, pool, batch, max_pages, capture=True)
+
+
 def timing(model, rng, sizes, contexts, pool_bytes, iters) -> list[dict]:
     rows = []
     for ctx in contexts:
-        max_pages = -(-(ctx + 16) // PAGE)
-        pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
-        B = max(sizes)
-        slots = [pool.alloc_slot() for _ in range(B)]
-        pages = [[pool.alloc_page() for _ in range(max_pages)] for _ in range(B)]
-        graphs = DecodeGraphs(model, pool, B, max_pages, capture=True)
+        pool, slots, pages, graphs = captured_pool(model, pool_bytes, ctx, max(sizes))
         for n in sizes:
             chunks = [SeqChunk([rng.randrange(1000)], ctx, slots[i], pages[i]) for i in range(n)]
             t_eager = timed(lambda: eager_step(model, pool, chunks), iters)
@@ -151,12 +156,7 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters) -> list[
             saved.append((mod, const, getattr(mod, const)))
             setattr(mod, const, ast.literal_eval(value.strip()))
         forget_tuning()
-        pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
-        max_pages = -(-(ctx + 16) // PAGE)
-        B = max(sizes)
-        slots = [pool.alloc_slot() for _ in range(B)]
-        pages = [[pool.alloc_page() for _ in range(max_pages)] for _ in range(B)]
-        graphs = DecodeGraphs(model, pool, B, max_pages, capture=True)
+        pool, slots, pages, graphs = captured_pool(model, pool_bytes, ctx, max(sizes))
         for n in sizes:
             chunks = [SeqChunk([rng.randrange(1000)], ctx, slots[i], pages[i]) for i in range(n)]
             graphs.run(chunks)

@@ -89,6 +89,5 @@ def test_router_logits_kernel_compiles_for_sm90():
 def test_route_kernel_compiles_for_sm90():
     ptrs = {"LOGITS": "*fp32", "BIAS": "*fp32", "W_OUT": "*fp32", "ID_OUT": "*i64"}
     scalars = {n: "i32" for n in ("num_parts", "stride_part", "stride_l", "E")} | {"scaling": "fp32"}
-    consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, PARTS_BLOCK=32,
-                  USE_PDL=True)
+    consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, USE_PDL=True)
     assert _compile(moe_triton._route_kernel, ptrs, scalars, consts, num_warps=4).asm["cubin"]

@@ -253,10 +253,9 @@ _grouped_gemm_tuned = autotuned(
 def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr,
-                  PARTS_BLOCK: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+                  USE_PDL: tl.constexpr = False):
     """One token's routing (``moe_ref.route`` with one expert group): logits as the sum of
-    ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits; PARTS_BLOCK of
-    them loaded as one tile, one L2 round trip, not one each), scores,
+    ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores,
     bias-corrected choice, top-k by K rounds of argmax (descending, as torch.topk), weights from
     the unbiased scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ... of
     weight 1."""
@@ -265,12 +264,8 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l,
     e = tl.arange(0, E_P)
     live = e < E
     logit = tl.zeros([E_P], tl.float32)
-    pp = tl.arange(0, PARTS_BLOCK)
-    for p0 in range(0, num_parts, PARTS_BLOCK):  # a fixed order: the same logits every run
-        part = p0 + pp
-        tile = tl.load(LOGITS + part[:, None] * stride_part + t * stride_l + e[None, :],
-                       mask=(part < num_parts)[:, None] & live[None, :], other=0.0)
-        logit += tl.sum(tile.to(tl.float32), 0)
+    for part in range(num_parts):  # a fixed order: the same logits every run
+        logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
     logit = tl.where(live, logit, float("-inf"))
     if SIGMOID:
         score = tl.sigmoid(logit)
@@ -351,16 +346,6 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     return out if split else out.sum(0)
 
 
-# Partial logits the route kernel loads as one tile (parts x experts, elements): a decode step's 18
-# partial sums over kimi-linear's 256 experts in one load instead of 18 round trips to L2 one
-# after another; K3's 28 x 896 in four.
-ROUTE_TILE = 8192
-
-
-def _parts_block(num_parts: int, num_experts: int) -> int:
-    return max(1, min(triton.next_power_of_2(num_parts), ROUTE_TILE // triton.next_power_of_2(num_experts)))
-
-
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
                  score_func: str = "sigmoid", num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_ref.route`` for one expert group in one launch (the torch form takes ~7): logits
@@ -377,8 +362,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
                             parts.stride(1), E, float(scaling),
                             K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
                             HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
-                            NUM_SHARED=num_shared, PARTS_BLOCK=_parts_block(parts.shape[0], E),
-                            **pdl.launch(w.device))
+                            NUM_SHARED=num_shared, **pdl.launch(w.device))
     return w, ids
 
 
