@@ -47,4 +47,3 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("seed", [0, 1])
 def test_split_kv_decode_matches_reference(seed):
     assert worst_error(SCRIPT, str(seed)) < 1e-5
-

@@ -23,19 +23,13 @@ def _compile(fn, pointers: dict, scalars: dict, consts: dict, **options):
     return triton.compile(src, target=HOPPER, options=options)
 
 
-def _grouped_gemm_sig(weights: str) -> tuple[dict, dict]:
-    w = "*bf16" if weights == "bf16" else "*u8"
-    ptrs = {"X": "*bf16", "W": w, "S": "*u8", "W_UP": w, "S_UP": "*u8", "OUT": "*fp32", "ROWS": "*i64",
+@pytest.mark.parametrize("swap, block_n, warps", [(True, 32, 2), (False, 64, 4)])
+def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
+    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
             "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
     ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
                                "stride_se", "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
-    return ptrs, ints
-
-
-@pytest.mark.parametrize("swap, block_n, warps", [(True, 32, 2), (False, 64, 4)])
-def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
-    ptrs, ints = _grouped_gemm_sig("mx_asm")
     consts = dict(WEIGHTS="mx_asm", GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
                   BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, USE_PDL=True)
     kernel = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=warps, num_stages=3)
