@@ -4,10 +4,12 @@ torch form on fresh random inputs and timed next to it at decode sizes. They are
 figure that matters is microseconds per call (one launch instead of ~6 / ~10 / ~7 / ~20), with
 bytes / copy ceiling shown for the norms.
 
-Usage: python -m bench.kernels_small
+Usage: python -m bench.kernels_small [--route-warps]   (--route-warps: only the route kernel at each warp count)
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -87,7 +89,31 @@ def main() -> None:
         print(f"| expert alignment | {T * K} assignments, {E} experts | {t_ours:.1f} | {t_ref:.1f} | {check} |")
 
 
+def route_warps() -> None:
+    """The route kernel as a decode step calls it (partial logits of 18 / 28 chunks of D) at each
+    ``moe_triton.ROUTE_WARPS``: the same experts and weights, and the time."""
+    from k3serve.ops import moe_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| route, warps | tokens, experts, top-k, partial sums | us | same as 4 warps |\n|---|---|---|---|")
+    for T, E, K, parts in ((1, 256, 8, 18), (4, 256, 8, 18), (64, 256, 8, 18), (1, 896, 16, 28)):
+        logits = torch.randn(parts, T, E, device="cuda", generator=g) * 0.5
+        bias = torch.randn(E, device="cuda", generator=g) * 0.3
+        moe_triton.ROUTE_WARPS = 4
+        ref = route_triton(logits, bias, K, True, 2.5, num_shared=1)
+        for warps in (1, 2, 4, 8):
+            moe_triton.ROUTE_WARPS = warps
+            out = route_triton(logits, bias, K, True, 2.5, num_shared=1)
+            same = torch.equal(out[1], ref[1]) and torch.allclose(out[0], ref[0], rtol=1e-6, atol=0)
+            t = _us(lambda: route_triton(logits, bias, K, True, 2.5, num_shared=1))
+            print(f"| {warps} | {T}, {E}, {K}, {parts} | {t:.1f} | {same} |", flush=True)
+    moe_triton.ROUTE_WARPS = 4
+
+
 if __name__ == "__main__":
+    if "--route-warps" in sys.argv:
+        route_warps()
+        sys.exit(0)
     main()
     if gpu_ms.eager:
         print("timed by plain launches (not capturable):", *sorted(set(gpu_ms.eager)), sep="\n  ")

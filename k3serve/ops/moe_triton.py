@@ -346,6 +346,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     return out if split else out.sum(0)
 
 
+# Warps of the route kernel's one program a token (its K rounds of argmax are reductions over the
+# experts: across warps each goes through shared memory and a barrier). bench/kernels_small.py
+# --route-warps times the choices.
+ROUTE_WARPS = 4
+
+
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
                  score_func: str = "sigmoid", num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_ref.route`` for one expert group in one launch (the torch form takes ~7): logits
@@ -362,7 +368,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
                             parts.stride(1), E, float(scaling),
                             K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
                             HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
-                            NUM_SHARED=num_shared, **pdl.launch(w.device))
+                            NUM_SHARED=num_shared, num_warps=ROUTE_WARPS, **pdl.launch(w.device))
     return w, ids
 
 
