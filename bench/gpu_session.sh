@@ -104,14 +104,14 @@ case "$1" in
   kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
-  verify)  # the eighth session's untimed code first: kernel checks (GEMV, fused KDA both ways, one-launch
-           # router), the KDA decode bench, the small kernels (router one launch vs two), then the engine
+  verify)  # a session's untimed code first: every kernel check, the KDA decode bench, the small
+           # kernels (norms, GLU, routing, alignment), then the engine
     step kernels_check 240 python3 bench/gpu_check_kernels.py
     step kda "$(left 300)" python3 -m bench.kernels_kda_decode
     step small "$(left 370)" python3 -m bench.kernels_small
     step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep "FAIL\|checks passed" "$OUT/kernels_check.log"; head -30 "$OUT/kda.log" | tail -24
-    grep "router + route\|^| route " "$OUT/small.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
+    grep "^| route \|^| add + rms_norm " "$OUT/small.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
   ab)  # kimi-linear-48b graph-replayed decode steps under variants of module constants (one model load;
        # AB="name:module.CONST=value,...;...", see gpu_check_graphs.ab_timing), then the step profile
     step ab "$(left "${AB_UNTIL:-580}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
