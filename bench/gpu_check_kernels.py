@@ -145,6 +145,20 @@ def check_gemv(T: int, K: int, N: int, gen: torch.Generator) -> None:
     record("dense GEMV (split-K, all tiles)", f"T={T} K={K} N={N}", worst, 1e-2)
 
 
+def check_gemv_batched(B: int, T: int, K: int, N: int, fp32_x: bool, gen: torch.Generator) -> None:
+    """The batched GEMV as the model calls it (KDA f/g up-projections; MLA's query absorption, and
+    W_UV on the fp32 latent output into an fp32 out): strided x and out views, a weight that is a
+    slice of a larger per-batch matrix, vs float64 of the bf16-rounded inputs; run twice."""
+    x = torch.randn(T, B, K + 64, generator=gen, device=DEV)[..., :K].transpose(0, 1)
+    x = x if fp32_x else x.bfloat16()
+    w = (torch.randn(B, N + 32, K, generator=gen, device=DEV) * K ** -0.5).bfloat16()[:, 32:]
+    ref = x.bfloat16().double() @ w.double().transpose(1, 2)
+    out = torch.full((T, B, N), float("nan"), device=DEV, dtype=torch.float32 if fp32_x else torch.bfloat16)
+    worst = max(rel(gemv(x, w, out=out.transpose(0, 1)), ref) for _ in range(2))
+    record("batched GEMV (strided x / out" + (", fp32 x and out)" if fp32_x else ")"), f"B={B} T={T} K={K} N={N}",
+           worst, 1e-5 if fp32_x else 1e-2)
+
+
 def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generator) -> None:
     """The fused decode mixer (conv, gates, norms, delta rule, gated RMSNorm) vs the reference
     mixer, a head as one program, as one program per value block (the ticket), and by the rule."""
@@ -194,6 +208,9 @@ def main() -> int:
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
     for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):
         check_gemv(T, K, N, gen)
+    for B, T, K, N, fp32_x in ((2, 1, 128, 4096, False), (2, 4, 128, 4096, False), (32, 1, 128, 512, False),
+                               (32, 3, 512, 128, True), (64, 1, 512, 128, True)):
+        check_gemv_batched(B, T, K, N, fp32_x, gen)
     for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0)):
         check_kda_fused(N, H, 128, lb, gen)
     failed = [r for r in ROWS if r[2] > r[3]]

@@ -94,6 +94,7 @@ def route_warps() -> None:
     ``moe_triton.ROUTE_WARPS``: the same experts and weights, and the time."""
     from k3serve.ops import moe_triton
 
+    saved = moe_triton.ROUTE_WARPS
     g = torch.Generator(device="cuda").manual_seed(0)
     print("| route, warps | tokens, experts, top-k, partial sums | us | same as 4 warps |\n|---|---|---|---|")
     for T, E, K, parts in ((1, 256, 8, 18), (4, 256, 8, 18), (64, 256, 8, 18), (1, 896, 16, 28)):
@@ -107,7 +108,7 @@ def route_warps() -> None:
             same = torch.equal(out[1], ref[1]) and torch.allclose(out[0], ref[0], rtol=1e-6, atol=0)
             t = _us(lambda: route_triton(logits, bias, K, True, 2.5, num_shared=1))
             print(f"| {warps} | {T}, {E}, {K}, {parts} | {t:.1f} | {same} |", flush=True)
-    moe_triton.ROUTE_WARPS = 4
+    moe_triton.ROUTE_WARPS = saved
 
 
 if __name__ == "__main__":

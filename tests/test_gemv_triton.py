@@ -32,6 +32,22 @@ SCRIPT = textwrap.dedent('''
     x, w = wide[:, 50:350], torch.randn(70, 300, generator=gen)
     ref = x.double() @ w.double().T
     worst = max(worst, ((gemv(x, w).double() - ref).norm() / ref.norm()).item())
+    # batched: per-batch weights (K-contiguous and N-contiguous), strided x and out views, split
+    # partials and tickets per batch; an fp32 out of a bf16 weight (exact here: the interpreter
+    # multiplies in fp32, the GPU in bf16, gpu_check_kernels)
+    for B, T, N, K, cfg in [(3, 2, 40, 96, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)), (2, 1, 70, 130, None)]:
+        x = torch.randn(T, B, K + 5, generator=gen)[..., :K].transpose(0, 1)
+        for w in (torch.randn(B, N, K, generator=gen), torch.randn(B, K, N, generator=gen).transpose(1, 2),
+                  torch.randn(B, N, K, generator=gen).bfloat16()):
+            ref = x.double() @ w.double().transpose(1, 2)
+            out = torch.full((T, B, N), float("nan")).transpose(0, 1)
+            for _ in range(2):
+                y = gemv(x, w, cfg, out=out)
+                assert y is out and not out.isnan().any()
+                worst = max(worst, ((out.double() - ref).norm() / ref.norm()).item())
+            y = gemv(x, w, cfg)  # the same sums, rounded once to the weight's dtype
+            assert y.shape == (B, T, N) and y.dtype == w.dtype
+            assert torch.allclose(y.float(), out, rtol=2 ** -7, atol=0)
     print(worst)
 ''')
 
@@ -48,6 +64,10 @@ def test_gemv_refuses_what_it_does_not_serve():
 
     with pytest.raises(ValueError, match="16 tokens"):
         gemv(torch.zeros(17, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="16 tokens"):  # one weight per batch entry
+        gemv(torch.zeros(3, 2, 8), torch.zeros(2, 4, 8))
+    with pytest.raises(ValueError, match="output must be"):
+        gemv(torch.zeros(2, 8), torch.zeros(4, 8), out=torch.zeros(2, 5))
 
 
 def test_gemv_compiles_for_sm90_with_bf16_mma_and_a_ticket():
@@ -60,14 +80,17 @@ def test_gemv_compiles_for_sm90_with_bf16_mma_and_a_ticket():
 
     from k3serve.ops import gemv_triton
 
+    strides = ("stride_xb", "stride_xt", "stride_wb", "stride_wn", "stride_wk", "stride_ob", "stride_ot")
     sig = {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "PART": "*fp32", "TICKETS": "*i32",
-           **{n: "i32" for n in ("T", "N", "K", "stride_x", "stride_w", "stride_o")}}
+           **{n: "i32" for n in ("T", "N", "K", *strides)}}
     consts = dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, IEEE=False, USE_PDL=True)
     src = triton.compiler.ASTSource(fn=gemv_triton._gemv_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                                     constexprs=consts)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "wgmma" in ptx or "mma.sync" in ptx  # the tensor cores, not FMA
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
+    wait = ptx.find("griddepcontrol.wait")  # nothing touches memory before the PDL wait
+    assert all(ptx.find(op) > wait for op in ("ld.global", "st.global"))
 
 
 def test_which_linears_take_the_gemv(monkeypatch):
@@ -90,3 +113,29 @@ def test_which_linears_take_the_gemv(monkeypatch):
         g.linear(torch.randn(1, 16), w)  # weight too large
     g.linear(torch.randn(1, 16), torch.randn(4, 16))  # gradients recorded
     assert taken == [(4, 16), (2, 16)]
+
+
+def test_batched_linear_takes_the_gemv_for_decode_batches(monkeypatch):
+    """The batched GEMV's rule (few tokens, no gradients, unit K stride); the torch fallback
+    multiplies in the weight's dtype and writes into ``out``."""
+    import torch
+
+    from k3serve.model.layers import batched_linear
+    from k3serve.ops import gemv_triton as g
+
+    monkeypatch.setattr(g, "triton_enabled", lambda op, device: op == "GEMV")
+    w = torch.randn(2, 8, 16).bfloat16()
+    with torch.no_grad():
+        assert g.batched_gemv_applies(torch.randn(2, 4, 16), w)
+        assert g.batched_gemv_applies(torch.randn(2, 4, 16), w.transpose(1, 2).contiguous().transpose(1, 2))
+        assert not g.batched_gemv_applies(torch.randn(2, 5, 16), w)  # too many tokens
+        assert not g.batched_gemv_applies(torch.randn(2, 16, 4).transpose(1, 2), w)  # x not K-contiguous
+        monkeypatch.setattr(g, "BATCHED", False)
+        assert not g.batched_gemv_applies(torch.randn(2, 4, 16), w)
+    assert not g.batched_gemv_applies(torch.randn(2, 4, 16), w)  # gradients recorded
+    x = torch.randn(2, 3, 16)
+    y = batched_linear(x, w)
+    ref = x.bfloat16().double() @ w.double().transpose(1, 2)
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), ref, rtol=1e-2, atol=1e-2)
+    out = torch.empty(3, 2, 8).transpose(0, 1)
+    assert batched_linear(x, w, out=out) is out and torch.equal(out, y.float())

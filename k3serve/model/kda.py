@@ -10,7 +10,7 @@ from ..ops.backend import triton_enabled
 from ..ops.kda import kda_core
 from ..ops.short_conv import short_conv_silu
 from .batch import ForwardBatch, KDALayerCache
-from .layers import Linear, LinearGroup, fuse_as_views, gated_rms_norm
+from .layers import Linear, LinearGroup, batched_linear, fuse_as_views, gated_rms_norm
 
 
 class KDAMixer(nn.Module):
@@ -66,7 +66,7 @@ class KDAMixer(nn.Module):
         D = self.head_dim
         if self.fg_b is None or torch.is_grad_enabled():
             return qkv, self.f_b_proj(fg_a[:, :D]), b, self.g_b_proj(fg_a[:, D:])
-        f, gate = torch.bmm(fg_a.unflatten(1, (2, D)).transpose(0, 1), self.fg_b.transpose(1, 2).to(fg_a.dtype))
+        f, gate = batched_linear(fg_a.unflatten(1, (2, D)).transpose(0, 1), self.fg_b.to(fg_a.dtype))
         return qkv, f, b, gate
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:

@@ -98,6 +98,19 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(weight.dtype), weight)
 
 
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, T, K] @ weight [B, N, K]^T -> [B, T, N] in the weight's dtype (x cast to it; fp32
+    accumulation), or written into ``out`` (any dtype): on the GPU our batched GEMV for
+    decode-sized batches (one launch, PDL), torch.matmul elsewhere."""
+    if x.is_cuda:
+        from ..ops.gemv_triton import batched_gemv_applies, gemv
+
+        if batched_gemv_applies(x, weight):
+            return gemv(x, weight, out=out)
+    y = torch.matmul(x.to(weight.dtype), weight.transpose(1, 2))
+    return y if out is None else out.copy_(y)
+
+
 class Linear(nn.Module):
     """Bias-free linear, y = x W^T, W stored [out, in] as in the checkpoints.
 

@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from ..ops import mla_ref
 from ..ops.backend import triton_enabled
 from .batch import ForwardBatch, MLALayerCache
-from .layers import Linear, LinearGroup, RMSNorm, glu_activation, norm_kernel_on
+from .layers import Linear, LinearGroup, RMSNorm, batched_linear, glu_activation, norm_kernel_on
 
 
 class MLAMixer(nn.Module):
@@ -43,12 +43,24 @@ class MLAMixer(nn.Module):
         self.in_proj = LinearGroup(self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa,
                                    *([self.g_proj] if self.output_gate else []))
         self.register_buffer("w_kv_b_f32", None, persistent=False)
+        self.register_buffer("w_uk_t", None, persistent=False)
 
     def cache_absorption_weight(self) -> None:
-        """kv_b_proj in fp32, kept: decode takes W_UV out of the output in fp32 (and the reference
-        path also absorbs W_UK in fp32), which otherwise converts the matrix per layer per step."""
-        if self.w_kv_b_f32 is None:
-            self.w_kv_b_f32 = self.kv_b_proj.weight.float()
+        """What the absorbed decode reads, kept. The Triton path: W_UK transposed, [Ha, rkv, dn]
+        in the model dtype (a quarter of an fp32 kv_b_proj: 0.3 instead of 1.2 GB over K3's 24 MLA
+        layers), so the query absorption streams whole rows as a batched GEMV; W_UV is read in
+        place. The reference path: kv_b_proj in fp32 (it absorbs and takes W_UV out in fp32),
+        which otherwise converts the matrix per layer per step."""
+        w = self.kv_b_proj.weight
+        if triton_enabled("MLA", w.device):
+            if self.w_uk_t is None:
+                self.w_uk_t = self._w_uk().transpose(1, 2).contiguous()
+        elif self.w_kv_b_f32 is None:
+            self.w_kv_b_f32 = w.float()
+
+    def _w_uk(self) -> torch.Tensor:
+        """W_UK [Ha, dn, rkv] (a view of kv_b_proj)."""
+        return self.kv_b_proj.weight.view(self.num_heads, -1, self.rkv)[:, :self.nope]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Queries [T, Ha, dn+dr], the latent projection [T, rkv+dr] = [c ; k_pe] (c not yet
@@ -80,13 +92,18 @@ class MLAMixer(nn.Module):
         if nd and triton_enabled("MLA", q.device):  # split-KV Triton decode
             from ..ops.mla_decode_triton import mla_decode
 
-            # The absorbed query in the model dtype straight from one batched GEMM (fp32
-            # accumulation, one rounding: what the kernel reads anyway); q_pe stays a view of q.
-            w_uk = w.view(self.num_heads, -1, self.rkv)[:, :self.nope]
-            q_c = torch.bmm(q[:nd, :, :self.nope].transpose(0, 1), w_uk).transpose(0, 1)
+            # The absorbed query in the model dtype straight from one batched GEMV over the heads
+            # (fp32 accumulation, one rounding: what the kernel reads anyway); q_pe stays a view of
+            # q. W_UV is taken out the same way, the latent output rounded to the model dtype for
+            # the tensor cores (as engines on FlashMLA's bf16 output do), accumulated in fp32
+            # straight into ``out``.
+            w_uk_t = self.w_uk_t if self.w_uk_t is not None else self._w_uk().transpose(1, 2)
+            q_c = torch.empty(nd, self.num_heads, self.rkv, dtype=q.dtype, device=q.device)
+            batched_linear(q[:nd, :, :self.nope].transpose(0, 1), w_uk_t, out=q_c.transpose(0, 1))
             o_lat = mla_decode(q_c, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale,
                                q_pe=q[:nd, :, self.nope:])
-            out[:nd] = mla_ref.unabsorb_output(o_lat, w_dec, self.rkv, self.nope)
+            w_uv = w.view(self.num_heads, -1, self.rkv)[:, self.nope:]
+            batched_linear(o_lat.transpose(0, 1), w_uv, out=out[:nd].transpose(0, 1))
         elif nd:
             # Static steps attend over the block table's full width (masked), not a host maximum.
             max_len = (batch.block_table.shape[1] * batch.page_size if batch.static_shapes

@@ -23,41 +23,47 @@ from .tickets import last_arrival, tickets
 
 
 @triton.jit
-def _gemv_kernel(X, W, OUT, PART, TICKETS, T, N, K, stride_x, stride_w, stride_o,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 IEEE: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Program (column block, K split): partial [BLOCK_N, tokens] over its K range in fp32."""
+def _gemv_kernel(X, W, OUT, PART, TICKETS, T, N, K, stride_xb, stride_xt, stride_wb, stride_wn, stride_wk,
+                 stride_ob, stride_ot, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Program (column block, K split, batch): partial [BLOCK_N, tokens] over its K range in fp32."""
     pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    b = tl.program_id(2)
+    X += b.to(tl.int64) * stride_xb
+    W += b.to(tl.int64) * stride_wb
+    OUT += b.to(tl.int64) * stride_ob
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     nmask, tmask = n < N, t < T
-    acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = W + n.to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
-        w = tl.load(W + n.to(tl.int64)[:, None] * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :],
-                    other=0.0)
-        x = tl.load(X + t[:, None] * stride_x + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows[:, None] + k[None, :] * stride_wk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(X + t[:, None] * stride_xt + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(w, tl.trans(x.to(w.dtype)), out_dtype=tl.float32)
     out_mask = tmask[None, :] & nmask[:, None]
     if SPLIT_K == 1:
-        tl.store(OUT + t[None, :] * stride_o + n[:, None], acc.to(OUT.dtype.element_ty), mask=out_mask)
+        tl.store(OUT + t[None, :] * stride_ot + n[:, None], acc.to(OUT.dtype.element_ty), mask=out_mask)
     else:
+        PART += b.to(tl.int64) * SPLIT_K * BLOCK_T * N
         part = PART + (split * BLOCK_T + t[None, :]) * N + n[:, None]
         tl.store(part, acc, mask=out_mask)
-        if last_arrival(TICKETS, pid_n, SPLIT_K):
+        if last_arrival(TICKETS, b * tl.num_programs(0) + pid_n, SPLIT_K):
             total = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
             for s in range(SPLIT_K):  # a fixed order: the same sums whichever program came last
                 total += tl.load(PART + (s * BLOCK_T + t[None, :]) * N + n[:, None], mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
-            tl.store(OUT + t[None, :] * stride_o + n[:, None], total.to(OUT.dtype.element_ty), mask=out_mask)
+            tl.store(OUT + t[None, :] * stride_ot + n[:, None], total.to(OUT.dtype.element_ty), mask=out_mask)
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), picked per (N, K) on the GPU at first use.
@@ -77,28 +83,54 @@ GEMV_MAX_TOKENS = 4
 GEMV_MAX_WEIGHT = 32 << 20
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [T, K] (T <= 16) @ weight [N, K]^T -> [T, N] in the weight's dtype; fp32 accumulation.
-    ``config`` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages as keys) pins the tile (benches)."""
-    T, K = x.shape
-    N = weight.shape[0]
-    if T > 16 or weight.stride(-1) != 1 or x.stride(-1) != 1:
-        raise ValueError(f"gemv takes up to 16 tokens with dense rows, got x {tuple(x.shape)} {x.stride()}")
-    out = torch.empty(T, N, dtype=weight.dtype, device=x.device)
-    ieee = weight.dtype == torch.float32 or interpreted()  # (the interpreter's bf16 dot is not exact)
-    part = torch.empty(_MAX_SPLIT_K * 16, N, dtype=torch.float32, device=x.device)
-    args = (x, weight, out, part, tickets(x.device, triton.cdiv(N, 16)), T, N, K, x.stride(0), weight.stride(0),
-            out.stride(0))
+# Batched GEMVs (``batched_linear``) in place of torch.bmm at a few tokens; for A/B timing.
+BATCHED = True
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (T <= 16) @ weight [N, K]^T -> [T, N], or batched: x [B, T, K] @ weight [B, N, K]^T
+    -> [B, T, N] (any strides but a unit one along K for x; weights may also be N-contiguous).
+    x is multiplied in the weight's dtype (fp32 accumulation): bf16 weights through the tensor
+    cores, fp32 ones exactly. The output is written into ``out`` if given (any dtype, any strides
+    with a unit one along N), else into a new tensor of the weight's dtype. ``config`` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
+    num_stages as keys) pins the tile (benches)."""
+    flat = x.dim() == 2
+    xb, wb = (x[None], weight[None]) if flat else (x, weight)
+    B, T, K = xb.shape
+    N = wb.shape[1]
+    if (T > 16 or xb.stride(-1) != 1 or wb.dim() != 3 or wb.shape[0] != B or wb.shape[2] != K
+            or 1 not in wb.stride()[1:]):
+        raise ValueError(f"gemv takes up to 16 tokens with dense rows, got x {tuple(x.shape)} {x.stride()} "
+                         f"and weight {tuple(weight.shape)} {weight.stride()}")
+    if out is None:
+        out = torch.empty(*x.shape[:-1], N, dtype=weight.dtype, device=x.device)
+    ob = out[None] if out.dim() == 2 else out
+    if tuple(ob.shape) != (B, T, N) or ob.stride(-1) != 1:
+        raise ValueError(f"gemv output must be {(B, T, N)} with unit stride along N, got {tuple(out.shape)}")
+    # (the interpreter's bf16 dot and casts are not exact: there x and the weight multiply in fp32)
+    ieee = weight.dtype == torch.float32 or interpreted()
+    part = torch.empty(B * _MAX_SPLIT_K * 16, N, dtype=torch.float32, device=x.device)
+    args = (xb, wb, ob, part, tickets(x.device, B * triton.cdiv(N, 16)), T, N, K, xb.stride(0), xb.stride(1),
+            wb.stride(0), wb.stride(1), wb.stride(2), ob.stride(0), ob.stride(1))
+    consts = dict(BLOCK_T=16, IEEE=ieee, **pdl.launch(out.device))
     if config is None:
-        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](
-            *args, BLOCK_T=16, IEEE=ieee, **pdl.launch(out.device))
+        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], B)](*args, **consts)
     else:
         c = dict(config)
         meta = {k: c.pop(k) for k in ("BLOCK_N", "BLOCK_K", "SPLIT_K")}
-        _gemv_kernel[(triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])](
-            *args, BLOCK_T=16, IEEE=ieee, **meta, **c,
-            **pdl.launch(out.device))
+        _gemv_kernel[(triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], B)](*args, **meta, **c, **consts)
     return out
+
+
+def batched_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gemv`` takes x [B, T, K] @ weight [B, N, K]^T (``layers.batched_linear``): a few
+    tokens on the GPU where the GEMV backend is on, no gradient being recorded. (At the model's
+    per-gate / per-head shapes it is as fast as torch.bmm, 3-4 us, latency-bound; it keeps the
+    PDL chain and reads W_UV in bf16, so MLA keeps no fp32 copy of kv_b_proj: RESULTS.md tenth
+    session.)"""
+    return (x.shape[1] <= GEMV_MAX_TOKENS and BATCHED and not torch.is_grad_enabled()
+            and triton_enabled("GEMV", x.device) and x.stride(-1) == 1 and 1 in weight.stride()[1:])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

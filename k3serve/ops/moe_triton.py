@@ -347,9 +347,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
 
 
 # Warps of the route kernel's one program a token (its K rounds of argmax are reductions over the
-# experts: across warps each goes through shared memory and a barrier). bench/kernels_small.py
-# --route-warps times the choices.
-ROUTE_WARPS = 4
+# experts: across warps each goes through shared memory and a barrier; one warp needs none).
+# One warp made kimi-linear-48b's graph-replayed step 0.05-0.1 ms faster than four at batch 1 and
+# 16 (RESULTS.md tenth session); bench/kernels_small.py --route-warps times the kernel alone.
+ROUTE_WARPS = 1
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
