@@ -596,15 +596,17 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
 
 
 @triton.jit
-def _combine_kernel(Y, NORM_W, ADD, OUT, top_k, D, stride_add, eps, NORM: tl.constexpr, HAS_ADD: tl.constexpr,
-                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _combine_kernel(Y, NORM_W, ADD, OUT, D, stride_add, eps, TOP_K: tl.constexpr, NORM: tl.constexpr,
+                    HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """The rows' loop is unrolled (TOP_K a constant), so all their loads are in flight at once: as
+    a loop of dependent loads it took 22 us a layer at 64 tokens (RESULTS.md tenth session)."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # the norm needs the whole row: one block then
     mask = cols < D
     acc = tl.zeros([BLOCK], tl.float32)
-    for j in range(top_k):
-        acc += tl.load(Y + (t * top_k + j) * D + cols, mask=mask, other=0.0)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(Y + (t * TOP_K + j) * D + cols, mask=mask, other=0.0)
     if NORM:
         acc = acc / tl.sqrt(tl.sum(acc * acc, 0) / D + eps) * tl.load(NORM_W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_ADD:
@@ -630,7 +632,7 @@ def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | 
         # (one program per row took 7 us a layer at batch 1 on kimi-linear, RESULTS.md sixth session).
         block = triton.next_power_of_2(D) if norm is not None else min(512, triton.next_power_of_2(D))
         _combine_kernel[(T, triton.cdiv(D, block))](
-            y, w, a, out, top_k, D, a.stride(0), float(norm.eps) if norm is not None else 0.0,
+            y, w, a, out, D, a.stride(0), float(norm.eps) if norm is not None else 0.0, TOP_K=top_k,
             NORM=norm is not None, HAS_ADD=add is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8,
             **pdl.launch(out.device))
     return out
