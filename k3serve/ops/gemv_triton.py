@@ -60,7 +60,7 @@ def _gemv_kernel(X, W, OUT, PART, TICKETS, T, N, K, stride_xb, stride_xt, stride
         tl.store(part, acc, mask=out_mask)
         if last_arrival(TICKETS, b * tl.num_programs(0) + pid_n, SPLIT_K):
             total = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-            for s in range(SPLIT_K):  # a fixed order: the same sums whichever program came last
+            for s in tl.static_range(SPLIT_K):  # a fixed order; unrolled, so the loads are in flight together
                 total += tl.load(PART + (s * BLOCK_T + t[None, :]) * N + n[:, None], mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
             tl.store(OUT + t[None, :] * stride_ot + n[:, None], total.to(OUT.dtype.element_ty), mask=out_mask)
