@@ -29,6 +29,28 @@ BATCHED_SHAPES = [("kda f|g up", 2, 128, 4096, False), ("mla q absorb", 32, 128,
                   ("mla W_UV (fp32 x)", 32, 512, 128, True)]
 
 
+def gemv_times(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, label: str):
+    """(worst rel err vs ``ref``, tuned ms, tuned tile, (best ms, best tile)): the GEMV autotuned as
+    the model calls it, then every pinned tile (each checked too)."""
+    rel = lambda y: ((y.float() - ref).norm() / ref.norm()).item()  # noqa: E731
+    err = rel(gemv(x, w))
+    t_tuned = gpu_ms(lambda: gemv(x, w), rep=100)
+    c = _gemv_tuned.best_config
+    tuned = f"{c.kwargs['BLOCK_N']},{c.kwargs['BLOCK_K']},{c.kwargs['SPLIT_K']},{c.num_warps},{c.num_stages}"
+    best = None
+    for c in GEMV_CONFIGS:
+        cfg = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+        try:
+            err = max(err, rel(gemv(x, w, cfg)))
+            ms = gpu_ms(lambda: gemv(x, w, cfg), rep=100)
+        except Exception as exc:  # a tile that does not fit
+            print(f"| {label} | tile {cfg} failed: {type(exc).__name__} |")
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, tuple(cfg.values()))
+    return err, t_tuned, tuned, best
+
+
 def batched() -> None:
     ceil = copy_tbs()
     print(f"copy ceiling {ceil:.2f} TB/s")
@@ -43,24 +65,10 @@ def batched() -> None:
             x = x if fp32_x else x.bfloat16()
             torch_op = ((lambda: torch.einsum("bti,boi->bto", x, w32)) if fp32_x  # the fp32 copy the model kept
                         else (lambda: torch.bmm(x, w.transpose(1, 2))))
-            ref = torch_op().float()
             gb = B * n * k * 2 / 1e9
             pct = lambda ms: 100 * gb / ms / ceil  # noqa: E731
             t_torch = gpu_ms(torch_op, rep=100)
-            err = ((gemv(x, w).float() - ref).norm() / ref.norm()).item()
-            t_tuned = gpu_ms(lambda: gemv(x, w), rep=100)
-            c = _gemv_tuned.best_config
-            tuned = f"{c.kwargs['BLOCK_N']},{c.kwargs['BLOCK_K']},{c.kwargs['SPLIT_K']},{c.num_warps},{c.num_stages}"
-            best = None
-            for c in GEMV_CONFIGS:
-                cfg = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-                try:
-                    ms = gpu_ms(lambda: gemv(x, w, cfg), rep=50)
-                except Exception as exc:  # a tile that does not fit
-                    print(f"| {name} | {B} | {M} | tile {cfg} failed: {type(exc).__name__} |||||||")
-                    continue
-                if best is None or ms < best[0]:
-                    best = (ms, tuple(cfg.values()))
+            err, t_tuned, tuned, best = gemv_times(x, w, torch_op().float(), f"{name} | {B} | {M}")
             print(f"| {name} | {B} | {M} | {t_torch:.4f} | {pct(t_torch):.0f} % | {t_tuned:.4f} | {pct(t_tuned):.0f} % "
                   f"| {tuned} | {best[0]:.4f} {best[1]} | {err:.1e} |", flush=True)
 
@@ -75,25 +83,10 @@ def main():
         w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
         for M in (1, 2, 4):
             x = torch.randn(M, k, device="cuda", generator=g).bfloat16()
-            ref = F.linear(x, w).float()
             gb = n * k * 2 / 1e9
             pct = lambda ms: 100 * gb / ms / ceil  # noqa: E731  (GB / ms = TB/s)
             t_cublas = gpu_ms(lambda: F.linear(x, w), rep=100)
-            err = ((gemv(x, w).float() - ref).norm() / ref.norm()).item()
-            t_tuned = gpu_ms(lambda: gemv(x, w), rep=100)
-            c = _gemv_tuned.best_config
-            tuned = f"{c.kwargs['BLOCK_N']},{c.kwargs['BLOCK_K']},{c.kwargs['SPLIT_K']},{c.num_warps},{c.num_stages}"
-            best = None
-            for c in GEMV_CONFIGS:
-                cfg = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-                try:
-                    err = max(err, ((gemv(x, w, cfg).float() - ref).norm() / ref.norm()).item())
-                    ms = gpu_ms(lambda: gemv(x, w, cfg), rep=100)
-                except Exception as exc:  # a tile that does not fit
-                    print(f"| {name} | {M} | tile {cfg} failed: {type(exc).__name__} ||||||||")
-                    continue
-                if best is None or ms < best[0]:
-                    best = (ms, tuple(cfg.values()))
+            err, t_tuned, tuned, best = gemv_times(x, w, F.linear(x, w).float(), f"{name} | {M}")
             print(f"| {name} | {M} | {t_cublas:.4f} | {pct(t_cublas):.0f} % | {t_tuned:.4f} | {pct(t_tuned):.0f} % | "
                   f"{tuned} | {best[0]:.4f} {best[1]} | {pct(best[0]):.0f} % | {err:.1e} |", flush=True)
 
