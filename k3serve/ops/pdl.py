@@ -3,7 +3,9 @@ back to back, and each one's launch and ramp-up used to start only once the prev
 block had drained. A kernel launched with PDL may be scheduled while its predecessor finishes;
 its first act is ``griddepcontrol.wait`` (``pdl_start``), which returns once the predecessor has
 completed and its memory is visible, so only the launch latency overlaps: every read and write
-still follows the previous kernel's. It then lets its own successor launch early. Kernels that
+still follows the previous kernel's. (Hinting a kernel's weights into L2 before its wait, so their
+streaming would overlap the predecessor's tail, was measured and lost: whole slabs thrash L2, the
+first tiles alone gain nothing; RESULTS.md tenth session.) It then lets its own successor launch early. Kernels that
 take no part (cuBLAS, torch) are ordered as before. ``K3SERVE_PDL=0`` turns it off (A/B timing).
 """
 
