@@ -101,14 +101,19 @@ def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
     return rows
 
 
-def captured_pool(model, pool_bytes, ctx, batch):
-    """A fresh pool with ``batch`` sequences' slots and pages for ``ctx`` tokens, and decode graphs
-    captured over it: (pool, slots, pages, graphs)."""
+def new_pool(model, pool_bytes, ctx, batch):
+    """A fresh pool with ``batch`` sequences' slots and pages for ``ctx`` tokens: (pool, slots, pages)."""
     max_pages = -(-(ctx + 16) // PAGE)
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
     slots = [pool.alloc_slot() for _ in range(batch)]
     pages = [[pool.alloc_page() for _ in range(max_pages)] for _ in range(batch)]
-    return pool, slots, pages, DecodeGraphs(model, pool, batch, max_pages, capture=True)
+    return pool, slots, pages
+
+
+def captured_pool(model, pool_bytes, ctx, batch):
+    """``new_pool`` and decode graphs captured over it: (pool, slots, pages, graphs)."""
+    pool, slots, pages = new_pool(model, pool_bytes, ctx, batch)
+    return pool, slots, pages, DecodeGraphs(model, pool, batch, len(pages[0]), capture=True)
 
 
 def timing(model, rng, sizes, contexts, pool_bytes, iters) -> list[dict]:
@@ -127,13 +132,19 @@ def timing(model, rng, sizes, contexts, pool_bytes, iters) -> list[dict]:
     return rows
 
 
-def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters) -> list[dict]:
+def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: int = 1) -> list[dict]:
     """Graph-replayed decode steps under variants of module constants, in one process (one model
     load): ``variants`` "name:module.CONST=value,...;name2:..." (values Python literals; "base" with
     nothing after the colon keeps the code's own). Each variant sets its constants, forgets the
     in-memory autotuning choices (a constant that prunes configs changes the candidates; the disk
-    cache is keyed by them), captures fresh graphs and times them; the constants go back after."""
+    cache is keyed by them), captures fresh graphs and times them; the constants go back after.
+    ``rounds`` > 1: every variant's graphs are captured first, over one shared pool (they read and
+    write it; timing does not care what they find there), then timed in ``rounds`` alternating
+    passes, each figure the median of its rounds with their spread: drift over a call then hits
+    every variant alike (sequential variants that could not differ differed by up to 2 % within
+    one call, RESULTS.md tenth session)."""
     import ast
+    import functools
     import importlib
 
     from triton.runtime.autotuner import Autotuner
@@ -145,7 +156,8 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters) -> list[
                 if isinstance(obj, Autotuner):
                     obj.cache.clear()
 
-    rows = []
+    rows, kept = [], []
+    shared = new_pool(model, pool_bytes, ctx, max(sizes)) if rounds > 1 else None
     for spec in variants.split(";"):
         name, _, assigns = spec.partition(":")
         saved = []
@@ -156,17 +168,35 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters) -> list[
             saved.append((mod, const, getattr(mod, const)))
             setattr(mod, const, ast.literal_eval(value.strip()))
         forget_tuning()
-        pool, slots, pages, graphs = captured_pool(model, pool_bytes, ctx, max(sizes))
+        pool, slots, pages = shared or new_pool(model, pool_bytes, ctx, max(sizes))
+        graphs = DecodeGraphs(model, pool, max(sizes), len(pages[0]), capture=True)
+        runs = []
         for n in sizes:
             chunks = [SeqChunk([rng.randrange(1000)], ctx, slots[i], pages[i]) for i in range(n)]
             graphs.run(chunks)
+            runs.append((n, functools.partial(graphs.run, chunks)))
+        for mod, const, value in saved:  # (a captured graph replays without reading them)
+            setattr(mod, const, value)
+        if rounds > 1:
+            kept.append((name.strip(), assigns, runs, graphs))
+            continue
+        for n, run in runs:
             rows.append({"variant": name.strip(), "set": assigns, "context": ctx, "batch": n,
-                         "graph_ms": round(timed(lambda: graphs.run(chunks), iters), 3)})
+                         "graph_ms": round(timed(run, iters), 3)})
             print(rows[-1], flush=True)
         del graphs, pool
         torch.cuda.empty_cache()
-        for mod, const, value in saved:
-            setattr(mod, const, value)
+    times: dict = {}
+    for _ in range(rounds if kept else 0):
+        for name, assigns, runs, _graphs in kept:
+            for n, run in runs:
+                times.setdefault((name, assigns, n), []).append(timed(run, iters))
+    for (name, assigns, n), ts in times.items():
+        rows.append({"variant": name, "set": assigns, "context": ctx, "batch": n,
+                     "graph_ms": round(statistics.median(ts), 3), "spread_ms": round(max(ts) - min(ts), 3)})
+        print(rows[-1], flush=True)
+    del kept, shared
+    torch.cuda.empty_cache()
     forget_tuning()
     return rows
 
@@ -263,6 +293,10 @@ def main() -> None:
                     help="comma-separated subset of check, timing, engine, profile, profile_prefill, ab")
     ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
     ap.add_argument("--ab-batches", default="1,16")
+    ap.add_argument("--ab-rounds", type=int, default=1,
+                    help="> 1: capture every variant first, then time them in this many alternating rounds")
+    ap.add_argument("--ab-pool-gib", type=float, default=4.0, help="the shared pool of --ab-rounds > 1 "
+                    "(kimi-linear-48b: ~40 MB of KDA state a sequence; 64 sequences of 528 tokens fit 4 GiB)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per profile")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -278,11 +312,12 @@ def main() -> None:
         for r in res["timing"]:
             print(f"| {r['context']} | {r['batch']} | {r['eager_ms']} | {r['graph_ms']} | {r['speedup']}x |")
     if "ab" in parts:
-        res["ab"] = ab_timing(model, rng, args.ab, [int(b) for b in args.ab_batches.split(",")], 512, pool_bytes,
-                              args.iters)
-        print("\n| variant | set | batch | graph ms |\n|---|---|---|---|")
+        res["ab"] = ab_timing(model, rng, args.ab, [int(b) for b in args.ab_batches.split(",")], 512,
+                              int(args.ab_pool_gib * 2**30) if args.ab_rounds > 1 else pool_bytes, args.iters,
+                              args.ab_rounds)
+        print("\n| variant | set | batch | graph ms | spread over rounds ms |\n|---|---|---|---|---|")
         for r in res["ab"]:
-            print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} |")
+            print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} | {r.get('spread_ms', '-')} |")
     if "engine" in parts:
         res["engine"] = engine_match(model, rng, 12)
         print(json.dumps(res["engine"]))
