@@ -317,7 +317,8 @@ def main() -> None:
                               args.ab_rounds)
         print("\n| variant | set | batch | graph ms | spread over rounds ms |\n|---|---|---|---|---|")
         for r in res["ab"]:
-            print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} | {r.get('spread_ms', '-')} |")
+            spread = r.get("spread_ms", "-")
+            print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} | {spread} |")
     if "engine" in parts:
         res["engine"] = engine_match(model, rng, 12)
         print(json.dumps(res["engine"]))

@@ -74,10 +74,10 @@ class K3ForCausalLM(nn.Module):
         """For serving, after the weights are loaded: linears that read the same input become one
         GEMM and the KDA conv weights one tensor (the parameters become views: nothing is held
         twice); MLA keeps what its absorbed decode reads (``MLAMixer.cache_absorption_weight``);
-        each AttnRes mixer folds its key-norm weight into its pseudo-query. A shared MLP that can join its layer's
-        routed expert stacks does so first (moe.RoutedExperts.join_shared), and its linears then
-        stay views of those stacks. Idempotent; training skips it (and fused groups run unfused
-        with gradients on)."""
+        each AttnRes mixer folds its key-norm weight into its pseudo-query. A shared MLP that can
+        join its layer's routed expert stacks does so first (moe.RoutedExperts.join_shared), and
+        its linears then stay views of those stacks. Idempotent; training skips it (and fused
+        groups run unfused with gradients on)."""
         for m in self.modules():
             if isinstance(m, MoE):
                 m.join_shared_experts()

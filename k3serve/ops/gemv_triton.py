@@ -93,8 +93,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
     -> [B, T, N] (any strides but a unit one along K for x; weights may also be N-contiguous).
     x is multiplied in the weight's dtype (fp32 accumulation): bf16 weights through the tensor
     cores, fp32 ones exactly. The output is written into ``out`` if given (any dtype, any strides
-    with a unit one along N), else into a new tensor of the weight's dtype. ``config`` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
-    num_stages as keys) pins the tile (benches)."""
+    with a unit one along N), else into a new tensor of the weight's dtype. ``config`` (BLOCK_N,
+    BLOCK_K, SPLIT_K, num_warps, num_stages as keys) pins the tile (benches)."""
     flat = x.dim() == 2
     xb, wb = (x[None], weight[None]) if flat else (x, weight)
     B, T, K = xb.shape
