@@ -54,13 +54,13 @@ class MLAMixer(nn.Module):
         w = self.kv_b_proj.weight
         if triton_enabled("MLA", w.device):
             if self.w_uk_t is None:
-                self.w_uk_t = self._w_uk().transpose(1, 2).contiguous()
+                self.w_uk_t = self._kv_b_per_head()[0].transpose(1, 2).contiguous()
         elif self.w_kv_b_f32 is None:
             self.w_kv_b_f32 = w.float()
 
-    def _w_uk(self) -> torch.Tensor:
-        """W_UK [Ha, dn, rkv] (a view of kv_b_proj)."""
-        return self.kv_b_proj.weight.view(self.num_heads, -1, self.rkv)[:, :self.nope]
+    def _kv_b_per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [Ha, dn, rkv], W_UV [Ha, dv, rkv]): views of kv_b_proj."""
+        return self.kv_b_proj.weight.view(self.num_heads, -1, self.rkv).split([self.nope, self.dv], dim=1)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Queries [T, Ha, dn+dr], the latent projection [T, rkv+dr] = [c ; k_pe] (c not yet
@@ -97,12 +97,12 @@ class MLAMixer(nn.Module):
             # q. W_UV is taken out the same way, the latent output rounded to the model dtype for
             # the tensor cores (as engines on FlashMLA's bf16 output do), accumulated in fp32
             # straight into ``out``.
-            w_uk_t = self.w_uk_t if self.w_uk_t is not None else self._w_uk().transpose(1, 2)
+            w_uk, w_uv = self._kv_b_per_head()
+            w_uk_t = self.w_uk_t if self.w_uk_t is not None else w_uk.transpose(1, 2)
             q_c = torch.empty(nd, self.num_heads, self.rkv, dtype=q.dtype, device=q.device)
             batched_linear(q[:nd, :, :self.nope].transpose(0, 1), w_uk_t, out=q_c.transpose(0, 1))
             o_lat = mla_decode(q_c, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale,
                                q_pe=q[:nd, :, self.nope:])
-            w_uv = w.view(self.num_heads, -1, self.rkv)[:, self.nope:]
             batched_linear(o_lat.transpose(0, 1), w_uv, out=out[:nd].transpose(0, 1))
         elif nd:
             # Static steps attend over the block table's full width (masked), not a host maximum.
