@@ -9,7 +9,7 @@ H200's ~165 flop/byte ridge, so it is compute-bound there and the copy ceiling i
 whatever the kernel (at 16 heads a GPU, e.g. 96 heads over TP=6, it is memory-bound). A sweep
 over head block, key tile, warps and stages at both head counts picks the autotuner's candidates.
 
-Usage: python bench/kernels_mla.py
+Usage: python bench/kernels_mla.py [--no-sweep | --mem]
 """
 
 import torch
@@ -55,6 +55,12 @@ SWEEP = [(16, 32, 4, 2), (16, 64, 4, 3), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64
          (16, 32, 2, 3), (16, 64, 4, 2)]
 
 
+# ``--mem``: head block, key tile, warps, stages at <= 32 heads, and at 96
+MEM_SWEEP = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2), (32, 32, 4, 2),
+             (32, 32, 8, 2), (32, 64, 4, 2), (32, 64, 8, 3), (32, 128, 8, 2)]
+MEM_SWEEP_96 = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (32, 64, 8, 2), (64, 128, 8, 1)]
+
+
 def main():
     ceil, mm = copy_tbs(), matmul_tflops()
     print(f"copy ceiling {ceil:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
@@ -66,6 +72,26 @@ def main():
               f"{r['tbs']:.2f} | {100 * r['tbs'] / ceil:.0f} % | {r['tflops']:.0f} | {100 * r['tflops'] / mm:.0f} % | "
               f"{r.get('rel_err', float('nan')):.2e} |", flush=True)
 
+    if "--mem" in sys.argv:  # memory-bound head counts (a TP shard of K3, kimi-linear's 32) and K3's 96:
+        # tiles and split counts, each variant checked against the reference on a 4K table first
+        print(head)
+        for B, H in ((16, 16), (64, 16), (16, 32), (64, 32), (16, 96)):
+            base = default_num_splits(B, H, 32768, torch.cuda.get_device_properties(0).multi_processor_count)
+            for bh, bn, w, st in (MEM_SWEEP if H <= 32 else MEM_SWEEP_96):
+                if bh > max(16, triton.next_power_of_2(H)):
+                    continue
+                for splits in (base, 2 * base):
+                    tiles = dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st)
+                    try:
+                        err = case(B, H, 4096, splits=splits, tiles=tiles)["rel_err"]
+                        r = case(B, H, 32768, splits=splits, check=False, tiles=tiles)
+                    except Exception as exc:
+                        print(f"| {B} | {H} | 32768 | {splits} | {bh},{bn},{w},{st} | failed: "
+                              f"{type(exc).__name__}: {str(exc)[:160]!r} ||||||")
+                        continue
+                    r.update(config=f"{bh},{bn},{w},{st}", rel_err=err)
+                    show(r)
+        return
     if "--no-sweep" not in sys.argv:
         print(head)
         for B, H in ((16, 96), (64, 16)):

@@ -4,7 +4,7 @@ way to compare kernel variants between device leases (what a change does to the 
 instruction count), not a timing. Integer arguments marked divisible by 16 here, as Triton
 specialises them at launch for 16-aligned strides, so loads vectorise as they would on the device.
 
-Usage: python -m bench.sass_mix [grouped_gemm | kda_fused] (both by default)
+Usage: python -m bench.sass_mix [grouped_gemm | kda_fused | mla_decode] (all by default)
 
 Seventh session (RESULTS.md): the MXFP4 grouped GEMM's K loop (swapped 32-wide tile, BLOCK_K 128,
 2 warps, gate and up) issues ~680 instructions a thread with tl.dot_scaled (5.3 a code) and ~780
@@ -114,6 +114,25 @@ def kda_fused_rows() -> None:
         print(f"| {128 // (bv * blocks)} programs a head, value block {bv}, {nw} warps | {total} | {', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
 
 
+def mla_decode_rows() -> None:
+    from k3serve.ops import mla_decode_triton
+
+    ptrs = {"QC": "*bf16", "QP": "*bf16", "KV": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*fp32", "LSE": "*fp32"}
+    strides = ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_kvt", "stride_btb",
+               "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")
+    ints = dict({n: "i32" for n in strides}, scale="fp32", H="i32", NUM_SPLITS="i32", CTX_BUCKET="i32")
+    divisible = tuple(ptrs) + tuple(n for n in strides if n not in ("stride_os", "stride_lh"))
+    print("\n| MLA split decode (64-token pages) | tile (BLOCK_H, BLOCK_N, warps, stages) | loop instr / thread "
+          "| per latent element (lanes) | top opcodes |\n|---|---|---|---|---|")
+    for bh, bn, nw, st in ((16, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)):
+        consts = dict(PAGE=64, D_C=512, D_PE=64, D_C_P=512, D_PE_P=64, BLOCK_H=bh, BLOCK_N=bn, USE_PDL=False)
+        kernel = compile_sm90(mla_decode_triton._mla_decode_split_kernel, {**ptrs, **ints}, consts, divisible,
+                              num_warps=nw, num_stages=st)
+        total, ops = hottest_loop_mix(kernel)
+        print(f"| {bh} heads | {bh}, {bn}, {nw}, {st} | {total} | {total * nw * 32 / (bn * 576):.1f} | "
+              f"{', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |")
+
+
 def whole_mix(kernel) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the whole kernel (the KDA decode's value-block loop is unrolled)."""
     total, ops = hottest_loop_mix(kernel)
@@ -125,11 +144,13 @@ def whole_mix(kernel) -> tuple[int, collections.Counter]:
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["grouped_gemm", "kda_fused"]
+    which = sys.argv[1:] or ["grouped_gemm", "kda_fused", "mla_decode"]
     if "grouped_gemm" in which:
         grouped_gemm_rows()
     if "kda_fused" in which:
         kda_fused_rows()
+    if "mla_decode" in which:
+        mla_decode_rows()
 
 
 if __name__ == "__main__":

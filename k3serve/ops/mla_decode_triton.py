@@ -4,7 +4,10 @@ One query token per sequence, all heads against the single shared latent "KV hea
 loads a tile of latent rows once and scores it for a block of heads (the latent is read once per
 head block, not per head), keeps an online softmax, and writes a partial output plus its
 log-sum-exp; the partials of a sequence's splits are merged by their LSE. Splitting the sequence
-keeps the GPU full at small batch and long context (FlashMLA / FlashDecoding's scheme).
+keeps the GPU full at small batch and long context (FlashMLA / FlashDecoding's scheme). A key tile
+that fits in one cache page is addressed from one block-table entry with 32-bit row offsets
+(per-row gathers with 64-bit addresses took 28 % more instructions and left a 16-head decode at
+60 % of the copy ceiling; page-local tiles reach 83-95 %, RESULTS.md eleventh session).
 
 Reference: ``mla_ref.mla_absorbed_ref``. Checked on CPU with ``TRITON_INTERPRET=1``
 (tests/test_mla_decode_triton.py); speed is measured on the GPU ([gpu-kernels]).
@@ -57,10 +60,16 @@ def _mla_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         nmask = offs < end
-        page = tl.load(BT + b * stride_btb + offs // PAGE, mask=nmask, other=0)
-        row = page.to(tl.int64) * stride_kvp + (offs % PAGE) * stride_kvt
-        c = tl.load(KV + row[:, None] + dc[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
-        pe = tl.load(KV + row[:, None] + D_C + dp[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
+        if PAGE % BLOCK_N == 0:  # the tile lies in one page: one table entry, 32-bit row offsets
+            page = tl.load(BT + b * stride_btb + n0 // PAGE).to(tl.int64)
+            kv = KV + page * stride_kvp + (n0 % PAGE) * stride_kvt
+            row = tl.arange(0, BLOCK_N) * stride_kvt
+        else:
+            page = tl.load(BT + b * stride_btb + offs // PAGE, mask=nmask, other=0)
+            kv = KV
+            row = page.to(tl.int64) * stride_kvp + (offs % PAGE) * stride_kvt
+        c = tl.load(kv + row[:, None] + dc[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
+        pe = tl.load(kv + row[:, None] + D_C + dp[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
         s = tl.dot(q_c, tl.trans(c)).to(tl.float32) + tl.dot(q_pe, tl.trans(pe)).to(tl.float32)
         s = tl.where(nmask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -85,14 +94,15 @@ def _heads_that_fit(configs, named_args, **kwargs):
 
 
 # Heads per program (the latent tile is loaded once per head block), key tile and warps, picked on
-# the GPU at first use of each shape: the winners of bench/kernels_mla.py's sweep on the H200 (96
-# heads: 64 / 64 / 8 warps, 1.7x the next; 16 heads: 16 / 32 / 4 warps). Keyed also on the table
-# width rounded up to a power of two (CTX_BUCKET, not read by the kernel): a config tuned on short
-# tables was 1.7x slower at 32K.
+# the GPU at first use of each shape: the winners of bench/kernels_mla.py's sweeps on the H200 at
+# 32K context (RESULTS.md eleventh session): 16 heads 16 / 64 / 4 warps (83-95 % of copy), 32 heads
+# 32 / 64 / 4 (61-71 %), 96 heads 64 / 64 / 8 (compute-bound); 16 / 32 for short tables and batch 1.
+# Keyed also on the table width rounded up to a power of two (CTX_BUCKET, not read by the kernel):
+# a config tuned on short tables was 1.7x slower at 32K.
 _mla_decode_tuned = autotuned(
     _mla_decode_split_kernel,
     [triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=2)
-     for bh, bn, w in ((16, 32, 4), (32, 32, 4), (32, 64, 8), (64, 64, 8))],
+     for bh, bn, w in ((16, 32, 4), (16, 64, 4), (32, 32, 4), (32, 64, 4), (64, 64, 8))],
     triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
     key=["H", "NUM_SPLITS", "CTX_BUCKET", "D_C", "D_PE", "PAGE"], prune=_heads_that_fit)
 
