@@ -35,6 +35,11 @@ SCRIPT = textwrap.dedent('''
         q_c = torch.cat([q[..., :rkv], torch.zeros(B, H, 3)], -1)[..., :rkv].transpose(0, 1).contiguous().transpose(0, 1)
         out_split = mla_decode(q_c, latent, table, seq_lens, rkv, scale, num_splits=splits, q_pe=q[..., rkv:])
         assert torch.allclose(out_split, out, atol=1e-6), "q_pe apart differs"
+        # key tiles as wide as a page, a quarter of one, and wider (page-local vs per-row addressing)
+        for bn in (16, 64):
+            tiled = mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits,
+                               tiles=dict(BLOCK_H=16, BLOCK_N=bn, num_warps=4, num_stages=1))
+            assert torch.allclose(tiled, out, atol=1e-5), f"BLOCK_N={bn} differs"
         S = max(lens)
         lat = latent[table].flatten(1, 2)[:, :S]
         mask = torch.arange(S)[None, :] < seq_lens[:, None]
