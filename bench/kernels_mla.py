@@ -114,7 +114,7 @@ def main():
         show(case(1, 32, 4096, splits=splits, check=splits == 8))
     rows = [case(2, 16, 300, check=True), case(3, 96, 1000, check=True), case(16, 96, 4096, check=True)]
     rows += [case(B, 96, 32768, check=False) for B in (16, 32, 64)]
-    rows += [case(B, 16, 32768, check=False) for B in (16, 64)]
+    rows += [case(B, H, 32768, check=False) for H in (16, 32) for B in (16, 64)]  # a K3 TP shard, kimi-linear
     print("\nautotuned (as the model calls it):")
     print(head)
     for r in rows:
