@@ -44,6 +44,18 @@ def sass_text(kernel) -> str:
         return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
 
 
+def registers(kernel) -> int:
+    """Registers a thread of the compiled kernel uses (cuobjdump of Triton's wheel): with the warps,
+    how many programs an SM can hold."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        out = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", out).group(1))
+
+
 def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the longest backward-branch span in the SASS: the main loop."""
     text = sass_text(kernel)
@@ -79,8 +91,8 @@ def grouped_gemm_rows() -> None:
                                "stride_se", "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
-    print("| grouped GEMM (gate + up, 16 rows) | tile (BLOCK_N, swap, BLOCK_K, warps, stages) | loop instr / thread "
-          "| per weight | top opcodes |\n|---|---|---|---|---|")
+    print("| grouped GEMM (gate + up, 16 rows) | tile (BLOCK_N, swap, BLOCK_K, warps, stages) | registers "
+          "| loop instr / thread | per weight | top opcodes |\n|---|---|---|---|---|---|")
     for weights, bn, swap, bk, nw, st in (("mx_dot_scaled", 32, True, 128, 2, 4), ("mx_asm", 32, True, 128, 2, 4),
                                           ("mx_asm", 128, True, 128, 4, 3), ("bf16", 32, True, 64, 2, 4)):
         sig = dict(ptrs, W="*bf16", W_UP="*bf16", S="*bf16", S_UP="*bf16") if weights == "bf16" else ptrs
@@ -90,7 +102,7 @@ def grouped_gemm_rows() -> None:
                               num_warps=nw, num_stages=st)
         total, ops = hottest_loop_mix(kernel)
         per = total / (2 * bn * bk / (32 * nw))  # gate and up tiles spread over the program's threads
-        print(f"| {weights} | {bn}, {swap}, {bk}, {nw}, {st} | {total} | {per:.1f} | "
+        print(f"| {weights} | {bn}, {swap}, {bk}, {nw}, {st} | {registers(kernel)} | {total} | {per:.1f} | "
               f"{', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |")
 
 
@@ -104,14 +116,15 @@ def kda_fused_rows() -> None:
     ints = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b", "stride_g")}
     ints.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
     divisible = tuple(ptrs) + tuple(ints)[:6]
-    print("\n| KDA fused decode (D 128) | instructions / thread | top opcodes |"
-          "\n|---|---|---|")
+    print("\n| KDA fused decode (D 128) | registers | instructions / thread | top opcodes |"
+          "\n|---|---|---|---|")
     for bv, blocks, nw in ((64, 1, 4), (64, 2, 4), (32, 4, 4), (128, 1, 8)):
         consts = dict(D=128, W=4, BV=bv, BLOCKS=blocks, USE_LOWER_BOUND=True, USE_PDL=False)
         kernel = compile_sm90(kda_decode_triton._kda_decode_fused_kernel, {**ptrs, **ints}, consts, divisible,
                               num_warps=nw)
         total, ops = whole_mix(kernel)
-        print(f"| {128 // (bv * blocks)} programs a head, value block {bv}, {nw} warps | {total} | {', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
+        print(f"| {128 // (bv * blocks)} programs a head, value block {bv}, {nw} warps | {registers(kernel)} | {total} | "
+              f"{', '.join(f'{k} {v}' for k, v in ops.most_common(8))} |")
 
 
 def mla_decode_rows() -> None:
@@ -122,14 +135,14 @@ def mla_decode_rows() -> None:
                "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")
     ints = dict({n: "i32" for n in strides}, scale="fp32", H="i32", NUM_SPLITS="i32", CTX_BUCKET="i32")
     divisible = tuple(ptrs) + tuple(n for n in strides if n not in ("stride_os", "stride_lh"))
-    print("\n| MLA split decode (64-token pages) | tile (BLOCK_H, BLOCK_N, warps, stages) | loop instr / thread "
-          "| per latent element (lanes) | top opcodes |\n|---|---|---|---|---|")
+    print("\n| MLA split decode (64-token pages) | tile (BLOCK_H, BLOCK_N, warps, stages) | registers "
+          "| loop instr / thread | per latent element (lanes) | top opcodes |\n|---|---|---|---|---|---|")
     for bh, bn, nw, st in ((16, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)):
         consts = dict(PAGE=64, D_C=512, D_PE=64, D_C_P=512, D_PE_P=64, BLOCK_H=bh, BLOCK_N=bn, USE_PDL=False)
         kernel = compile_sm90(mla_decode_triton._mla_decode_split_kernel, {**ptrs, **ints}, consts, divisible,
                               num_warps=nw, num_stages=st)
         total, ops = hottest_loop_mix(kernel)
-        print(f"| {bh} heads | {bh}, {bn}, {nw}, {st} | {total} | {total * nw * 32 / (bn * 576):.1f} | "
+        print(f"| {bh} heads | {bh}, {bn}, {nw}, {st} | {registers(kernel)} | {total} | {total * nw * 32 / (bn * 576):.1f} | "
               f"{', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |")
 
 
