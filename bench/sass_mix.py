@@ -34,26 +34,25 @@ def compile_sm90(fn, signature: dict, constexprs: dict, divisible: tuple[str, ..
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def sass_text(kernel) -> str:
-    """The kernel's SASS, by the nvdisasm shipped in Triton's wheel."""
+def _cubin_tool(kernel, tool: str, *args: str) -> str:
+    """Output of one of the CUDA binary tools shipped in Triton's wheel on the kernel's cubin."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
-        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+        return subprocess.run([exe, *args, path], capture_output=True, text=True, check=True).stdout
+
+
+def sass_text(kernel) -> str:
+    """The kernel's SASS (nvdisasm)."""
+    return _cubin_tool(kernel, "nvdisasm", "-c")
 
 
 def registers(kernel) -> int:
-    """Registers a thread of the compiled kernel uses (cuobjdump of Triton's wheel): with the warps,
-    how many programs an SM can hold."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        out = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", out).group(1))
+    """Registers a thread of the compiled kernel uses (cuobjdump): with the warps, how many
+    programs an SM can hold."""
+    return int(re.search(r"REG:(\d+)", _cubin_tool(kernel, "cuobjdump", "-res-usage")).group(1))
 
 
 def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
