@@ -2,8 +2,9 @@
 (run on the H200; not a CI test, where the same kernels run through Triton's interpreter on small
 shapes): the varlen short conv, the gated output norm, the MoE combine, the MLA flash prefill and
 the split-KV MLA decode and the latent cache write, the router, the dense split-K GEMV and the
-fused KDA decode mixer (each way of splitting a head over programs). Fresh random inputs, mixed decode / prefill batches with
-cached context.
+fused KDA decode mixer (each way of splitting a head over programs), and the MXFP4 grouped GEMM on
+weights in the MMA layout (every tuned tile). Fresh random inputs, mixed decode / prefill batches
+with cached context.
 
 Usage: python bench/gpu_check_kernels.py   (prints one row per check; exit code 1 if any fails)
 """
@@ -25,7 +26,9 @@ from k3serve.ops.kda_decode_triton import kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_prefill_triton import mla_prefill
-from k3serve.ops.moe_triton import combine_experts, route_triton, router_logits
+from k3serve.ops import moe_triton
+from k3serve.ops.moe_triton import combine_experts, grouped_gemm, route_triton, router_logits, sort_by_expert
+from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_mma_layout
 from k3serve.ops.moe_ref import route
 from k3serve.ops.norm_triton import latent_to_cache, rms_norm_triton
 from k3serve.ops.short_conv import short_conv_ref
@@ -189,6 +192,32 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
         record("KDA fused decode mixer", f"N={N} H={H} D={D} block {bv}, parts {parts}", err, 1e-4)
 
 
+def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator) -> None:
+    """Gate / up GEMM with the SiLU-GLU epilogue, and a plain one, over MXFP4 stacks rewritten into
+    the MMA layout, against fp32 matmuls of the exactly dequantised weights; rows of widely
+    different scales (2^-20 .. 2^4)."""
+    def stack():
+        w = torch.randn(E, N, K, device=DEV, generator=gen)
+        w = w * torch.exp2(torch.randint(-20, 5, (E, N, 1), device=DEV, generator=gen).float())
+        return quantize_mxfp4(w)
+    (gp, gs), (upk, us) = stack(), stack()
+    ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
+    x = torch.randn(T, K, device=DEV, generator=gen).bfloat16()
+    block_m = 16 if T * top < 16 * E else 64
+    rows, blocks = sort_by_expert(ids, E, block_m)
+    xa = x.float()[torch.arange(T * top, device=DEV) // top]
+    a = ids.flatten()
+    gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
+    exact = {False: gate, True: F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(upk, us)[a])}
+    for bn, swap, warps, stages in sorted(moe_triton._MMA_TILES):
+        for glu in (False, True):
+            out = grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, block_m,
+                               up=(to_mma_layout(upk), us) if glu else None, mx_upcast="mma",
+                               tiles=dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=warps, num_stages=stages))
+            record("MXFP4 grouped GEMM, MMA layout" + (" + GLU" if glu else ""),
+                   f"T={T} E={E} N={N} K={K} tile {bn}/{warps}w/{stages}s", rel(out, exact[glu]), 1e-4)
+
+
 def main() -> int:
     gen = torch.Generator(device=DEV).manual_seed(0)
     print(torch.cuda.get_device_name(), "\n| check | shape | rel err | tol | |\n|---|---|---|---|---|")
@@ -213,6 +242,8 @@ def main() -> int:
         check_gemv_batched(B, T, K, N, fp32_x, gen)
     for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0)):
         check_kda_fused(N, H, 128, lb, gen)
+    for T, E, N, K, top in ((1, 64, 3072, 3584, 16), (16, 64, 3584, 3072, 16), (200, 32, 1024, 2304, 8)):
+        check_mxfp4_mma(T, E, N, K, top, gen)
     failed = [r for r in ROWS if r[2] > r[3]]
     print(f"{len(ROWS) - len(failed)} of {len(ROWS)} checks passed")
     return 1 if failed else 0

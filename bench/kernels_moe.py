@@ -13,6 +13,7 @@ a short decode sweep.
 Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode] [--mxfp4-only] [--decode-only]
 """
 
+import copy as copy_module
 import sys
 from types import SimpleNamespace
 
@@ -24,6 +25,7 @@ from bench.timing import gpu_ms
 
 from k3serve.model.loader import load_model
 from k3serve.ops.moe_ref import experts_ref
+from k3serve.ops import moe_triton
 from k3serve.ops.moe_triton import _grouped_gemm_tuned, experts_triton
 
 # (block_m, BLOCK_N, SWAP_AB, BLOCK_K, warps, stages[, MXFP4 upcast]). The fifth session's sweep
@@ -33,8 +35,14 @@ DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 3
     (16, bn, swap, bk, w, st, "asm") for bn, swap, bk, w, st in (
         (64, False, 128, 4, 3), (32, True, 128, 2, 4), (32, True, 256, 2, 4), (64, True, 128, 4, 3),
         (128, True, 128, 4, 3), (128, True, 256, 8, 3))]
+# The MMA-layout upcast ("mma", twelfth session): weights rewritten by RoutedExperts.use_mma_layout.
+DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in (
+    (128, 128, 4, 3), (128, 128, 4, 4), (64, 128, 4, 3), (32, 128, 2, 4), (128, 128, 8, 3), (256, 128, 8, 3),
+    (128, 256, 4, 3), (64, 256, 4, 4))]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
-PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)]
+PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
+    (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (
+        (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 128, 64, 4, 3))]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
@@ -60,8 +68,9 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def sweep(ex, cases, variants, copy, mm, label):
-    """Every variant on every (tokens, x, weights, ids, reference) case: checked, then timed."""
+def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):
+    """Every variant on every (tokens, x, weights, ids, reference) case: checked, then timed. The
+    "mma" upcast runs on ``ex_mma`` (the same experts in the MMA layout)."""
     print(f"\n{label}: tile sweep (block_m, BLOCK_N, swap, BLOCK_K, warps, stages, MXFP4 upcast)")
     print("| tokens | variant | ms | TB/s | % copy | TFLOP/s | % matmul | rel err |")
     print("|---|---|---|---|---|---|---|---|")
@@ -70,7 +79,9 @@ def sweep(ex, cases, variants, copy, mm, label):
         for bm, bn, swap, bk, nw, st, *up in variants:
             tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
             up = up[0] if up else "dot_scaled"
-            run = lambda: experts_triton(z, w, ids, ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
+            if up == "mma" and ex_mma is None:
+                continue
+            run = lambda: experts_triton(z, w, ids, ex_mma if up == "mma" else ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
             try:
                 err = rel(run(), ref) if ref is not None else float("nan")
                 ms = gpu_ms(run, rep=60)
@@ -98,6 +109,7 @@ def kimi_linear_experts():
 def main():
     copy, mm = copy_tbs(), matmul_tflops()
     print(f"copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    moe_triton.MMA_LAYOUT = False  # the checkpoint layout for dot_scaled / asm; "mma" gets its own copy below
     model = load_model(preset="k3-slice", device="cuda", dtype="bfloat16", seed=0)
     moe = model.model.layers[1].block_sparse_moe
     ex = moe.experts
@@ -108,10 +120,13 @@ def main():
         xin, w, ids = routing(moe, d, T)
         z = moe.routed_expert_down_proj(xin)
         cases[T] = (T, z, w, ids, ref_of(z, w, ids))  # 8K tokens too: the prefill tiles are checked
+    ex_mma = copy_module.deepcopy(ex)
+    if not ex_mma.use_mma_layout():
+        ex_mma = None
     if "--no-sweep" not in sys.argv:
-        sweep(ex, [cases[T] for T in (1, 16, 64)], DECODE_VARIANTS, copy, mm, "K3 MXFP4 experts, decode")
+        sweep(ex, [cases[T] for T in (1, 16, 64)], DECODE_VARIANTS, copy, mm, "K3 MXFP4 experts, decode", ex_mma)
         if "--decode-only" not in sys.argv:
-            sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill")
+            sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill", ex_mma)
     if "--no-sweep" not in sys.argv and "--mxfp4-only" not in sys.argv:
         kl = kimi_linear_experts()
         kl_cases = []
@@ -136,9 +151,12 @@ def main():
     print("\nautotuned tiles (experts_triton as the model calls it), each MXFP4 upcast:")
     print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm") for c in cases.values()
-                                    if up == "dot_scaled" or c[0] <= 64]:  # (ours serves decode only)
-        ours = lambda: experts_triton(z, w, ids, ex, mx_upcast=up)  # noqa: E731
+    for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm", "mma") for c in cases.values()
+                                    if up != "asm" or c[0] <= 64]:  # (asm serves decode only)
+        if up == "mma" and ex_mma is None:
+            continue
+        # (the MMA layout's experts pick their upcast themselves)
+        ours = lambda: experts_triton(z, w, ids, ex_mma) if up == "mma" else experts_triton(z, w, ids, ex, mx_upcast=up)  # noqa: E731
         err = rel(ours(), ref)
         t_ours = gpu_ms(ours, rep=100)
         t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,

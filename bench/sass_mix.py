@@ -4,7 +4,8 @@ way to compare kernel variants between device leases (what a change does to the 
 instruction count), not a timing. Integer arguments marked divisible by 16 here, as Triton
 specialises them at launch for 16-aligned strides, so loads vectorise as they would on the device.
 
-Usage: python -m bench.sass_mix [grouped_gemm | kda_fused | mla_decode] (all by default)
+Usage: python -m bench.sass_mix [grouped_gemm | kda_fused | mla_decode] (all by default);
+SASS_MIX_DUMP=dir also writes each grouped-GEMM row's TTGIR and SASS there.
 
 Seventh session (RESULTS.md): the MXFP4 grouped GEMM's K loop (swapped 32-wide tile, BLOCK_K 128,
 2 warps, gate and up) issues ~680 instructions a thread with tl.dot_scaled (5.3 a code) and ~780
@@ -81,6 +82,17 @@ def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
     return sum(ops.values()), ops
 
 
+def dump(kernel, name: str) -> None:
+    """With SASS_MIX_DUMP=dir: the kernel's TTGIR and SASS into that folder (layouts, converts)."""
+    folder = os.environ.get("SASS_MIX_DUMP")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.ttgir"), "w") as f:
+            f.write(kernel.asm["ttgir"])
+        with open(os.path.join(folder, f"{name}.sass"), "w") as f:
+            f.write(sass_text(kernel))
+
+
 def grouped_gemm_rows() -> None:
     from k3serve.ops import moe_triton
 
@@ -93,13 +105,15 @@ def grouped_gemm_rows() -> None:
     print("| grouped GEMM (gate + up, 16 rows) | tile (BLOCK_N, swap, BLOCK_K, warps, stages) | registers "
           "| loop instr / thread | per weight | top opcodes |\n|---|---|---|---|---|---|")
     for weights, bn, swap, bk, nw, st in (("mx_dot_scaled", 32, True, 128, 2, 4), ("mx_asm", 32, True, 128, 2, 4),
-                                          ("mx_asm", 128, True, 128, 4, 3), ("bf16", 32, True, 64, 2, 4)):
+                                          ("mx_asm", 128, True, 128, 4, 3), ("mx_mma", 32, True, 128, 2, 4),
+                                          ("mx_mma", 128, True, 128, 4, 3), ("bf16", 32, True, 64, 2, 4)):
         sig = dict(ptrs, W="*bf16", W_UP="*bf16", S="*bf16", S_UP="*bf16") if weights == "bf16" else ptrs
         consts = dict(WEIGHTS=weights, GLU=True, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=False, BLOCK_M=16,
                       BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, INTERPRETED=False, USE_PDL=False)
         kernel = compile_sm90(moe_triton._grouped_gemm_kernel, {**sig, **ints}, consts, divisible,
                               num_warps=nw, num_stages=st)
         total, ops = hottest_loop_mix(kernel)
+        dump(kernel, f"grouped_gemm_{weights}_{bn}_{nw}")
         per = total / (2 * bn * bk / (32 * nw))  # gate and up tiles spread over the program's threads
         print(f"| {weights} | {bn}, {swap}, {bk}, {nw}, {st} | {registers(kernel)} | {total} | {per:.1f} | "
               f"{', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |")

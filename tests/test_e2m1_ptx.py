@@ -119,3 +119,33 @@ def test_upcast_ptx_gives_every_code_exactly(position):
             # -0.0 stays -0.0 (the sign bit), not only equal in value
             assert (reg_lo >> half) & 0x8000 == (0x8000 if b & 8 else 0)
             assert (reg_hi >> half) & 0x8000 == (0x8000 if b & 0x80 else 0)
+
+
+def test_mma_layout_upcast_ptx_gives_every_code_exactly():
+    """The MMA layout's upcast (``_E2M1_WORD_TO_BF16_ASM``) on words written by
+    ``mxfp4.to_mma_layout``'s bit interleave: $i holds byte i's low nibble (even k) in its low
+    half and its high nibble in its high half, every byte value in every position, signs of zero
+    kept; other bytes hold a pattern, so leakage between bytes shows too."""
+    import torch
+
+    from k3serve.ops.moe_triton import _E2M1_WORD_TO_BF16_ASM
+    from k3serve.ops.mxfp4 import _interleave_words
+
+    text = _E2M1_WORD_TO_BF16_ASM.value
+    for position in range(4):
+        for byte in range(256):
+            raw = [byte if j == position else (0x5A + 37 * j + position) & 0xFF for j in range(4)]
+            w = _interleave_words(torch.tensor([raw], dtype=torch.uint8))[0].tolist()
+            out = run_ptx(text, w[0] | w[1] << 8 | w[2] << 16 | w[3] << 24)
+            for j, b in enumerate(raw):
+                for half, code in ((0, b & 15), (16, b >> 4)):
+                    bits = (out[j] >> half) & 0xFFFF
+                    assert _bf16_to_float(bits) == _code_value(code), (position, byte, j, half)
+                    assert bits & 0x8000 == (0x8000 if code & 8 else 0)
+
+
+def test_emulator_knows_every_instruction_of_the_mma_upcast():
+    from k3serve.ops.moe_triton import _E2M1_WORD_TO_BF16_ASM
+
+    ops = {s.strip().partition(" ")[0] for s in _E2M1_WORD_TO_BF16_ASM.value.replace("{", "").replace("}", "").split(";")}
+    assert ops - {"", ".reg"} <= {"mov.b32", "shl.b32", "shr.b32", "and.b32", "or.b32", "mul.rn.bf16x2"}

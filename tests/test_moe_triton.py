@@ -305,7 +305,7 @@ def test_mxfp4_upcast_choice_and_tuned_tiles(monkeypatch):
     assert m.weights_mode(False, bf16, cpu, 16, 1024) == "bf16"
     assert m.weights_mode(True, torch.float32, cpu, 16, 1024) == "mx_decode"  # the exact path
     assert m.weights_mode(True, bf16, cpu, 16, 1024) == "mx_dot_scaled"  # no sm_90 here
-    monkeypatch.setattr(m, "_has_bf16x2_mul", lambda device: True)
+    monkeypatch.setattr(m, "has_bf16x2_mul", lambda device: True)
     assert m.weights_mode(True, bf16, cpu, 16, m.ASM_MIN_ASSIGNMENTS) == "mx_asm"
     assert m.weights_mode(True, bf16, cpu, 16, m.ASM_MIN_ASSIGNMENTS - 1) == "mx_dot_scaled"  # 1-token steps
     assert m.weights_mode(True, bf16, cpu, 128, 65536) == "mx_dot_scaled"  # prefill row blocks
@@ -328,3 +328,57 @@ def test_one_token_layout_is_a_block_per_assignment():
     rows = one_row_blocks(3, 4, torch.device("cpu"))
     assert rows.tolist() == [0, 3, 3, 3, 1, 3, 3, 3, 2, 3, 3, 3]
     assert one_row_blocks(3, 4, torch.device("cpu")) is rows  # built once: graphs keep its address
+
+
+MMA_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.nn.functional as F
+    from k3serve.model.loader import load_model
+    from k3serve.ops import moe_triton as m
+    from k3serve.ops.moe_ref import experts_ref
+    from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_mma_layout
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    # the grouped GEMM on MMA-layout weights: plain and with the GLU epilogue, row blocks of 16
+    # and 64, tiles of 2 and 4 row blocks, K tiles of 1, 2 and 4 scale groups, scales 2^-20..2^4
+    for T, top, E, N, K, bm, bn, bk in ((1, 4, 8, 64, 128, 16, 32, 128), (5, 2, 4, 32, 64, 16, 64, 64),
+                                         (23, 2, 4, 48, 96, 64, 32, 32)):
+        def stack():
+            w = torch.randn(E, N, K, generator=gen) * torch.exp2(torch.randint(-20, 5, (E, N, 1), generator=gen).float())
+            return quantize_mxfp4(w)
+        (gp, gs), (up, us) = stack(), stack()
+        ids = torch.rand(T, E, generator=gen).topk(top, dim=-1).indices
+        x = torch.randn(T, K, generator=gen).bfloat16()
+        rows, blocks = m.sort_by_expert(ids, E, bm)
+        xa, a = x.float()[torch.arange(T * top) // top], ids.flatten()
+        gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
+        glu = F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(up, us)[a])
+        for exact, kw in ((gate, {}), (glu, dict(up=(to_mma_layout(up), us)))):
+            out = m.grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, bm, block_k=bk,
+                                 mx_upcast="mma", tiles=dict(BLOCK_N=bn, SWAP_AB=True), **kw)
+            worst = max(worst, ((out - exact).norm() / exact.norm()).item())
+    # a model's experts rewritten in place: the same outputs, the reference reading either layout
+    model = load_model(preset="tiny", dtype="bfloat16", device="cpu", seed=3, mxfp4=True)
+    moe = model.model.layers[1].block_sparse_moe
+    ex = moe.experts
+    x = torch.randn(7, ex.w1_packed.shape[-1] * 2, generator=gen).bfloat16()
+    w, ids = moe.gate(torch.randn(7, model.config.hidden_size, generator=gen).bfloat16())
+    fp32 = lambda e: tuple(t.float() for t in ex.expert(e))
+    ref = experts_ref(x.float(), w, ids, fp32, *ex.act)
+    before = m.experts_triton(x, w, ids, ex)
+    dense = [t.clone() for t in ex.expert(3)]
+    assert ex.use_mma_layout() and ex.mma_layout and not ex.use_mma_layout()
+    assert all(torch.equal(a, b) for a, b in zip(dense, ex.expert(3)))
+    assert torch.equal(experts_ref(x.float(), w, ids, fp32, *ex.act), ref)
+    after = m.experts_triton(x, w, ids, ex)  # (scaled per group: another summation order, so not bit-equal)
+    worst = max(worst, ((after.float() - before.float()).norm() / before.float().norm()).item())
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mxfp4_mma_layout_gemm_matches_exact_dequantisation(seed):
+    """The MMA-layout upcast ("mx_mma", its interpreted twin of the PTX) against fp32 matmuls of
+    the exactly dequantised weights; and ``RoutedExperts.use_mma_layout`` changes no result."""
+    assert worst_error(MMA_SCRIPT, str(seed)) < 1e-5

@@ -326,3 +326,26 @@ def test_mxfp4_bytes():
     assert mxfp4_bytes(n, k) * 8 == n * k * 4.25
     with pytest.raises(ValueError):
         mxfp4_bytes(4, 48)
+
+
+def test_mma_layout_round_trips_and_puts_each_lanes_bytes_together():
+    """``to_mma_layout``: per 16-row block and 32-code group, lane 4g + c holds for k slice s the
+    word of bytes (g, 8s + c), (g + 8, 8s + c), (g, 8s + 4 + c), (g + 8, 8s + 4 + c), bits
+    interleaved; ``from_mma_layout`` undoes it exactly."""
+    from k3serve.ops.mxfp4 import _deinterleave_words, _interleave_words, from_mma_layout, to_mma_layout
+
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 256, (4096, 4), dtype=torch.uint8, generator=gen)
+    assert torch.equal(_deinterleave_words(_interleave_words(words)), words)
+    packed = torch.randint(0, 256, (3, 48, 64), dtype=torch.uint8, generator=gen)
+    mma = to_mma_layout(packed)
+    assert mma.shape == packed.shape and not torch.equal(mma, packed)
+    assert torch.equal(from_mma_layout(mma), packed)
+    for e, blk, grp, g, c, s in ((0, 0, 0, 0, 0, 0), (1, 2, 3, 5, 3, 1), (2, 1, 2, 7, 1, 0)):
+        base = blk * 16 * 64 + grp * 256 + (4 * g + c) * 8 + 4 * s  # 64 bytes a row
+        word = _deinterleave_words(mma[e].reshape(-1)[base:base + 4][None])[0]
+        rows, col = (16 * blk + g, 16 * blk + g + 8), 16 * grp + 8 * s + c
+        want = [packed[e, rows[0], col], packed[e, rows[1], col], packed[e, rows[0], col + 4], packed[e, rows[1], col + 4]]
+        assert word.tolist() == [int(v) for v in want]
+    with pytest.raises(ValueError, match="multiples of 16"):
+        to_mma_layout(torch.zeros(2, 40, 64, dtype=torch.uint8))

@@ -3,6 +3,8 @@ and the ptxas it ships run without a GPU, so front-end errors and bad inline PTX
 interpreter cannot run (our E2M1 upcast, programmatic dependent launch) fail here, not on the
 device. What they compute is checked on the GPU (bench/kernels_moe.py, bench/gpu_check_*)."""
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -36,6 +38,26 @@ def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
     ptx = kernel.asm["ptx"]
     assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx  # our upcast made it into the kernel
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
+
+
+@pytest.mark.parametrize("block_n, warps", [(128, 4), (64, 4), (128, 8)])
+def test_mxfp4_mma_layout_grouped_gemm_keeps_weights_in_registers(block_n, warps):
+    """The MMA-layout upcast's weight tile goes from its load to the MMA in registers: no
+    value-carrying shared-memory allocation (the round trip Triton 3.6 made when the block scale
+    was folded into the upcast, twelfth session), and the wgmma / mma are not serialised."""
+    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
+    ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
+                               "stride_se", "stride_sn", "stride_on")}
+    ints.update(beta="fp32", linear_beta="fp32")
+    consts = dict(WEIGHTS="mx_mma", GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
+                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=True, INTERPRETED=False, USE_PDL=False)
+    kernel = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=warps, num_stages=3)
+    ttgir = kernel.asm["ttgir"]
+    assert "warp_group_dot" in ttgir or "tt.dot" in ttgir
+    # the activation tile [16, 32] goes to shared memory (the MMA's other operand); the weight tile not
+    assert not re.search(rf"local_alloc %\S+ : \(tensor<{block_n}x32xbf16", ttgir)
+    assert "mul.rn.bf16x2" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
 def _add_rms_norm_ptx(use_pdl: bool) -> str:

@@ -81,6 +81,7 @@ class K3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, MoE):
                 m.join_shared_experts()
+                m.experts.use_mma_layout_where_faster()
                 if m.experts.num_shared and m.experts.w1.is_cuda:
                     # each layer's stacks grow by one expert, so the blocks the old ones free never fit
                     # the next layer's: hand them back now (kimi-linear-48b left ~46 GiB cached otherwise)

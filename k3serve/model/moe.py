@@ -14,7 +14,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.backend import triton_enabled
 from ..ops.moe_ref import experts_ref, route
-from ..ops.mxfp4 import dequantize_mxfp4
+from ..ops.mxfp4 import dequantize_mxfp4, from_mma_layout, to_mma_layout
 from .layers import Linear, LinearGroup, RMSNorm, glu_activation
 
 # Decode-sized batches run the shared expert inside the routed grouped GEMMs once it has joined
@@ -99,6 +99,7 @@ class RoutedExperts(nn.Module):
                                                            requires_grad=False))
                 self.register_buffer(f"{name}_joined", None, persistent=False)  # [E + S, n, k]: join_shared
         self.num_shared = 0  # shared experts appended to the stacks as experts E, E + 1, ...
+        self.mma_layout = False  # MXFP4 stacks rewritten by use_mma_layout
 
     def join_shared(self, mlp: GLUMLP) -> bool:
         """Append the shared MLP to the stacks as expert E, so that with an always-on assignment of
@@ -122,6 +123,32 @@ class RoutedExperts(nn.Module):
         self.num_shared = 1
         return True
 
+    def use_mma_layout(self) -> bool:
+        """For serving on Hopper, after the weights are loaded: rewrite the MXFP4 stacks in place
+        into the layout the grouped GEMM's register upcast reads without shuffles
+        (``mxfp4.to_mma_layout``; same shapes and bytes, so nothing is held twice). Only where it
+        applies: MXFP4 with rows in multiples of 16. Returns whether it rewrote; the reference path reads either layout."""
+        if not self.mxfp4 or self.mma_layout:
+            return False
+        stacks = [getattr(self, f"{n}_packed") for n in ("w1", "w2", "w3")]
+        if any(p.shape[-2] % 16 or p.shape[-1] % 16 for p in stacks):
+            return False
+        for p in stacks:  # a few experts at a time: the rewrite's temporaries are ~10x its input
+            for i in range(0, p.shape[0], 16):
+                p.data[i:i + 16] = to_mma_layout(p.data[i:i + 16])
+        self.mma_layout = True
+        return True
+
+    def use_mma_layout_where_faster(self) -> bool:
+        """``use_mma_layout`` on Hopper-class GPUs when ``moe_triton.MMA_LAYOUT`` asks for it (the
+        layout's upcast ends in sm_90's mul.bf16x2)."""
+        from ..ops import moe_triton
+
+        p = getattr(self, "w1_packed", None)
+        if not (moe_triton.MMA_LAYOUT and p is not None and p.is_cuda and moe_triton.has_bf16x2_mul(p.device)):
+            return False
+        return self.use_mma_layout()
+
     def stack(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weights, scales or None) of ``name`` in w1 / w2 / w3 over every expert the grouped
         GEMMs index: the routed ones, then any joined shared expert."""
@@ -133,11 +160,13 @@ class RoutedExperts(nn.Module):
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.mxfp4:
             return tuple(self.stack(n)[0][e] for n in ("w1", "w2", "w3"))
-        return tuple(
-            dequantize_mxfp4(getattr(self, f"{n}_packed")[e], getattr(self, f"{n}_scale")[e], self.dtype,
-                             check_scales=False)
-            for n in ("w1", "w2", "w3")
-        )
+        out = []
+        for n in ("w1", "w2", "w3"):
+            packed, scale = getattr(self, f"{n}_packed")[e], getattr(self, f"{n}_scale")[e]
+            if self.mma_layout:
+                packed = from_mma_layout(packed)
+            out.append(dequantize_mxfp4(packed, scale, self.dtype, check_scales=False))
+        return tuple(out)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, norm: RMSNorm | None = None,
                 add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -120,18 +120,123 @@ def _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we,
     return part
 
 
+# One 32-bit word of the MMA layout (``mxfp4.to_mma_layout``: four bytes' codes with their bits
+# pre-arranged) -> its eight codes as four bf16x2 registers, each one byte's (low, high) nibble pair,
+# i.e. an MMA operand pair (k, k + 1): bytes 0-2's codes are masked out in place (after shifts of 0,
+# 3 and 6), byte 3's are gathered from three places; as in ``_E2M1_TO_BF16_ASM`` each masked pair is
+# the codes' values times 2^-126 (the +/-0.5 codes subnormal), made exact by one mul.bf16x2 by
+# 2^126. $0..$3: bytes 0..3; $4: the word. Checked by executing this text (tests/test_e2m1_ptx.py).
+_E2M1_WORD_TO_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, c, two126;
+mov.b32 two126, 0x7E807E80;
+and.b32 a, $4, 0x81C081C0;
+mul.rn.bf16x2 $0, a, two126;
+shl.b32 a, $4, 3; and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $1, a, two126;
+shl.b32 a, $4, 6; and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $2, a, two126;
+shl.b32 a, $4, 1; and.b32 a, a, 0x80008000;
+shr.b32 b, $4, 3; and.b32 b, b, 0x01800180;
+shr.b32 c, $4, 7; and.b32 c, c, 0x00400040;
+or.b32 a, a, b; or.b32 a, a, c;
+mul.rn.bf16x2 $3, a, two126;
+}
+""")
+
+
 @triton.jit
-def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
-                         MXFP4: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr,
-                         INTERPRETED: tl.constexpr):
-    """acc + a @ W[e][cols, k0:k0+BLOCK_K]^T (or its transpose with SWAP_AB). MXFP4 goes through
-    tl.dot_scaled: Triton upcasts the E2M1 codes and E8M0 scales to bf16 in registers on Hopper
-    (no FP4 tensor cores) with its own conversion, far fewer instructions than a decode written
-    here, and the packed tile is loaded [cols, BLOCK_K / 2] straight from the checkpoint layout.
-    SWAP_AB computes W @ a^T: the weight tile becomes the M side of the MMA, so a decode step's
-    handful of rows per expert sits on the small N side instead of padding M to 16 or 64. Under
-    the interpreter bf16 tiles are multiplied in fp32 (its bf16 dot returns garbage)."""
-    if MXFP4:
+def _half_value(reg, HIGH: tl.constexpr):
+    """A bf16 half of an emulated register (the code's value times 2^-126) -> the value in fp32."""
+    bits = (reg >> 16) & 0xFFFF if HIGH else reg & 0xFFFF
+    return (bits << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def _mma_words_to_values(packed, INTERPRETED: tl.constexpr):
+    """uint8 [..., 32, 8] of the MMA layout (lane, then k slice s = byte // 4 and word byte
+    p = byte % 4) -> two tensors of that shape: output o at byte position (s, p) holds nibble p % 2
+    of word byte 2 o + p // 2, which is the element (row 8 (p // 2) + g, k 16 s + 8 o + 2 c + p % 2)
+    of the 16-row block. bf16 from ``_E2M1_WORD_TO_BF16_ASM`` (pack = 4: one word a call); under
+    the interpreter its arithmetic in fp32 and integer ops."""
+    if INTERPRETED:
+        b = packed.to(tl.uint32).reshape(packed.shape[:-1] + [2, 4])
+        word = tl.sum(b << (8 * tl.arange(0, 4).to(tl.uint32)), len(b.shape) - 1)  # bytes are disjoint bits
+        r0 = word & 0x81C081C0
+        r1 = (word << 3) & 0x81C081C0
+        r2 = (word << 6) & 0x81C081C0
+        r3 = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+        # output o at byte position p = 2 q1 + q0: half q0 of register 2 o + q1; dims (s, q0, q1) -> (s, q1, q0)
+        out0 = tl.join(tl.join(_half_value(r0, False), _half_value(r0, True)),
+                       tl.join(_half_value(r1, False), _half_value(r1, True)))
+        out1 = tl.join(tl.join(_half_value(r2, False), _half_value(r2, True)),
+                       tl.join(_half_value(r3, False), _half_value(r3, True)))
+        d: tl.constexpr = len(out0.shape)
+        order: tl.constexpr = list(range(d - 2)) + [d - 1, d - 2]
+        out0 = out0.permute(order).reshape(packed.shape)
+        out1 = out1.permute(order).reshape(packed.shape)
+    else:
+        out0, out1 = tl.inline_asm_elementwise(_E2M1_WORD_TO_BF16_ASM, "=r,=r,=r,=r,r", [packed],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return out0, out1
+
+
+@triton.jit
+def _mma_weight_group(W, e, pid_n, kk, N, stride_we, stride_wn, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The unscaled bf16 weight tile [BLOCK_N, 32] of the 32-code group at kk, from weights in the
+    MMA layout: each lane loads its 8 bytes of a 16-row block as one vector, the upcast leaves the
+    MMA's (k, k + 1) pairs in whole registers, and the reshapes / permute below only rename
+    registers into the tile's order (the operand layout the MMA wants from registers): no
+    shared-memory round trip, no byte shuffles (bench/sass_mix.py, Triton 3.6 and 3.9)."""
+    NB: tl.constexpr = BLOCK_N // 16
+    blk = pid_n * NB + tl.arange(0, NB)
+    offs = (blk * 16 * stride_wn + (kk // 32) * 256)[:, None, None] + (tl.arange(0, 32) * 8)[None, :, None] \
+        + tl.arange(0, 8)[None, None, :]
+    packed = tl.load(W + e * stride_we + offs, mask=(blk * 16 < N)[:, None, None], other=0)  # [blk, lane, 8]
+    out0, out1 = _mma_words_to_values(packed, INTERPRETED)
+    w = tl.join(out0, out1).reshape(NB, 8, 4, 2, 2, 2, 2)  # blk, g, c, s, h, q0, o
+    return w.permute(0, 4, 1, 3, 6, 2, 5).reshape(BLOCK_N, 32)  # rows (blk, h, g); k (s, o, c, q0)
+
+
+@triton.jit
+def _mx_tile_mma(acc, X, W, S, tok, valid, e, pid_n, cols, cmask, k0, N, stride_xt, stride_we, stride_wn, stride_se,
+                 stride_sn, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """acc + W[e][cols, k0:k0+BLOCK_K] @ x_rows^T (or its transpose) for weights in the MMA layout:
+    each 32-code group's MMA into a fresh accumulator, scaled by its E8M0 factors into acc with one
+    FMA an output. (A wgmma accumulator carried across groups or
+    the K loop, with the weights as its register operand, makes ptxas serialise every wgmma: the
+    loop's zero-trip path defines it with other instructions, C7515. And the scale folded into the
+    upcast's multiply needs its own register layout, which Triton 3.6 then imposes on the weights:
+    a shared-memory round trip. Both measured on CPU with bench/sass_mix.py, twelfth session.)"""
+    for g in tl.static_range(BLOCK_K // 32):
+        kk = k0 + 32 * g
+        w = _mma_weight_group(W, e, pid_n, kk, N, stride_we, stride_wn, INTERPRETED, BLOCK_N)
+        a = tl.load(X + tok[:, None] * stride_xt + (kk + tl.arange(0, 32))[None, :], mask=valid[:, None], other=0.0)
+        a = a.to(w.dtype)
+        # 2^(E8M0 - 127) from the bits: exact but for byte 0 (2^-127, a subnormal), which gives 0; an
+        # all-zero block is stored with it (``mxfp4.quantize_mxfp4``) and nothing else that small matters
+        sc = tl.load(S + e * stride_se + cols * stride_sn + kk // 32, mask=cmask, other=127).to(tl.int32)
+        f = (sc << 23).to(tl.float32, bitcast=True)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a)) * f[:, None]
+        else:
+            acc += tl.dot(a, tl.trans(w)) * f[None, :]
+    return acc
+
+
+@triton.jit
+def _weight_tile_product(a, W, S, e, pid_n, cols, cmask, k0, N, stride_we, stride_wn, stride_se, stride_sn, acc,
+                         WEIGHTS: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + a @ W[e][cols, k0:k0+BLOCK_K]^T (or its transpose with SWAP_AB). "mx_dot_scaled":
+    tl.dot_scaled upcasts the E2M1 codes and E8M0 scales to bf16 in registers on Hopper (no FP4
+    tensor cores) with its own conversion, the packed tile loaded [cols, BLOCK_K / 2] straight from
+    the checkpoint layout. SWAP_AB computes W @ a^T: the weight tile becomes the M side of the MMA
+    (and, upcast in registers, its register operand), so a decode step's handful of rows per expert
+    sits on the small N side instead of padding M to 16 or 64. Under the interpreter bf16 tiles
+    are multiplied in fp32 (its bf16 dot returns garbage)."""
+    if WEIGHTS == "mx_dot_scaled":
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         w = tl.load(W + e * stride_we + cols[:, None] * stride_wn + kh[None, :], mask=cmask[:, None], other=0)
@@ -191,7 +296,14 @@ def _grouped_gemm_kernel(
     # the K loop: it must not stream its expert's weights.
     k_end = tl.where(tl.load(ROWS + pid_m * BLOCK_M) < num_assign, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
-        if WEIGHTS == "mx_asm":
+        if WEIGHTS == "mx_mma":
+            acc = _mx_tile_mma(acc, X, W, S, tok, valid, e, pid_n, cols, cmask, k0, N, stride_xt, stride_we,
+                               stride_wn, stride_se, stride_sn, SWAP_AB, INTERPRETED, BLOCK_N, BLOCK_K)
+            if GLU:
+                acc_up = _mx_tile_mma(acc_up, X, W_UP, S_UP, tok, valid, e, pid_n, cols, cmask, k0, N, stride_xt,
+                                      stride_we, stride_wn, stride_se, stride_sn, SWAP_AB, INTERPRETED, BLOCK_N,
+                                      BLOCK_K)
+        elif WEIGHTS == "mx_asm":
             for g in tl.static_range(BLOCK_K // 32):
                 acc += _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
                                      stride_wn, stride_se, stride_sn, SWAP_AB, INTERPRETED, BLOCK_N)
@@ -210,11 +322,11 @@ def _grouped_gemm_kernel(
         else:
             a = tl.load(X + tok[:, None] * stride_xt + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
                         other=0.0)
-            acc = _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
-                                       WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K, INTERPRETED)
+            acc = _weight_tile_product(a, W, S, e, pid_n, cols, cmask, k0, N, stride_we, stride_wn, stride_se,
+                                       stride_sn, acc, WEIGHTS, SWAP_AB, BLOCK_N, BLOCK_K, INTERPRETED)
             if GLU:
-                acc_up = _weight_tile_product(a, W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se,
-                                              stride_sn, acc_up, WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K,
+                acc_up = _weight_tile_product(a, W_UP, S_UP, e, pid_n, cols, cmask, k0, N, stride_we, stride_wn,
+                                              stride_se, stride_sn, acc_up, WEIGHTS, SWAP_AB, BLOCK_N, BLOCK_K,
                                               INTERPRETED)
     if GLU:
         acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
@@ -234,15 +346,19 @@ def _grouped_gemm_kernel(
 # Our E2M1 upcast ("mx_asm", decode row blocks only) is tuned over the tiles it was checked and timed
 # with on the H200 (seventh session: 128 wide, swapped, 4 warps won at 16 and 64 tokens); the others
 # over the original five.
+# The MMA-layout upcast ("mx_mma") takes swapped tiles only (the weights are the register operand)
+# with BLOCK_N a multiple of 16 rows a warp, and whole warpgroups: with 2 warps (mma.sync) Triton
+# sends the tile through shared memory, 0.33 ms at 1 token against 0.18 (twelfth session).
 _TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4)}
 _ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
+_MMA_TILES = {(64, True, 4, 3), (128, True, 4, 3), (128, True, 8, 3), (256, True, 8, 3)}
 GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
-                        for bn, swap, w, st in sorted(_TILES | _ASM_TILES)]
+                        for bn, swap, w, st in sorted(_TILES | _ASM_TILES | _MMA_TILES)]
 
 
 def _tiles_for_weights(configs, named_args, **kwargs):
     weights = kwargs.get("WEIGHTS", named_args.get("WEIGHTS"))
-    keep = _ASM_TILES if weights == "mx_asm" else _TILES
+    keep = {"mx_asm": _ASM_TILES, "mx_mma": _MMA_TILES}.get(weights, _TILES)
     return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["SWAP_AB"], c.num_warps, c.num_stages) in keep] \
         or configs[:1]
 
@@ -432,7 +548,7 @@ def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _has_bf16x2_mul(device: torch.device) -> bool:
+def has_bf16x2_mul(device: torch.device) -> bool:
     """``mul.rn.bf16x2`` (our upcast's last step) needs sm_90 or later."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -444,6 +560,15 @@ def _has_bf16x2_mul(device: torch.device) -> bool:
 # prefill row blocks take tl.dot_scaled (one K = 32 MMA per scale group was 4.5x slower at 8K).
 MX_UPCAST = "asm"
 ASM_MIN_ASSIGNMENTS = 128
+
+# Serving on sm_90 rewrites MXFP4 expert stacks into the MMA-operand layout at load
+# (``moe.RoutedExperts.use_mma_layout``), which every grouped GEMM then reads through "mx_mma".
+# Same H200 run, K3's experts, autotuned (RESULTS.md twelfth session): decode 1 / 16 / 64 tokens
+# 0.174 / 1.783 / 4.086 ms = 38 / 46 / 45 % of copy, against the checkpoint layout's best
+# 0.234 / 2.476 / 5.499 (28 / 33 / 33 %); prefill of 8K tokens is slower, 71.9 ms against
+# tl.dot_scaled's 46.5 (17 % vs 26 % of matmul). Decode steps dominate serving time, so it is on;
+# False keeps the checkpoint layout (prefill-heavy loads).
+MMA_LAYOUT = True
 
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
@@ -512,12 +637,14 @@ def weights_mode(mx: bool, act_dtype: torch.dtype, device: torch.device, block_m
     """The grouped GEMM's WEIGHTS: "bf16"; for MXFP4, the exact decode for non-bf16 activations,
     else our upcast ("mx_asm") where asked or where it was measured to win (decode row blocks from
     ``ASM_MIN_ASSIGNMENTS`` up, on sm_90+ or interpreted), tl.dot_scaled elsewhere."""
-    if mx_upcast not in (None, "dot_scaled", "asm"):
-        raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled or asm")
+    if mx_upcast not in (None, "dot_scaled", "asm", "mma"):
+        raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled, asm or mma")
     if not mx:
         return "bf16"
+    if mx_upcast == "mma":
+        return "mx_mma"
     upcast = mx_upcast or ("asm" if MX_UPCAST == "asm" and block_m <= 16 and num_assign >= ASM_MIN_ASSIGNMENTS
-                           and (interpreted() or _has_bf16x2_mul(device)) else "dot_scaled")
+                           and (interpreted() or has_bf16x2_mul(device)) else "dot_scaled")
     if upcast == "asm" and (act_dtype == torch.bfloat16 or interpreted()):
         return "mx_asm"
     return "mx_decode" if act_dtype != torch.bfloat16 else "mx_dot_scaled"
@@ -587,6 +714,8 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
         rows, block_expert = sort_by_expert(ids, E, block_m)
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
+    if getattr(experts, "mma_layout", False):  # (moe.RoutedExperts.use_mma_layout)
+        blocks = dict(blocks, mx_upcast="mma")
     stored = experts.stack
     w1, s1 = stored("w1")
     # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)

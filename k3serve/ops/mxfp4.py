@@ -24,6 +24,8 @@ __all__ = [
     "dequantize_mxfp4",
     "quantize_mxfp4",
     "mxfp4_bytes",
+    "to_mma_layout",
+    "from_mma_layout",
 ]
 
 MXFP4_BLOCK_SIZE = 32
@@ -194,3 +196,81 @@ def mxfp4_bytes(n: int, k: int) -> int:
     if n < 0 or k < 0 or k % MXFP4_BLOCK_SIZE != 0:
         raise ValueError(f"need n >= 0 and k a non-negative multiple of 32, got n={n}, k={k}")
     return n * (k // 2) + n * (k // MXFP4_BLOCK_SIZE)
+
+
+# --- The MMA-operand layout (Hopper decode path) -------------------------------------------------
+# A tensor-core MMA (mma.sync m16n8k16 / wgmma with A in registers) wants, from each lane
+# (g = lane // 4, c = lane % 4) of the warp owning a 16-row block, the bf16 pairs
+# (g, k 2c..2c+1), (g + 8, 2c..), (g, 2c + 8..), (g + 8, 2c + 8..) of every 16-wide k slice: four
+# checkpoint bytes scattered over two rows. Stored as they come, a kernel loads bytes one at a time
+# and re-pairs nibbles in registers (RESULTS.md eleventh session: LDS 179 + PRMT 316 of the K
+# loop's 1,545 instructions). Here each 16-row block is rewritten, once at load time, so that a
+# lane's bytes of one 32-code scale group are 8 contiguous bytes (two 32-bit words, one per k
+# slice) whose bits are pre-arranged for a ~2-instruction-a-code upcast: in each 16-bit half,
+# byte 0's code sits at the bf16 sign / low exponent / top mantissa bits (15, 8-6), byte 1's three
+# places lower (12, 5-3), byte 2's six (9, 2-0), byte 3's in the bits left (14, 11-10, 13); the
+# low half holds the low nibbles (even k), the high half the high ones. The bit arrangement is the
+# one OpenAI's triton_kernels uses for Hopper ("HopperMXValueLayout"); the block / lane order here
+# is our own. Same shape and size as the checkpoint layout [..., N, K/2] (a permutation within
+# each 16-row block), so N may be sliced in multiples of 16 after the rewrite.
+
+_MMA_ROWS = 16
+
+
+def _interleave_words(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4] (bytes B0..B3 of a word) -> uint8 [..., 4], the bit layout above. (int32
+    throughout, every shift to the left: a bit may land in the sign but is never shifted back.)"""
+    b = b.to(torch.int32)
+    word = torch.zeros(b.shape[:-1], dtype=torch.int32, device=b.device)
+    for half, codes in ((0, b & 15), (16, b >> 4)):
+        for i in range(3):  # sign to bit 15 - 3i, magnitude to bits 8-6 minus 3i
+            c = codes[..., i]
+            word |= (((c & 8) << (12 - 3 * i)) | ((c & 7) << (6 - 3 * i))) << half
+        c = codes[..., 3]  # sign to 14, magnitude bits 2-1 to 11-10, bit 0 to 13
+        word |= (((c & 8) << 11) | ((c & 6) << 9) | ((c & 1) << 13)) << half
+    return torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+
+
+def _deinterleave_words(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_interleave_words`` (each right shift is masked, so int32 sign fill is harmless)."""
+    w = w.to(torch.int32)
+    word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+    regs = [word, word << 3, word << 6,
+            ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)]
+
+    def code(r):  # sign at bit 15, magnitude at bits 8-6 of a half
+        return ((r >> 12) & 8) | ((r >> 6) & 7)
+
+    return torch.stack([code(r) | (code(r >> 16) << 4) for r in regs], -1).to(torch.uint8)
+
+
+def _check_mma_shape(packed: torch.Tensor) -> None:
+    _check_uint8(packed, "packed")
+    if packed.dim() < 2 or packed.shape[-2] % _MMA_ROWS or packed.shape[-1] % 16:
+        raise ValueError(f"the MMA layout needs rows in multiples of {_MMA_ROWS} and K in multiples of 32, "
+                         f"got packed {tuple(packed.shape)}")
+
+
+def to_mma_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint MXFP4 bytes [..., N, K/2] -> the MMA-operand layout, same shape: per 16-row block,
+    per 32-code group, per lane (4g + c), per k slice s, the word of bytes (row g, byte 8s + c),
+    (g + 8, 8s + c), (g, 8s + 4 + c), (g + 8, 8s + 4 + c), bits interleaved. The scales keep
+    their layout."""
+    _check_mma_shape(packed)
+    *lead, n, kh = packed.shape
+    d = len(lead)
+    # row = 16 blk + 8 h + g; byte = 16 grp + 8 s + 4 o + c; word byte i = 2 o + h
+    x = packed.reshape(*lead, n // 16, 2, 8, kh // 16, 2, 2, 4)  # blk, h, g, grp, s, o, c
+    x = x.permute(*range(d), d, d + 3, d + 2, d + 6, d + 4, d + 5, d + 1)  # blk, grp, g, c, s, o, h
+    return _interleave_words(x.reshape(*lead, n // 16, kh // 16, 32, 2, 4)).reshape(packed.shape).contiguous()
+
+
+def from_mma_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_mma_layout``: back to checkpoint bytes (reference paths, tests)."""
+    _check_mma_shape(packed)
+    *lead, n, kh = packed.shape
+    d = len(lead)
+    x = _deinterleave_words(packed.reshape(*lead, n // 16, kh // 16, 32, 2, 4))
+    x = x.reshape(*lead, n // 16, kh // 16, 8, 4, 2, 2, 2)  # blk, grp, g, c, s, o, h
+    x = x.permute(*range(d), d, d + 6, d + 2, d + 1, d + 4, d + 5, d + 3)  # blk, h, g, grp, s, o, c
+    return x.reshape(packed.shape).contiguous()
