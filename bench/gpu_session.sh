@@ -94,7 +94,7 @@ case "$1" in
     for up in ${NCU_UPCASTS:-dot_scaled}; do
       step "ncu_$up" "$(left "${NCU_UNTIL:-580}")" "$NCU" --kernel-name regex:_grouped_gemm --launch-skip 2 \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section MemoryWorkloadAnalysis --section LaunchStats python3 -m bench.ncu_moe "${NCU_TOKENS:-16}" "$up"
+        --section MemoryWorkloadAnalysis --section LaunchStats python3 -m bench.ncu_moe "${NCU_TOKENS:-16}" "$up" $NCU_TILE
       grep -v "^==PROF==" "$OUT/ncu_$up.log" | tail -c 6000
     done ;;
   dense)  # skinny dense GEMMs: cuBLAS vs our grouped GEMM as one expert; then MLA decode by split count

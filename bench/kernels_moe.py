@@ -10,7 +10,8 @@ reference, so a fast wrong tile cannot win); its winners are the autotuner's can
 (``moe_triton.GROUPED_GEMM_CONFIGS``). Kimi-Linear's bf16 experts (256, top-8, 2304 x 1024) get
 a short decode sweep.
 
-Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode] [--mxfp4-only] [--decode-only]
+Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode] [--mxfp4-only] [--decode-only] [--mma-only]
+(--mma-only: the MMA-layout upcast's rows alone)
 """
 
 import copy as copy_module
@@ -36,13 +37,15 @@ DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 3
         (64, False, 128, 4, 3), (32, True, 128, 2, 4), (32, True, 256, 2, 4), (64, True, 128, 4, 3),
         (128, True, 128, 4, 3), (128, True, 256, 8, 3))]
 # The MMA-layout upcast ("mma", twelfth session): weights rewritten by RoutedExperts.use_mma_layout.
+# 2-warp tiles (mma.sync) send the tile through shared memory: 20-22 % of copy, not kept.
 DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in (
-    (128, 128, 4, 3), (128, 128, 4, 4), (64, 128, 4, 3), (32, 128, 2, 4), (128, 128, 8, 3), (256, 128, 8, 3),
-    (128, 256, 4, 3), (64, 256, 4, 4))]
+    (64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (128, 128, 4, 3),
+    (128, 128, 4, 2), (128, 128, 8, 3), (128, 64, 8, 4), (256, 128, 8, 2))]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
     (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (
-        (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 128, 64, 4, 3))]
+        (128, 128, 128, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 4, 2), (64, 128, 128, 4, 3),
+        (64, 128, 128, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2))]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
@@ -79,7 +82,7 @@ def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):
         for bm, bn, swap, bk, nw, st, *up in variants:
             tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
             up = up[0] if up else "dot_scaled"
-            if up == "mma" and ex_mma is None:
+            if (up == "mma" and ex_mma is None) or (up != "mma" and "--mma-only" in sys.argv):
                 continue
             run = lambda: experts_triton(z, w, ids, ex_mma if up == "mma" else ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
             try:
@@ -153,7 +156,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm", "mma") for c in cases.values()
                                     if up != "asm" or c[0] <= 64]:  # (asm serves decode only)
-        if up == "mma" and ex_mma is None:
+        if (up == "mma" and ex_mma is None) or (up != "mma" and "--mma-only" in sys.argv):
             continue
         # (the MMA layout's experts pick their upcast themselves)
         ours = lambda: experts_triton(z, w, ids, ex_mma) if up == "mma" else experts_triton(z, w, ids, ex, mx_upcast=up)  # noqa: E731

@@ -4,7 +4,10 @@ get in the way. Not a benchmark: ``bench/kernels_moe.py`` times; this explains.
 
 Usage (device): ncu --kernel-name regex:_grouped_gemm --launch-skip 2 --launch-count 1 \\
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \\
-    python3 -m bench.ncu_moe [tokens] [upcast]
+    python3 -m bench.ncu_moe [tokens] [upcast] [BLOCK_N,warps,stages]
+
+upcast "mma": the experts in the MMA layout (``moe_triton.MMA_LAYOUT``); the others read the
+checkpoint layout. Default tile: 32 wide, swapped, 2 warps, 4 stages (64,4,3 for "mma").
 """
 
 import sys
@@ -12,12 +15,15 @@ import sys
 import torch
 
 from k3serve.model.loader import load_model
+from k3serve.ops import moe_triton
 from k3serve.ops.moe_triton import experts_triton
 
 
 def main() -> None:
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 16
     upcast = sys.argv[2] if len(sys.argv) > 2 else "dot_scaled"
+    bn, warps, stages = map(int, (sys.argv[3] if len(sys.argv) > 3 else "64,4,3" if upcast == "mma" else "32,2,4").split(","))
+    moe_triton.MMA_LAYOUT = upcast == "mma"
     model = load_model(preset="k3-slice", device="cuda", dtype="bfloat16", seed=0)
     moe = model.model.layers[1].block_sparse_moe
     g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -25,9 +31,10 @@ def main() -> None:
     with torch.inference_mode():
         w, ids = moe.gate(x)
         z = moe.routed_expert_down_proj(x)
-        tiles = dict(BLOCK_N=32, SWAP_AB=True, num_warps=2, num_stages=4)
+        tiles = dict(BLOCK_N=bn, SWAP_AB=True, num_warps=warps, num_stages=stages)
+        up = None if upcast == "mma" else upcast  # (MMA-layout experts pick theirs)
         for _ in range(2):  # the first call compiles (launches 1-2); the second call's gate/up GEMM is launch 3
-            experts_triton(z, w, ids, moe.experts, block_m=16, block_k=128, tiles=tiles, mx_upcast=upcast)
+            experts_triton(z, w, ids, moe.experts, block_m=16, block_k=128, tiles=tiles, mx_upcast=up)
         torch.cuda.synchronize()
 
 

@@ -199,30 +199,45 @@ def _mma_weight_group(W, e, pid_n, kk, N, stride_we, stride_wn, INTERPRETED: tl.
 
 
 @triton.jit
-def _mx_tile_mma(acc, X, W, S, tok, valid, e, pid_n, cols, cmask, k0, N, stride_xt, stride_we, stride_wn, stride_se,
-                 stride_sn, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """acc + W[e][cols, k0:k0+BLOCK_K] @ x_rows^T (or its transpose) for weights in the MMA layout:
-    each 32-code group's MMA into a fresh accumulator, scaled by its E8M0 factors into acc with one
-    FMA an output. (A wgmma accumulator carried across groups or
-    the K loop, with the weights as its register operand, makes ptxas serialise every wgmma: the
-    loop's zero-trip path defines it with other instructions, C7515. And the scale folded into the
-    upcast's multiply needs its own register layout, which Triton 3.6 then imposes on the weights:
-    a shared-memory round trip. Both measured on CPU with bench/sass_mix.py, twelfth session.)"""
+def _mma_group_partial(W, S, a, e, pid_n, cols, cmask, kk, N, stride_we, stride_wn, stride_se, stride_sn,
+                       SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(the unscaled product of the group at kk with the activation tile ``a``, in a fresh
+    accumulator; the rows' E8M0 factors, shaped to scale it)."""
+    w = _mma_weight_group(W, e, pid_n, kk, N, stride_we, stride_wn, INTERPRETED, BLOCK_N)
+    a = a.to(w.dtype)
+    # 2^(E8M0 - 127) from the bits: exact but for byte 0 (2^-127, a subnormal), which gives 0; an
+    # all-zero block is stored with it (``mxfp4.quantize_mxfp4``) and nothing else that small matters
+    sc = tl.load(S + e * stride_se + cols * stride_sn + kk // 32, mask=cmask, other=127).to(tl.int32)
+    f = (sc << 23).to(tl.float32, bitcast=True)
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a)), f[:, None]
+    else:
+        return tl.dot(a, tl.trans(w)), f[None, :]
+
+
+@triton.jit
+def _mx_tile_mma(acc, acc_up, X, W, S, W_UP, S_UP, tok, valid, e, pid_n, cols, cmask, k0, N, stride_xt, stride_we,
+                 stride_wn, stride_se, stride_sn, GLU: tl.constexpr, SWAP_AB: tl.constexpr,
+                 INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(acc, acc_up) + the K tile's products for weights in the MMA layout: per 32-code group, one
+    activation load serves the gate's and the up's MMAs, each into a fresh accumulator (both in
+    flight before either is waited for), then each is scaled by its rows' E8M0 factors into its
+    sum with one FMA an output. (A wgmma accumulator carried across groups or the K loop, with
+    the weights as its register operand, makes ptxas serialise every wgmma: the loop's zero-trip
+    path defines it with other instructions, C7515. And the scale folded into the upcast's
+    multiply needs its own register layout, which Triton 3.6 then imposes on the weights: a
+    shared-memory round trip. Both measured on CPU with bench/sass_mix.py, twelfth session.)"""
     for g in tl.static_range(BLOCK_K // 32):
         kk = k0 + 32 * g
-        w = _mma_weight_group(W, e, pid_n, kk, N, stride_we, stride_wn, INTERPRETED, BLOCK_N)
         a = tl.load(X + tok[:, None] * stride_xt + (kk + tl.arange(0, 32))[None, :], mask=valid[:, None], other=0.0)
-        a = a.to(w.dtype)
-        # 2^(E8M0 - 127) from the bits: exact but for byte 0 (2^-127, a subnormal), which gives 0; an
-        # all-zero block is stored with it (``mxfp4.quantize_mxfp4``) and nothing else that small matters
-        sc = tl.load(S + e * stride_se + cols * stride_sn + kk // 32, mask=cmask, other=127).to(tl.int32)
-        f = (sc << 23).to(tl.float32, bitcast=True)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(a)) * f[:, None]
-        else:
-            acc += tl.dot(a, tl.trans(w)) * f[None, :]
-    return acc
+        part, f = _mma_group_partial(W, S, a, e, pid_n, cols, cmask, kk, N, stride_we, stride_wn, stride_se,
+                                     stride_sn, SWAP_AB, INTERPRETED, BLOCK_N)
+        if GLU:
+            part_up, f_up = _mma_group_partial(W_UP, S_UP, a, e, pid_n, cols, cmask, kk, N, stride_we, stride_wn,
+                                               stride_se, stride_sn, SWAP_AB, INTERPRETED, BLOCK_N)
+            acc_up += part_up * f_up
+        acc += part * f
+    return acc, acc_up
 
 
 @triton.jit
@@ -297,12 +312,9 @@ def _grouped_gemm_kernel(
     k_end = tl.where(tl.load(ROWS + pid_m * BLOCK_M) < num_assign, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
         if WEIGHTS == "mx_mma":
-            acc = _mx_tile_mma(acc, X, W, S, tok, valid, e, pid_n, cols, cmask, k0, N, stride_xt, stride_we,
-                               stride_wn, stride_se, stride_sn, SWAP_AB, INTERPRETED, BLOCK_N, BLOCK_K)
-            if GLU:
-                acc_up = _mx_tile_mma(acc_up, X, W_UP, S_UP, tok, valid, e, pid_n, cols, cmask, k0, N, stride_xt,
-                                      stride_we, stride_wn, stride_se, stride_sn, SWAP_AB, INTERPRETED, BLOCK_N,
-                                      BLOCK_K)
+            acc, acc_up = _mx_tile_mma(acc, acc_up, X, W, S, W_UP, S_UP, tok, valid, e, pid_n, cols, cmask, k0, N,
+                                       stride_xt, stride_we, stride_wn, stride_se, stride_sn, GLU, SWAP_AB,
+                                       INTERPRETED, BLOCK_N, BLOCK_K)
         elif WEIGHTS == "mx_asm":
             for g in tl.static_range(BLOCK_K // 32):
                 acc += _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, k0 + 32 * g, stride_xt, stride_we,
@@ -348,10 +360,11 @@ def _grouped_gemm_kernel(
 # over the original five.
 # The MMA-layout upcast ("mx_mma") takes swapped tiles only (the weights are the register operand)
 # with BLOCK_N a multiple of 16 rows a warp, and whole warpgroups: with 2 warps (mma.sync) Triton
-# sends the tile through shared memory, 0.33 ms at 1 token against 0.18 (twelfth session).
+# sends the tile through shared memory, 0.33 ms at 1 token against 0.18 (twelfth session). Two
+# stages beat three at decode (71 registers and 16 KB a program: 7 programs an SM instead of 5).
 _TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4)}
 _ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
-_MMA_TILES = {(64, True, 4, 3), (128, True, 4, 3), (128, True, 8, 3), (256, True, 8, 3)}
+_MMA_TILES = {(64, True, 4, 2), (64, True, 4, 3), (128, True, 4, 2), (128, True, 8, 2), (128, True, 8, 3)}
 GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
                         for bn, swap, w, st in sorted(_TILES | _ASM_TILES | _MMA_TILES)]
 
@@ -563,11 +576,10 @@ ASM_MIN_ASSIGNMENTS = 128
 
 # Serving on sm_90 rewrites MXFP4 expert stacks into the MMA-operand layout at load
 # (``moe.RoutedExperts.use_mma_layout``), which every grouped GEMM then reads through "mx_mma".
-# Same H200 run, K3's experts, autotuned (RESULTS.md twelfth session): decode 1 / 16 / 64 tokens
-# 0.174 / 1.783 / 4.086 ms = 38 / 46 / 45 % of copy, against the checkpoint layout's best
-# 0.234 / 2.476 / 5.499 (28 / 33 / 33 %); prefill of 8K tokens is slower, 71.9 ms against
-# tl.dot_scaled's 46.5 (17 % vs 26 % of matmul). Decode steps dominate serving time, so it is on;
-# False keeps the checkpoint layout (prefill-heavy loads).
+# K3's experts on the H200, autotuned (RESULTS.md twelfth session): decode 1 / 16 / 64 tokens
+# 0.170 / 1.684 / 3.772 ms = 39 / 49 / 49 % of copy, against the checkpoint layout's best
+# 0.234 / 2.476 / 5.499 (28 / 33 / 33 %); prefill of 8K tokens (row blocks of 64) 46.9 ms, as
+# tl.dot_scaled's 46.5 on the checkpoint layout (27 % of matmul). False keeps that layout.
 MMA_LAYOUT = True
 
 
@@ -706,15 +718,17 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     E = experts.num_experts + experts.num_shared  # ids may name joined shared experts (moe.RoutedExperts.join_shared)
     if T == 0:
         return torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
+    mma = getattr(experts, "mma_layout", False)  # (moe.RoutedExperts.use_mma_layout)
     if block_m is None:  # rows per expert on average: a few (decode), dozens, or a hundred and more
-        block_m = 16 if T * top_k < 16 * E else 64 if T * top_k < 128 * E else 128
+        block_m = 16 if T * top_k < 16 * E else 64 if T * top_k < 128 * E or mma else 128
+        # (the MMA layout's upcast at 8K tokens on K3: 46.9 ms with row blocks of 64, 55.6 with 128)
     if T == 1:  # one token's experts are distinct: a block per assignment, in routing order, is the sort's layout
         rows, block_expert = one_row_blocks(top_k, block_m, ids.device), ids.reshape(-1)
     else:
         rows, block_expert = sort_by_expert(ids, E, block_m)
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
-    if getattr(experts, "mma_layout", False):  # (moe.RoutedExperts.use_mma_layout)
+    if mma:
         blocks = dict(blocks, mx_upcast="mma")
     stored = experts.stack
     w1, s1 = stored("w1")
