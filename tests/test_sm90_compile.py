@@ -19,22 +19,32 @@ from k3serve.ops import kda_decode_triton, moe_triton, norm_triton  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, pointers: dict, scalars: dict, consts: dict, **options):
+def _compile(fn, pointers: dict, scalars: dict, consts: dict, divisible: tuple[str, ...] = (), **options):
+    """``divisible``: arguments marked 16-divisible, as Triton specialises them at launch for
+    16-aligned pointers and strides (vector loads, and the layouts that follow from them)."""
     sig = {**pointers, **{n: t for n, t in scalars.items()}, **{k: "constexpr" for k in consts}}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=HOPPER, options=options)
 
 
-@pytest.mark.parametrize("swap, block_n, warps", [(True, 32, 2), (False, 64, 4)])
-def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
+def _grouped_gemm(weights: str, block_n: int, warps: int, swap: bool = True, use_pdl: bool = False):
+    """The grouped GEMM (MXFP4 gate + up with SiTU-GLU, 16-row blocks, K tiles of 128) for sm_90."""
     ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
             "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
     ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
                                "stride_se", "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
-    consts = dict(WEIGHTS="mx_asm", GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
-                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, USE_PDL=True)
-    kernel = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=warps, num_stages=3)
+    consts = dict(WEIGHTS=weights, GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
+                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, USE_PDL=use_pdl)
+    divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
+    return _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, divisible, num_warps=warps, num_stages=3)
+
+
+@pytest.mark.parametrize("swap, block_n, warps", [(True, 32, 2), (False, 64, 4)])
+def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
+    kernel = _grouped_gemm("mx_asm", block_n, warps, swap, use_pdl=True)
     ptx = kernel.asm["ptx"]
     assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx  # our upcast made it into the kernel
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
@@ -43,16 +53,11 @@ def test_mxfp4_asm_upcast_grouped_gemm_compiles_for_sm90(swap, block_n, warps):
 @pytest.mark.parametrize("block_n, warps", [(128, 4), (64, 4), (128, 8)])
 def test_mxfp4_mma_layout_grouped_gemm_keeps_weights_in_registers(block_n, warps):
     """The MMA-layout upcast's weight tile goes from its load to the MMA in registers: no
-    value-carrying shared-memory allocation (the round trip Triton 3.6 made when the block scale
-    was folded into the upcast, twelfth session), and the wgmma / mma are not serialised."""
-    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
-            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
-    ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
-                               "stride_se", "stride_sn", "stride_on")}
-    ints.update(beta="fp32", linear_beta="fp32")
-    consts = dict(WEIGHTS="mx_mma", GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
-                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=True, INTERPRETED=False, USE_PDL=False)
-    kernel = _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, num_warps=warps, num_stages=3)
+    value-carrying shared-memory allocation of it (the round trip Triton 3.6 made when the block
+    scale was folded into the upcast, twelfth session: that variant fails here under 3.6, not
+    under 3.9). The device runs 3.6: ``pip install --no-deps --target DIR triton==3.6.0`` and
+    ``PYTHONPATH=DIR pytest tests/test_sm90_compile.py`` checks against its compiler on CPU."""
+    kernel = _grouped_gemm("mx_mma", block_n, warps)
     ttgir = kernel.asm["ttgir"]
     assert "warp_group_dot" in ttgir or "tt.dot" in ttgir
     # the activation tile [16, 32] goes to shared memory (the MMA's other operand); the weight tile not
