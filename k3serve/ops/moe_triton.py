@@ -158,7 +158,12 @@ def _mma_words_to_values(packed, INTERPRETED: tl.constexpr):
     p = byte % 4) -> two tensors of that shape: output o at byte position (s, p) holds nibble p % 2
     of word byte 2 o + p // 2, which is the element (row 8 (p // 2) + g, k 16 s + 8 o + 2 c + p % 2)
     of the 16-row block. bf16 from ``_E2M1_WORD_TO_BF16_ASM`` (pack = 4: one word a call); under
-    the interpreter its arithmetic in fp32 and integer ops."""
+    the interpreter its arithmetic in fp32 and integer ops. A pack is four consecutive registers of
+    the operand's layout, which is one stored word only while each lane's bytes sit in registers in
+    memory order: the order Triton derives back from the MMA operand through the permute in
+    ``_mma_weight_group`` (k + 1, then row + 8: byte + 1, byte + 2). A scale or any other operand
+    with a layout of its own can change it (twelfth session); gpu_check_kernels.py would decode
+    garbage then."""
     if INTERPRETED:
         b = packed.to(tl.uint32).reshape(packed.shape[:-1] + [2, 4])
         word = tl.sum(b << (8 * tl.arange(0, 4).to(tl.uint32)), len(b.shape) - 1)  # bytes are disjoint bits
@@ -220,9 +225,10 @@ def _mx_tile_mma(acc, acc_up, X, W, S, W_UP, S_UP, tok, valid, e, pid_n, cols, c
                  stride_wn, stride_se, stride_sn, GLU: tl.constexpr, SWAP_AB: tl.constexpr,
                  INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """(acc, acc_up) + the K tile's products for weights in the MMA layout: per 32-code group, one
-    activation load serves the gate's and the up's MMAs, each into a fresh accumulator (both in
-    flight before either is waited for), then each is scaled by its rows' E8M0 factors into its
-    sum with one FMA an output. (A wgmma accumulator carried across groups or the K loop, with
+    activation load serves the gate's and the up's MMAs, each into a fresh accumulator, then each
+    is scaled by its rows' E8M0 factors into its sum with one FMA an output. (Triton 3.6 waits
+    for each register-operand wgmma right after issuing it; ncu: 65 % SM throughput at 5-7
+    programs an SM, latency and issue together.) (A wgmma accumulator carried across groups or the K loop, with
     the weights as its register operand, makes ptxas serialise every wgmma: the loop's zero-trip
     path defines it with other instructions, C7515. And the scale folded into the upcast's
     multiply needs its own register layout, which Triton 3.6 then imposes on the weights: a
