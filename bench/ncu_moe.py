@@ -22,7 +22,8 @@ from k3serve.ops.moe_triton import experts_triton
 def main() -> None:
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 16
     upcast = sys.argv[2] if len(sys.argv) > 2 else "dot_scaled"
-    bn, warps, stages = map(int, (sys.argv[3] if len(sys.argv) > 3 else "64,4,3" if upcast == "mma" else "32,2,4").split(","))
+    tile = sys.argv[3] if len(sys.argv) > 3 else "64,4,3" if upcast == "mma" else "32,2,4"
+    bn, warps, stages = map(int, tile.split(","))
     moe_triton.MMA_LAYOUT = upcast == "mma"
     model = load_model(preset="k3-slice", device="cuda", dtype="bfloat16", seed=0)
     moe = model.model.layers[1].block_sparse_moe

@@ -147,5 +147,6 @@ def test_mma_layout_upcast_ptx_gives_every_code_exactly():
 def test_emulator_knows_every_instruction_of_the_mma_upcast():
     from k3serve.ops.moe_triton import _E2M1_WORD_TO_BF16_ASM
 
-    ops = {s.strip().partition(" ")[0] for s in _E2M1_WORD_TO_BF16_ASM.value.replace("{", "").replace("}", "").split(";")}
+    text = _E2M1_WORD_TO_BF16_ASM.value.replace("{", "").replace("}", "")
+    ops = {s.strip().partition(" ")[0] for s in text.split(";")}
     assert ops - {"", ".reg"} <= {"mov.b32", "shl.b32", "shr.b32", "and.b32", "or.b32", "mul.rn.bf16x2"}

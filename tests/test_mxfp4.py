@@ -345,7 +345,8 @@ def test_mma_layout_round_trips_and_puts_each_lanes_bytes_together():
         base = blk * 16 * 64 + grp * 256 + (4 * g + c) * 8 + 4 * s  # 64 bytes a row
         word = _deinterleave_words(mma[e].reshape(-1)[base:base + 4][None])[0]
         rows, col = (16 * blk + g, 16 * blk + g + 8), 16 * grp + 8 * s + c
-        want = [packed[e, rows[0], col], packed[e, rows[1], col], packed[e, rows[0], col + 4], packed[e, rows[1], col + 4]]
+        want = [packed[e, rows[0], col], packed[e, rows[1], col], packed[e, rows[0], col + 4],
+                packed[e, rows[1], col + 4]]
         assert word.tolist() == [int(v) for v in want]
     with pytest.raises(ValueError, match="multiples of 16"):
         to_mma_layout(torch.zeros(2, 40, 64, dtype=torch.uint8))

@@ -127,7 +127,8 @@ class RoutedExperts(nn.Module):
         """For serving on Hopper, after the weights are loaded: rewrite the MXFP4 stacks in place
         into the layout the grouped GEMM's register upcast reads without shuffles
         (``mxfp4.to_mma_layout``; same shapes and bytes, so nothing is held twice). Only where it
-        applies: MXFP4 with rows in multiples of 16. Returns whether it rewrote; the reference path reads either layout."""
+        applies: MXFP4 with rows in multiples of 16. Returns whether it rewrote; the reference
+        path reads either layout."""
         if not self.mxfp4 or self.mma_layout:
             return False
         stacks = [getattr(self, f"{n}_packed") for n in ("w1", "w2", "w3")]
