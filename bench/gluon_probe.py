@@ -24,6 +24,8 @@ The activation tile is staged naively (plain loads and stores into shared memory
 counts are an upper bound of the structure, not of a finished kernel. The fold needs E8M0 bytes
 <= 128 (weights up to 12 in magnitude), a load-time check for a real kernel.
 
+k3serve/ops/moe_gluon.py is the grouped GEMM built on this skeleton (opt-in until run on a GPU).
+
 Usage: python -m bench.gluon_probe   (put Triton 3.6, the device's, first on PYTHONPATH to read
 its compiler: pip install --no-deps --target DIR triton==3.6.0)
 """

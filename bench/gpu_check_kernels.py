@@ -192,13 +192,16 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
         record("KDA fused decode mixer", f"N={N} H={H} D={D} block {bv}, parts {parts}", err, 1e-4)
 
 
-def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator) -> None:
+def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator, upcast: str = "mma") -> None:
     """Gate / up GEMM with the SiLU-GLU epilogue, and a plain one, over MXFP4 stacks rewritten into
     the MMA layout, against fp32 matmuls of the exactly dequantised weights; rows of widely
-    different scales (2^-20 .. 2^4)."""
+    different scales (2^-20 .. 2^4; .. 2^1 for the Gluon kernel, whose folded multiply takes E8M0
+    bytes up to 128). "mma": every tuned tile of the Triton kernel; "gluon": moe_gluon's kernel."""
+    top_exp = 5 if upcast == "mma" else 2
+
     def stack():
         w = torch.randn(E, N, K, device=DEV, generator=gen)
-        w = w * torch.exp2(torch.randint(-20, 5, (E, N, 1), device=DEV, generator=gen).float())
+        w = w * torch.exp2(torch.randint(-20, top_exp, (E, N, 1), device=DEV, generator=gen).float())
         return quantize_mxfp4(w)
     (gp, gs), (upk, us) = stack(), stack()
     ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
@@ -209,13 +212,15 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
     a = ids.flatten()
     gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
     exact = {False: gate, True: F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(upk, us)[a])}
-    for bn, swap, warps, stages in sorted(moe_triton._MMA_TILES):
+    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [None]
+    for tile in tiles:
         for glu in (False, True):
+            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3])) if tile else {}
             out = grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, block_m,
-                               up=(to_mma_layout(upk), us) if glu else None, mx_upcast="mma",
-                               tiles=dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=warps, num_stages=stages))
-            record("MXFP4 grouped GEMM, MMA layout" + (" + GLU" if glu else ""),
-                   f"T={T} E={E} N={N} K={K} tile {bn}/{warps}w/{stages}s", rel(out, exact[glu]), 1e-4)
+                               up=(to_mma_layout(upk), us) if glu else None, mx_upcast=upcast, **kw)
+            record(f"MXFP4 grouped GEMM, MMA layout, {upcast}" + (" + GLU" if glu else ""),
+                   f"T={T} E={E} N={N} K={K}" + (f" tile {tile[0]}/{tile[2]}w/{tile[3]}s" if tile else
+                                                 f" rows {block_m}"), rel(out, exact[glu]), 1e-4)
 
 
 def main() -> int:
@@ -243,7 +248,8 @@ def main() -> int:
     for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0)):
         check_kda_fused(N, H, 128, lb, gen)
     for T, E, N, K, top in ((1, 64, 3072, 3584, 16), (16, 64, 3584, 3072, 16), (200, 32, 1024, 2304, 8)):
-        check_mxfp4_mma(T, E, N, K, top, gen)
+        for upcast in ("mma", "gluon"):
+            check_mxfp4_mma(T, E, N, K, top, gen, upcast)
     failed = [r for r in ROWS if r[2] > r[3]]
     print(f"{len(ROWS) - len(failed)} of {len(ROWS)} checks passed")
     return 1 if failed else 0

@@ -41,11 +41,13 @@ DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 3
 DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in (
     (64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (128, 128, 4, 3),
     (128, 128, 4, 2), (128, 128, 8, 3), (128, 64, 8, 4), (256, 128, 8, 2))]
+# The same layout through moe_gluon's kernel (fixed 64-row tiles, 4 warps; added unrun, twelfth session).
+DECODE_VARIANTS += [(16, 64, True, 64, 4, 1, "gluon"), (32, 64, True, 64, 4, 1, "gluon")]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
     (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (
         (128, 128, 128, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 4, 2), (64, 128, 128, 4, 3),
-        (64, 128, 128, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2))]
+        (64, 128, 128, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2))] + [(64, 64, True, 64, 4, 1, "gluon")]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
@@ -82,9 +84,10 @@ def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):
         for bm, bn, swap, bk, nw, st, *up in variants:
             tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
             up = up[0] if up else "dot_scaled"
-            if (up == "mma" and ex_mma is None) or (up != "mma" and "--mma-only" in sys.argv):
+            mma = up in ("mma", "gluon")
+            if (mma and ex_mma is None) or (not mma and "--mma-only" in sys.argv):
                 continue
-            run = lambda: experts_triton(z, w, ids, ex_mma if up == "mma" else ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
+            run = lambda: experts_triton(z, w, ids, ex_mma if mma else ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
             try:
                 err = rel(run(), ref) if ref is not None else float("nan")
                 ms = gpu_ms(run, rep=60)
@@ -154,12 +157,12 @@ def main():
     print("\nautotuned tiles (experts_triton as the model calls it), each MXFP4 upcast:")
     print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm", "mma") for c in cases.values()
+    for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm", "mma", "gluon") for c in cases.values()
                                     if up != "asm" or c[0] <= 64]:  # (asm serves decode only)
-        if (up == "mma" and ex_mma is None) or (up != "mma" and "--mma-only" in sys.argv):
+        mma = up in ("mma", "gluon")
+        if (mma and ex_mma is None) or (not mma and "--mma-only" in sys.argv):
             continue
-        # (the MMA layout's experts pick their upcast themselves)
-        ours = lambda: experts_triton(z, w, ids, ex_mma) if up == "mma" else experts_triton(z, w, ids, ex, mx_upcast=up)  # noqa: E731
+        ours = lambda: experts_triton(z, w, ids, ex_mma if mma else ex, mx_upcast=up)  # noqa: E731
         err = rel(ours(), ref)
         t_ours = gpu_ms(ours, rep=100)
         t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,

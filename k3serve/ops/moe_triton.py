@@ -655,8 +655,8 @@ def weights_mode(mx: bool, act_dtype: torch.dtype, device: torch.device, block_m
     """The grouped GEMM's WEIGHTS: "bf16"; for MXFP4, the exact decode for non-bf16 activations,
     else our upcast ("mx_asm") where asked or where it was measured to win (decode row blocks from
     ``ASM_MIN_ASSIGNMENTS`` up, on sm_90+ or interpreted), tl.dot_scaled elsewhere."""
-    if mx_upcast not in (None, "dot_scaled", "asm", "mma"):
-        raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled, asm or mma")
+    if mx_upcast not in (None, "dot_scaled", "asm", "mma", "gluon"):
+        raise ValueError(f"mx_upcast {mx_upcast!r}: dot_scaled, asm, mma or gluon")
     if not mx:
         return "bf16"
     if mx_upcast == "mma":
@@ -681,9 +681,15 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     bf16 activations goes through tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight
     row); fp32 activations take the exact hand-decoded path. ``mx_upcast``: "asm" for our PTX upcast
     ("mx_asm") instead, "dot_scaled", or None: ``MX_UPCAST`` where it was measured to win (decode
-    row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere."""
+    row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere; for weights in the MMA
+    layout "mma" (``_mx_tile_mma``) or "gluon" (``moe_gluon``, E8M0 bytes <= 128)."""
     mx = scale is not None
     K = x.shape[1]
+    if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon: not yet run on a GPU)
+        from .moe_gluon import gluon_grouped_gemm
+
+        return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
+                                  act=act, out_dtype=out_dtype, row_scale=row_scale)
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
@@ -734,7 +740,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
         rows, block_expert = sort_by_expert(ids, E, block_m)
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
-    if mma:
+    if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
         blocks = dict(blocks, mx_upcast="mma")
     stored = experts.stack
     w1, s1 = stored("w1")
