@@ -247,17 +247,17 @@ def _mx_tile_mma(acc, acc_up, X, W, S, W_UP, S_UP, tok, valid, e, pid_n, cols, c
 
 
 @triton.jit
-def _weight_tile_product(a, W, S, e, pid_n, cols, cmask, k0, N, stride_we, stride_wn, stride_se, stride_sn, acc,
-                         WEIGHTS: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc + a @ W[e][cols, k0:k0+BLOCK_K]^T (or its transpose with SWAP_AB). "mx_dot_scaled":
-    tl.dot_scaled upcasts the E2M1 codes and E8M0 scales to bf16 in registers on Hopper (no FP4
-    tensor cores) with its own conversion, the packed tile loaded [cols, BLOCK_K / 2] straight from
-    the checkpoint layout. SWAP_AB computes W @ a^T: the weight tile becomes the M side of the MMA
-    (and, upcast in registers, its register operand), so a decode step's handful of rows per expert
-    sits on the small N side instead of padding M to 16 or 64. Under the interpreter bf16 tiles
-    are multiplied in fp32 (its bf16 dot returns garbage)."""
-    if WEIGHTS == "mx_dot_scaled":
+def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
+                         MXFP4: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
+    """acc + a @ W[e][cols, k0:k0+BLOCK_K]^T (or its transpose with SWAP_AB). MXFP4 goes through
+    tl.dot_scaled: Triton upcasts the E2M1 codes and E8M0 scales to bf16 in registers on Hopper
+    (no FP4 tensor cores) with its own conversion, far fewer instructions than a decode written
+    here, and the packed tile is loaded [cols, BLOCK_K / 2] straight from the checkpoint layout.
+    SWAP_AB computes W @ a^T: the weight tile becomes the M side of the MMA, so a decode step's
+    handful of rows per expert sits on the small N side instead of padding M to 16 or 64. Under
+    the interpreter bf16 tiles are multiplied in fp32 (its bf16 dot returns garbage)."""
+    if MXFP4:
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         w = tl.load(W + e * stride_we + cols[:, None] * stride_wn + kh[None, :], mask=cmask[:, None], other=0)
@@ -340,11 +340,11 @@ def _grouped_gemm_kernel(
         else:
             a = tl.load(X + tok[:, None] * stride_xt + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
                         other=0.0)
-            acc = _weight_tile_product(a, W, S, e, pid_n, cols, cmask, k0, N, stride_we, stride_wn, stride_se,
-                                       stride_sn, acc, WEIGHTS, SWAP_AB, BLOCK_N, BLOCK_K, INTERPRETED)
+            acc = _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stride_se, stride_sn, acc,
+                                       WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K, INTERPRETED)
             if GLU:
-                acc_up = _weight_tile_product(a, W_UP, S_UP, e, pid_n, cols, cmask, k0, N, stride_we, stride_wn,
-                                              stride_se, stride_sn, acc_up, WEIGHTS, SWAP_AB, BLOCK_N, BLOCK_K,
+                acc_up = _weight_tile_product(a, W_UP, S_UP, e, cols, cmask, k0, stride_we, stride_wn, stride_se,
+                                              stride_sn, acc_up, WEIGHTS == "mx_dot_scaled", SWAP_AB, BLOCK_K,
                                               INTERPRETED)
     if GLU:
         acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
