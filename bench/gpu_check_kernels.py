@@ -212,15 +212,16 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
     a = ids.flatten()
     gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
     exact = {False: gate, True: F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(upk, us)[a])}
-    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [None]
+    # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps
+    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [(64, True, 4, st) for st in (2, 3, 4)]
     for tile in tiles:
         for glu in (False, True):
-            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3])) if tile else {}
+            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3]))
             out = grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, block_m,
                                up=(to_mma_layout(upk), us) if glu else None, mx_upcast=upcast, **kw)
             record(f"MXFP4 grouped GEMM, MMA layout, {upcast}" + (" + GLU" if glu else ""),
-                   f"T={T} E={E} N={N} K={K}" + (f" tile {tile[0]}/{tile[2]}w/{tile[3]}s" if tile else
-                                                 f" rows {block_m}"), rel(out, exact[glu]), 1e-4)
+                   f"T={T} E={E} N={N} K={K} rows {block_m} tile {tile[0]}/{tile[2]}w/{tile[3]}s", rel(out, exact[glu]),
+                   1e-4)
 
 
 def main() -> int:

@@ -112,10 +112,10 @@ case "$1" in
     step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep "FAIL\|checks passed" "$OUT/kernels_check.log"; head -30 "$OUT/kda.log" | tail -24
     grep "^| route \|^| add + rms_norm " "$OUT/small.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
-  ab)  # kimi-linear-48b graph-replayed decode steps under variants of module constants (one model load;
+  ab)  # kimi-linear-48b (AB_PRESET) graph-replayed decode steps under variants of module constants (one model load;
        # AB="name:module.CONST=value,...;...", see gpu_check_graphs.ab_timing), then the step profile;
        # AB_ROUNDS=5: all variants captured first, then timed in 5 alternating rounds (medians)
-    step ab "$(left "${AB_UNTIL:-580}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+    step ab "$(left "${AB_UNTIL:-580}")" python3 bench/gpu_check_graphs.py --preset "${AB_PRESET:-kimi-linear-48b}" \
       --parts "ab,${AB_PARTS:-profile}" --ab "${AB:-base:}" --ab-batches "${AB_BATCHES:-1}" \
       --ab-rounds "${AB_ROUNDS:-1}" --top 70 --iters 20 \
       --out /tmp/gpu_work

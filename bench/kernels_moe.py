@@ -41,13 +41,16 @@ DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 3
 DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in (
     (64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (128, 128, 4, 3),
     (128, 128, 4, 2), (128, 128, 8, 3), (128, 64, 8, 4), (256, 128, 8, 2))]
-# The same layout through moe_gluon's kernel (fixed 64-row tiles, 4 warps; added unrun, twelfth session).
-DECODE_VARIANTS += [(16, 64, True, 64, 4, 1, "gluon"), (32, 64, True, 64, 4, 1, "gluon")]
+# The same layout through moe_gluon's kernel (64 weight rows, 4 warps, K steps of 128; stages: its copy ring).
+# Thirteenth session: 2 stages best (63 % of copy at 16 tokens; 3-5: 47-50 %); 87 registers a
+# thread hold 5 programs an SM, so caps of 80 (6) and 72 (7) are tried.
+DECODE_VARIANTS += [(16, 64, True, 128, 4, st, "gluon") for st in (2, 3)] + [
+    (16, 64, True, 128, 4, 2, "gluon", r) for r in (80, 72)]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
     (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (
         (128, 128, 128, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 4, 2), (64, 128, 128, 4, 3),
-        (64, 128, 128, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2))] + [(64, 64, True, 64, 4, 1, "gluon")]
+        (64, 128, 128, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2))] + [(64, 64, True, 128, 4, 3, "gluon")]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
@@ -83,6 +86,7 @@ def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):
         _, gbytes, flops = work(ex, ids)
         for bm, bn, swap, bk, nw, st, *up in variants:
             tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
+            tiles.update({"maxnreg": up[1]} if len(up) > 1 else {})  # (the Gluon kernel's register cap)
             up = up[0] if up else "dot_scaled"
             mma = up in ("mma", "gluon")
             if (mma and ex_mma is None) or (not mma and "--mma-only" in sys.argv):
@@ -94,7 +98,8 @@ def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):
             except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
                 print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
                 continue
-            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up} | {ms:.3f} | {gbytes / ms:.2f} | "
+            name = up + (f" <= {tiles['maxnreg']} regs" if "maxnreg" in tiles else "")
+            print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{name} | {ms:.3f} | {gbytes / ms:.2f} | "
                   f"{100 * gbytes / ms / copy:.0f} % | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
                   f"{err:.2e} |", flush=True)
 

@@ -382,3 +382,27 @@ def test_mxfp4_mma_layout_gemm_matches_exact_dequantisation(seed):
     """The MMA-layout upcast ("mx_mma", its interpreted twin of the PTX) against fp32 matmuls of
     the exactly dequantised weights; and ``RoutedExperts.use_mma_layout`` changes no result."""
     assert worst_error(MMA_SCRIPT, str(seed)) < 1e-5
+
+
+@pytest.mark.parametrize("din, inter, top_scale, folds", [(128, 256, 128, True), (128, 256, 129, False),
+                                                          (128, 64, 100, False)])
+def test_folded_scales_checked_once_at_the_mma_rewrite(din, inter, top_scale, folds):
+    """moe_gluon folds each block scale into the upcast (2^(E8M0 - 1) as a bf16) and streams K in
+    steps of 128 codes: ``use_mma_layout`` records whether every stack allows that (all E8M0 bytes
+    <= 128, every K a multiple of 128); only then may decode row blocks take the Gluon kernel."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from k3serve.model.moe import RoutedExperts
+
+    cfg = SimpleNamespace(num_experts=4, moe_intermediate_size=inter, expert_format="mxfp4", hidden_act="silu",
+                          situ_beta=1.0, situ_linear_beta=None)
+    ex = RoutedExperts(cfg, din, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for n in ("w1", "w2", "w3"):
+        getattr(ex, f"{n}_packed").data.random_(0, 256, generator=gen)
+        getattr(ex, f"{n}_scale").data.random_(100, 120, generator=gen)
+    ex.w2_scale.data[2, 5, 1] = top_scale  # one byte of one stack decides
+    assert not ex.folded_scales and ex.use_mma_layout()
+    assert ex.folded_scales is folds

@@ -81,7 +81,7 @@ def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m):
     ints = {n: "i32" for n in ("num_assign", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se",
                                "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
-    consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m)
+    consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES)
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")

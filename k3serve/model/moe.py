@@ -14,7 +14,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.backend import triton_enabled
 from ..ops.moe_ref import experts_ref, route
-from ..ops.mxfp4 import dequantize_mxfp4, from_mma_layout, to_mma_layout
+from ..ops.mxfp4 import MMA_MAX_SCALE, dequantize_mxfp4, from_mma_layout, to_mma_layout
 from .layers import Linear, LinearGroup, RMSNorm, glu_activation
 
 # Decode-sized batches run the shared expert inside the routed grouped GEMMs once it has joined
@@ -100,6 +100,7 @@ class RoutedExperts(nn.Module):
                 self.register_buffer(f"{name}_joined", None, persistent=False)  # [E + S, n, k]: join_shared
         self.num_shared = 0  # shared experts appended to the stacks as experts E, E + 1, ...
         self.mma_layout = False  # MXFP4 stacks rewritten by use_mma_layout
+        self.folded_scales = False  # every E8M0 byte <= MMA_MAX_SCALE and K % 128 == 0: moe_gluon may serve
 
     def join_shared(self, mlp: GLUMLP) -> bool:
         """Append the shared MLP to the stacks as expert E, so that with an always-on assignment of
@@ -138,6 +139,11 @@ class RoutedExperts(nn.Module):
             for i in range(0, p.shape[0], 16):
                 p.data[i:i + 16] = to_mma_layout(p.data[i:i + 16])
         self.mma_layout = True
+        # The Gluon kernel folds each block scale into the upcast (2^(E8M0 - 1) as a bf16) and
+        # streams K in steps of 128 codes: checked once here, not per step.
+        scales = [getattr(self, f"{n}_scale") for n in ("w1", "w2", "w3")]
+        self.folded_scales = all(p.shape[-1] * 2 % 128 == 0 for p in stacks) and \
+            all(int(s.max()) <= MMA_MAX_SCALE for s in scales)
         return True
 
     def use_mma_layout_where_faster(self) -> bool:

@@ -1,39 +1,44 @@
 """The MXFP4 grouped expert GEMM over MMA-layout weights in Gluon (Triton's explicit-layout
 dialect): the same computation as ``moe_triton`` "mx_mma", written so that what the Triton
-language cannot guarantee is stated and checked by the compiler.
+language cannot guarantee is stated and checked by the compiler. It serves decode row blocks
+(``moe_triton.GLUON_DECODE``): K3's experts at 1 / 16 / 64 tokens 52 / 63 / 58 % of copy on the
+H200 against "mx_mma"'s 39 / 49 / 47 % (RESULTS.md thirteenth session); checked against fp32
+matmuls of the exact dequantisation by bench/gpu_check_kernels.py, compiled for sm_90 on CPU by
+tests/test_sm90_compile.py (Triton 3.6 and 3.9).
 
-STATUS: compiled for sm_90 (tests/test_sm90_compile.py, Triton 3.6 and 3.9); **not yet run on a
-GPU**: opt-in only (``grouped_gemm(..., mx_upcast="gluon")``), verified by
-bench/gpu_check_kernels.py's MMA-layout rows and timed by bench/kernels_moe.py before it may serve.
-
-Why (RESULTS.md twelfth session): "mx_mma" reaches 49 % of copy at K3 decode; Triton 3.6 waits for
-every register-operand wgmma right after issuing it, and its inferred layouts send the tile
-through shared memory if the block scale joins the upcast. Here (``bench/gluon_probe.py``):
-- the weight words load in a [16-row block, lane, byte] BlockedLayout, one warp a block, and the
+Why it is faster (RESULTS.md twelfth and thirteenth sessions; ``bench/gluon_probe.py``):
+- a ring of STAGES K steps of cp.async copies (activations, weight words, E8M0 bytes) keeps the
+  next step's bytes in flight while this one computes; the first version without it, loads
+  issued at use, was slower than "mx_mma" (43 % at 16 tokens), and a register prefetch carried
+  the bytes one per register (132 registers a thread). Each thread copies and later reads its
+  own weight words and scale bytes, so only the activations need a barrier (one a step); every
+  copy of a step lands in its own allocation, so the compiler adds none between them;
+- the weight words load in a [16-row block, lane, byte] layout, one warp a block, and the
   upcast tile converts to the wgmma register operand with ``assert_trivial=True``;
 - the E8M0 scale is folded into the upcast's exact multiply (2^(E8M0 - 1) per row, two rows a
   word), so one accumulator chain runs over the whole K loop: needs E8M0 <= 128 (weights up to 12
-  in magnitude), checked by the wrapper's caller at load (``MMA_MAX_SCALE``);
+  in magnitude), checked once at load (``moe.RoutedExperts.folded_scales``);
 - wgmma runs async, at most one group (gate and up: two) in flight, the first K step peeled so
-  the loop's zero-trip path never hands ptxas a zero-moved accumulator (C7515 serialisation);
-- activations (gathered token rows) go through two shared-memory buffers, each rewritten only
-  after the wgmmas that read it have completed.
-Programs: (row block of BLOCK_M assignment rows, 64 weight rows), 4 warps, K steps of 64.
+  the loop's zero-trip path never hands ptxas a zero-moved accumulator (C7515 serialisation).
+Programs: (row block of BLOCK_M assignment rows, 64 weight rows), 4 warps, K steps of 128 codes.
 """
-
 from __future__ import annotations
 
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .glu_triton import glu
 from .moe_triton import _E2M1_WORD_TO_BF16_ASM
+from .mxfp4 import MMA_MAX_SCALE  # noqa: F401  (the bound the caller checks at load)
 
-# Largest E8M0 byte the folded multiply takes: 2^(E8M0 - 1) must be a finite bf16.
-MMA_MAX_SCALE = 128
+# cp.async into shared memory (Triton 3.6 names it async_copy_global_to_shared, 3.9 async_load)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (3.9: barrier)
+
 
 # ``_E2M1_WORD_TO_BF16_ASM`` with each mul.rn.bf16x2 by the row's 2^(E8M0 - 1) instead of the
 # constant 2^126 ($5: bytes 0 and 2's row g twice; $6: bytes 1 and 3's row g + 8).
@@ -43,15 +48,15 @@ for _i, _m in enumerate(("$5", "$6", "$5", "$6")):
 _SCALED_WORD_TO_BF16_ASM = gl.constexpr(_text)
 
 BLOCK_N = 64  # weight rows a program: four 16-row blocks, one a warp
-BLOCK_K = 64  # codes a K step: two 32-code scale groups
+GROUPS = gl.constexpr(4)  # 32-code groups a K step (a row's E8M0 bytes of a step: one 4-byte copy)
+BLOCK_K = 32 * GROUPS.value
+STAGES = 2  # K steps in the copy ring (H200, K3 decode: 2 beat 3, 4 and 5 by 12-20 %)
 
 
 @gluon.jit
-def _weight_group(W_e, S_e, offs, wmask, srows, smask, kk, stride_sn, word_l: gl.constexpr, mult_l: gl.constexpr,
-                  a_l: gl.constexpr):
-    """The scaled bf16 weight tile [64, 32] of the group at kk as the wgmma register operand."""
-    packed = gl.load(W_e + offs + (kk // 32) * 256, mask=wmask, other=0)  # [block, lane, byte]
-    scale = gl.load(S_e + srows * stride_sn + kk // 32, mask=smask, other=0)  # [block, lane, h]: rows g, g + 8
+def _weight_group(packed, scale, word_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr):
+    """The scaled bf16 weight tile [64, 32] of one group as the wgmma register operand, from its
+    packed words [block, lane, byte] and E8M0 bytes [block, lane, h] (rows g, g + 8)."""
     mult = ((scale.to(gl.int16) + 126) << 7).to(gl.bfloat16, bitcast=True)  # 2^(E8M0 - 1)
     mult = gl.convert_layout(gl.join(mult, mult).reshape([4, 32, 1, 2, 2]), mult_l, assert_trivial=True)
     mult = gl.broadcast(mult, packed.reshape([4, 32, 2, 2, 2]).to(gl.bfloat16))[0]  # to the bytes (s, h, q0)
@@ -63,26 +68,79 @@ def _weight_group(W_e, S_e, offs, wmask, srows, smask, kk, stride_sn, word_l: gl
 
 
 @gluon.jit
-def _k_step(acc, acc_up, k0, X, W_e, S_e, WU_e, SU_e, tok, valid, xk, offs, wmask, srows, smask, x_smem,
-            stride_xt, stride_sn, GLU: gl.constexpr, FIRST: gl.constexpr, word_l: gl.constexpr,
-            mult_l: gl.constexpr, a_l: gl.constexpr):
-    """Two groups: stage each group's activations [32, BLOCK_M] in its buffer, issue the gate's
-    (and up's) wgmma on the chain, and wait until only this group's are in flight, so the buffer
-    the next group rewrites is no longer read."""
-    for g in gl.static_range(2):
-        kk = k0 + 32 * g
-        xt = gl.load(X + gl.expand_dims(tok, 0) * stride_xt + gl.expand_dims(kk + xk, 1),
-                     mask=gl.expand_dims(valid, 0), other=0.0)
-        x_smem.index(g).store(xt)
-        fence_async_shared()
-        w = _weight_group(W_e, S_e, offs, wmask, srows, smask, kk, stride_sn, word_l, mult_l, a_l)
-        acc = warpgroup_mma(w, x_smem.index(g), acc, use_acc=not (FIRST and g == 0), is_async=True)
+def _copy_step(i, slot, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs, smask, bufs, n_steps,
+               GLU: gl.constexpr):
+    """Start the asynchronous copies of K step i (GROUPS 32-code groups) into ring slot ``slot``:
+    each group's gathered activations [BLOCK_M, 32], and the weight words and E8M0 bytes each
+    thread later reads itself (its own bytes: no barrier needed for them). A step past the end
+    copies nothing (masked) but still commits its group, so the wait counts stay uniform. Every
+    copy of a step lands in its own allocation (``bufs``: activations, gate and up words a group,
+    gate and up E8M0 bytes), so the compiler puts no barrier between them."""
+    xs, ws, wus, ss, sus = bufs
+    live = i < n_steps
+    for g in gl.static_range(GROUPS):
+        kk = i * (32 * GROUPS) + 32 * g
+        _async_load(xs[g].index(slot), x_ptrs + kk,
+                                               mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
+        w_at = (i * GROUPS + g) * 256
+        _async_load(ws[g].index(slot), W_e + w_offs + w_at,
+                                               mask=wmask & live)
         if GLU:
-            wu = _weight_group(WU_e, SU_e, offs, wmask, srows, smask, kk, stride_sn, word_l, mult_l, a_l)
-            acc_up = warpgroup_mma(wu, x_smem.index(g), acc_up, use_acc=not (FIRST and g == 0), is_async=True)
+            _async_load(wus[g].index(slot), WU_e + w_offs + w_at,
+                                                   mask=wmask & live)
+    _async_load(ss.index(slot), S_e + s_offs + i * GROUPS, mask=smask & live)
+    if GLU:
+        _async_load(sus.index(slot), SU_e + s_offs + i * GROUPS,
+                                               mask=smask & live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ring(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """One allocation a group (GROUPS == 4): copies into different allocations need no barrier."""
+    return (gl.allocate_shared_memory(dtype, shape, layout), gl.allocate_shared_memory(dtype, shape, layout),
+            gl.allocate_shared_memory(dtype, shape, layout), gl.allocate_shared_memory(dtype, shape, layout))
+
+
+@gluon.jit
+def _split_groups(s4):
+    """[block, lane, h, GROUPS] E8M0 bytes -> GROUPS tensors [block, lane, h] (registers only)."""
+    a, b = gl.split(s4.reshape([4, 32, 2, 2, 2]))  # group = 2 * j1 + j0: split j0
+    s0, s2 = gl.split(a)
+    s1, s3 = gl.split(b)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
+def _k_step(acc, acc_up, i, slot, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs, smask, bufs, n_steps,
+            STAGES: gl.constexpr, GLU: gl.constexpr, FIRST: gl.constexpr, word_l: gl.constexpr,
+            scale_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr):
+    """K step i from ring slot ``slot``: wait for its copies, make the activations visible to the
+    wgmma (barrier + async-proxy fence), then per group upcast and issue the gate's (and up's)
+    wgmma, keeping this group's in flight. After the first group's wait every wgmma of the
+    previous step has completed, so its slot is refilled there with step i + STAGES - 1."""
+    xs, ws, wus, ss, sus = bufs
+    async_copy.wait_group(STAGES - 2)
+    _cta_barrier()
+    fence_async_shared()
+    s_gate = _split_groups(ss.index(slot).load(scale_l))
+    if GLU:
+        s_up = _split_groups(sus.index(slot).load(scale_l))
+    else:
+        s_up = s_gate
+    for g in gl.static_range(GROUPS):
+        xb = xs[g].index(slot).permute([1, 0])  # [32, BLOCK_M]
+        w = _weight_group(ws[g].index(slot).load(word_l), s_gate[g], word_l, mult_l, a_l)
+        acc = warpgroup_mma(w, xb, acc, use_acc=not (FIRST and g == 0), is_async=True)
+        if GLU:
+            wu = _weight_group(wus[g].index(slot).load(word_l), s_up[g], word_l, mult_l, a_l)
+            acc_up = warpgroup_mma(wu, xb, acc_up, use_acc=not (FIRST and g == 0), is_async=True)
             acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_up])
         else:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        if g == 0:
+            _copy_step(i + STAGES - 1, (slot + STAGES - 1) % STAGES, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask,
+                       s_offs, smask, bufs, n_steps, GLU)
     return acc, acc_up
 
 
@@ -90,51 +148,69 @@ def _k_step(acc, acc_up, k0, X, W_e, S_e, WU_e, SU_e, tok, valid, xk, offs, wmas
 def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          num_assign, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
                          beta, linear_beta, GLU: gl.constexpr, SITU: gl.constexpr, LINEAR_CLIP: gl.constexpr,
-                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr):
+                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
-    weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows)."""
+    weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
+    operand streams through a ring of STAGES K steps of cp.async copies."""
     word_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [4, 1, 1], [2, 1, 0])  # [block, lane, byte]
-    scale_l: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [4, 1, 1], [2, 1, 0])  # [block, lane, h]
+    scale_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, GROUPS], [1, 32, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
     mult_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2, 2], [1, 32, 1, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
-    x_l: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, 4], [0, 1])  # [k, row]: 16-byte loads along k
-    x_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, BLOCK_M], gl.bfloat16)
+    x_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [row, k]: 8-byte copies along k
+    x_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[2, 1, 0])
+    flat5: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
     out_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     # Row blocks of padding only (valid rows lead each block) stream no weights.
     if gl.load(ROWS + pid_m * BLOCK_M) < num_assign:
         e = gl.load(EXPERTS + pid_m).to(gl.int64)
-        rows = gl.load(ROWS + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, x_l)))
-        valid = rows < num_assign
-        tok = gl.where(valid, rows // top_k, 0).to(gl.int64)
-        xk = gl.arange(0, 32, layout=gl.SliceLayout(1, x_l))
+        rows = gl.load(ROWS + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l)))
+        # Padding rows read token 0 (their columns of the product are never stored).
+        tok = gl.where(rows < num_assign, rows // top_k, 0).to(gl.int64)
+        xk = gl.arange(0, 32, layout=gl.SliceLayout(0, x_l))
+        x_ptrs = X + gl.expand_dims(tok * (stride_xt // 4) * 4, 1) + gl.expand_dims(xk, 0)
         blk = pid_n * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, word_l)))
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, word_l)))
         byte = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, word_l)))
-        offs = gl.expand_dims(gl.expand_dims(blk * 16 * stride_wn, 1), 2) \
+        w_offs = gl.expand_dims(gl.expand_dims(blk * 16 * stride_wn, 1), 2) \
             + gl.expand_dims(gl.expand_dims(lane * 8, 0), 2) + gl.expand_dims(gl.expand_dims(byte, 0), 1)
         wmask = gl.expand_dims(gl.expand_dims(blk * 16 < N, 1), 2)
-        sblk = pid_n * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, scale_l)))
-        slane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, scale_l)))
-        sh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, scale_l)))
+        # E8M0 bytes: thread (block, lane) copies rows g, g + 8 (lane = 4g + c), GROUPS bytes each.
+        s3_l: gl.constexpr = gl.SliceLayout(3, scale_l)
+        sblk = pid_n * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, s3_l)))
+        slane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_l)))
+        sh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, s3_l)))
         srows = gl.expand_dims(gl.expand_dims(sblk * 16, 1), 2) + gl.expand_dims(gl.expand_dims(slane // 4, 0), 2) \
             + gl.expand_dims(gl.expand_dims(sh * 8, 0), 1)
-        smask = gl.expand_dims(gl.expand_dims(sblk * 16 < N, 1), 2)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 32, BLOCK_M], x_s)
-        W_e, S_e = W + e * stride_we, S + e * stride_se
-        WU_e, SU_e = W_UP + e * stride_we, S_UP + e * stride_se
+        sj = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, scale_l))))
+        s_offs = gl.expand_dims(srows * (stride_sn // 4) * 4, 3) \
+            + gl.expand_dims(gl.expand_dims(gl.expand_dims(sj, 0), 1), 2)
+        smask = gl.expand_dims(srows < N, 3)
+        bufs = (_ring(gl.bfloat16, [STAGES, BLOCK_M, 32], x_s), _ring(gl.uint8, [STAGES, 4, 32, 8], flat),
+                _ring(gl.uint8, [STAGES, 4, 32, 8], flat) if GLU else None,
+                gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 2, GROUPS], flat5),
+                gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 2, GROUPS], flat5) if GLU else None)
+        # (strides rounded as the wrapper checked they are: the copies' 8- and 4-byte alignment)
+        w_at, s_at = e * (stride_we // 8) * 8, e * (stride_se // 4) * 4
+        W_e, S_e, WU_e, SU_e = W + w_at, S + s_at, W_UP + w_at, S_UP + s_at
+        n_steps = K // (32 * GROUPS)
+        for j in gl.static_range(STAGES - 1):
+            _copy_step(j, j, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs, smask, bufs, n_steps, GLU)
         acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_l)
         acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_l)
-        acc, acc_up = _k_step(acc, acc_up, 0, X, W_e, S_e, WU_e, SU_e, tok, valid, xk, offs, wmask, srows, smask,
-                              x_smem, stride_xt, stride_sn, GLU, True, word_l, mult_l, a_l)
-        for k0 in range(64, K, 64):
-            acc, acc_up = _k_step(acc, acc_up, k0, X, W_e, S_e, WU_e, SU_e, tok, valid, xk, offs, wmask, srows,
-                                  smask, x_smem, stride_xt, stride_sn, GLU, False, word_l, mult_l, a_l)
+        acc, acc_up = _k_step(acc, acc_up, 0, 0, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs, smask, bufs,
+                              n_steps, STAGES, GLU, True, word_l, scale_l, mult_l, a_l)
+        for i in range(1, n_steps):
+            acc, acc_up = _k_step(acc, acc_up, i, i % STAGES, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs,
+                                  smask, bufs, n_steps, STAGES, GLU, False, word_l, scale_l, mult_l,
+                                  a_l)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_up])
+        async_copy.wait_group(0)
         if GLU:
             acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
         y = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)  # [rows, cols]
@@ -151,15 +227,23 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
 def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int,
                        top_k: int, weight: torch.Tensor, scale: torch.Tensor, n_out: int, block_m: int,
                        up: tuple | None = None, act: tuple = ("silu", 1.0, None),
-                       out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
+                       stages: int = STAGES, maxnreg: int | None = None) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
-    (K a multiple of 64, E8M0 bytes <= ``MMA_MAX_SCALE``: the caller's load-time check)."""
+    (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``MMA_MAX_SCALE``: the caller's load-time check);
+    ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy)."""
     K = x.shape[1]
-    if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (16, 32, 64):
-        raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0 and row blocks of "
-                         f"16, 32 or 64 (got {x.dtype}, K={K}, block_m={block_m})")
-    out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
+    if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (16, 32, 64) or stages < 2:
+        raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
+                         f"16, 32 or 64 and >= 2 stages (got {x.dtype}, K={K}, block_m={block_m}, stages={stages})")
     w_up, s_up = up if up is not None else (weight, scale)
+    aligned = (x.stride(1) == 1 and x.stride(0) % 4 == 0 and weight.stride(2) == 1 and weight.stride(0) % 8 == 0
+               and scale.stride(2) == 1 and scale.stride(0) % 4 == 0 and scale.stride(1) % 4 == 0
+               and w_up.stride() == weight.stride() and s_up.stride() == scale.stride())
+    if not aligned:  # the copies move 8 bytes of activations and weights, 4 of scales, at once
+        raise ValueError("the Gluon grouped GEMM needs unit inner strides, activation rows and expert weight "
+                         "stacks 8-byte aligned, scale rows 4-byte aligned, and gate / up stacks alike")
+    out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     kind, beta, linear_beta = act
     row_blocks = min(rows.numel() // block_m, num_assign)
     _grouped_gemm_kernel[(row_blocks, triton.cdiv(n_out, BLOCK_N))](
@@ -167,5 +251,6 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
         num_assign, top_k, n_out, K, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, num_warps=4)
+        BLOCK_M=block_m, STAGES=stages, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

@@ -588,6 +588,13 @@ ASM_MIN_ASSIGNMENTS = 128
 # tl.dot_scaled's 46.5 on the checkpoint layout (27 % of matmul). False keeps that layout.
 MMA_LAYOUT = True
 
+# Decode row blocks (16) over MMA-layout experts whose scales fold (``RoutedExperts.folded_scales``)
+# go through moe_gluon's kernel: cp.async copy ring of 2 K steps, scale folded into the upcast,
+# async wgmma chains. K3's experts on the H200 (RESULTS.md thirteenth session): 1 / 16 / 64 tokens
+# 0.126 / 1.304 / 3.124 ms = 52 / 63 / 58 % of copy, against "mx_mma"'s 0.171 / 1.675 / 3.853.
+# Prefill row blocks stay on "mx_mma" (8K tokens: 54.2 ms against 47.6). False: "mx_mma" always.
+GLUON_DECODE = True
+
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
 # it one program would serialise too much work and the ~20 torch launches cost nothing in comparison.
@@ -685,11 +692,12 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     layout "mma" (``_mx_tile_mma``) or "gluon" (``moe_gluon``, E8M0 bytes <= 128)."""
     mx = scale is not None
     K = x.shape[1]
-    if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon: not yet run on a GPU)
+    if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon)
         from .moe_gluon import gluon_grouped_gemm
 
+        opts = {k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg")) if tiles and t in tiles}
         return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
-                                  act=act, out_dtype=out_dtype, row_scale=row_scale)
+                                  act=act, out_dtype=out_dtype, row_scale=row_scale, **opts)
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
@@ -741,7 +749,9 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     num_assign = T * top_k
     x = x.to(experts.dtype).contiguous()
     if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
-        blocks = dict(blocks, mx_upcast="mma")
+        gluon = (GLUON_DECODE and block_m == 16 and experts.folded_scales and not interpreted()
+                 and blocks.get("mx_upcast") is None)
+        blocks = dict(blocks, mx_upcast="gluon" if gluon else "mma")
     stored = experts.stack
     w1, s1 = stored("w1")
     # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)

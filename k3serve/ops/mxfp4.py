@@ -26,6 +26,7 @@ __all__ = [
     "mxfp4_bytes",
     "to_mma_layout",
     "from_mma_layout",
+    "MMA_MAX_SCALE",
 ]
 
 MXFP4_BLOCK_SIZE = 32
@@ -242,6 +243,11 @@ def _deinterleave_words(w: torch.Tensor) -> torch.Tensor:
         return ((r >> 12) & 8) | ((r >> 6) & 7)
 
     return torch.stack([code(r) | (code(r >> 16) << 4) for r in regs], -1).to(torch.uint8)
+
+
+# Largest E8M0 byte whose 2^(E8M0 - 1) is a finite bf16: the bound for folding the block scale into
+# the upcast's exact multiply (moe_gluon), i.e. weights up to 12 in magnitude.
+MMA_MAX_SCALE = 128
 
 
 def _check_mma_shape(packed: torch.Tensor) -> None:
