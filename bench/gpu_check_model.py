@@ -9,7 +9,7 @@
    fla vs the fp32 plain-torch reference path run on the same GPU (the fp32 model does not fit
    the machine's host RAM; the reference code is the same one CI runs on CPU).
 
-Usage: python bench/gpu_check_model.py [--out DIR] [--skip-slice]
+Usage: python bench/gpu_check_model.py [--out DIR] [--skip-slice] [--skip-tiny] [--skip-kda] [--backends auto,triton]
 Prints a table; writes results.json under --out.
 """
 
@@ -189,6 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-slice", action="store_true")
+    ap.add_argument("--skip-tiny", action="store_true")
     ap.add_argument("--backends", default="auto,triton", help="model runs to compare: auto (fla), triton (every kernel)")
     ap.add_argument("--skip-kda", action="store_true", help="skip the kda_core checks (fla autotuning takes a while)")
     ap.add_argument("--dump-stacks-after", type=float, default=0, help="print every thread's stack after N s "
@@ -215,7 +216,7 @@ def main() -> None:
             return model_fn(device, dtype)
         return make
 
-    for mx in (False, True):
+    for mx in () if args.skip_tiny else (False, True):
         # Weights drawn on the CPU for both runs (CPU and CUDA generators give different streams).
         tiny = lambda dev, dt, mx=mx: load_model(preset="tiny", device="cpu", dtype=dt, seed=0, mxfp4=mx).to(dev)  # noqa: E731
         label = f"tiny{'-mxfp4' if mx else ''}"

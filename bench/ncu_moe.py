@@ -6,8 +6,9 @@ Usage (device): ncu --kernel-name regex:_grouped_gemm --launch-skip 2 --launch-c
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \\
     python3 -m bench.ncu_moe [tokens] [upcast] [BLOCK_N,warps,stages]
 
-upcast "mma": the experts in the MMA layout (``moe_triton.MMA_LAYOUT``); the others read the
-checkpoint layout. Default tile: 32 wide, swapped, 2 warps, 4 stages (64,4,3 for "mma").
+upcast "mma" or "gluon": the experts in the MMA layout (``moe_triton.MMA_LAYOUT``); the others read the
+checkpoint layout. Default tile: 32 wide, swapped, 2 warps, 4 stages (64,4,3 for "mma"; "gluon"
+keeps 64 rows and 4 warps, its stages the copy ring).
 """
 
 import sys
@@ -24,7 +25,7 @@ def main() -> None:
     upcast = sys.argv[2] if len(sys.argv) > 2 else "dot_scaled"
     tile = sys.argv[3] if len(sys.argv) > 3 else "64,4,3" if upcast == "mma" else "32,2,4"
     bn, warps, stages = map(int, tile.split(","))
-    moe_triton.MMA_LAYOUT = upcast == "mma"
+    moe_triton.MMA_LAYOUT = upcast in ("mma", "gluon")
     model = load_model(preset="k3-slice", device="cuda", dtype="bfloat16", seed=0)
     moe = model.model.layers[1].block_sparse_moe
     g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -33,9 +34,8 @@ def main() -> None:
         w, ids = moe.gate(x)
         z = moe.routed_expert_down_proj(x)
         tiles = dict(BLOCK_N=bn, SWAP_AB=True, num_warps=warps, num_stages=stages)
-        up = None if upcast == "mma" else upcast  # (MMA-layout experts pick theirs)
         for _ in range(2):  # the first call compiles (launches 1-2); the second call's gate/up GEMM is launch 3
-            experts_triton(z, w, ids, moe.experts, block_m=16, block_k=128, tiles=tiles, mx_upcast=up)
+            experts_triton(z, w, ids, moe.experts, block_m=16, block_k=128, tiles=tiles, mx_upcast=upcast)
         torch.cuda.synchronize()
 
 
