@@ -43,7 +43,7 @@ DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in (
     (128, 128, 4, 2), (128, 128, 8, 3), (128, 64, 8, 4), (256, 128, 8, 2))]
 # The same layout through moe_gluon's kernel (64 weight rows, 4 warps, K steps of 128; stages: its copy ring).
 # Thirteenth session: 2 stages best (63 % of copy at 16 tokens; 3-5: 47-50 %); 87 registers a
-# thread hold 5 programs an SM, so caps of 80 (6) and 72 (7) are tried.
+# thread held 5 programs an SM (then shared memory too); caps of 80 and 72 are tried.
 DECODE_VARIANTS += [(16, 64, True, 128, 4, st, "gluon") for st in (2, 3)] + [
     (16, 64, True, 128, 4, 2, "gluon", r) for r in (80, 72)]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)

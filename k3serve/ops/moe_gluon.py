@@ -68,30 +68,24 @@ def _weight_group(packed, scale, word_l: gl.constexpr, mult_l: gl.constexpr, a_l
 
 
 @gluon.jit
-def _copy_step(i, slot, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs, smask, bufs, n_steps,
-               GLU: gl.constexpr):
+def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, GLU: gl.constexpr):
     """Start the asynchronous copies of K step i (GROUPS 32-code groups) into ring slot ``slot``:
-    each group's gathered activations [BLOCK_M, 32], and the weight words and E8M0 bytes each
-    thread later reads itself (its own bytes: no barrier needed for them). A step past the end
-    copies nothing (masked) but still commits its group, so the wait counts stay uniform. Every
-    copy of a step lands in its own allocation (``bufs``: activations, gate and up words a group,
-    gate and up E8M0 bytes), so the compiler puts no barrier between them."""
-    xs, ws, wus, ss, sus = bufs
+    each group's gathered activations [BLOCK_M, 32], the weight words each thread later reads
+    itself (its own bytes: no barrier needed for them), and the step's E8M0 bytes of the 64 gate
+    and up rows (4 a row, one copy each). A step past the end copies nothing (masked) but still
+    commits its group, so the wait counts stay uniform. Every copy of a step lands in its own
+    allocation (``bufs``: activations, gate and up words a group, scales), so the compiler puts no
+    barrier between them."""
+    xs, ws, wus, ss = bufs
     live = i < n_steps
     for g in gl.static_range(GROUPS):
         kk = i * (32 * GROUPS) + 32 * g
-        _async_load(xs[g].index(slot), x_ptrs + kk,
-                                               mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
+        _async_load(xs[g].index(slot), x_ptrs + kk, mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
         w_at = (i * GROUPS + g) * 256
-        _async_load(ws[g].index(slot), W_e + w_offs + w_at,
-                                               mask=wmask & live)
+        _async_load(ws[g].index(slot), W_e + w_offs + w_at, mask=wmask & live)
         if GLU:
-            _async_load(wus[g].index(slot), WU_e + w_offs + w_at,
-                                                   mask=wmask & live)
-    _async_load(ss.index(slot), S_e + s_offs + i * GROUPS, mask=smask & live)
-    if GLU:
-        _async_load(sus.index(slot), SU_e + s_offs + i * GROUPS,
-                                               mask=smask & live)
+            _async_load(wus[g].index(slot), WU_e + w_offs + w_at, mask=wmask & live)
+    _async_load(ss.index(slot), s_ptrs + i * GROUPS, mask=smask & live)
     async_copy.commit_group()
 
 
@@ -103,7 +97,7 @@ def _ring(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _split_groups(s4):
+def _groups(s4):
     """[block, lane, h, GROUPS] E8M0 bytes -> GROUPS tensors [block, lane, h] (registers only)."""
     a, b = gl.split(s4.reshape([4, 32, 2, 2, 2]))  # group = 2 * j1 + j0: split j0
     s0, s2 = gl.split(a)
@@ -112,22 +106,30 @@ def _split_groups(s4):
 
 
 @gluon.jit
-def _k_step(acc, acc_up, i, slot, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs, smask, bufs, n_steps,
+def _step_scales(rows, sg_l: gl.constexpr, scale_l: gl.constexpr):
+    """A step's E8M0 bytes of the 64 gate and 64 up rows [128, GROUPS] (shared) -> for each of gate
+    and up, GROUPS tensors [block, lane, h] of rows g, g + 8 (lane = 4g + c): each (block, g)
+    read once, broadcast over c by the lanes that already hold it."""
+    s = rows.reshape([2, 4, 2, 8, GROUPS]).permute([0, 1, 3, 2, 4]).load(gl.SliceLayout(3, sg_l))  # m, blk, g, h, j
+    s = gl.expand_dims(s, 3) + gl.zeros([2, 4, 8, 4, 2, GROUPS], gl.uint8, sg_l)
+    gate, up = gl.split(s.reshape([2, 4, 32, 2, GROUPS]).permute([1, 2, 3, 4, 0]))
+    return (_groups(gl.convert_layout(gate, scale_l, assert_trivial=True)),
+            _groups(gl.convert_layout(up, scale_l, assert_trivial=True)))
+
+
+@gluon.jit
+def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
             STAGES: gl.constexpr, GLU: gl.constexpr, FIRST: gl.constexpr, word_l: gl.constexpr,
-            scale_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr):
+            scale_l: gl.constexpr, sg_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr):
     """K step i from ring slot ``slot``: wait for its copies, make the activations visible to the
     wgmma (barrier + async-proxy fence), then per group upcast and issue the gate's (and up's)
     wgmma, keeping this group's in flight. After the first group's wait every wgmma of the
     previous step has completed, so its slot is refilled there with step i + STAGES - 1."""
-    xs, ws, wus, ss, sus = bufs
+    xs, ws, wus, ss = bufs
     async_copy.wait_group(STAGES - 2)
-    _cta_barrier()
+    _cta_barrier()  # (also: every thread's scale copies of this step landed)
     fence_async_shared()
-    s_gate = _split_groups(ss.index(slot).load(scale_l))
-    if GLU:
-        s_up = _split_groups(sus.index(slot).load(scale_l))
-    else:
-        s_up = s_gate
+    s_gate, s_up = _step_scales(ss.index(slot), sg_l, scale_l)
     for g in gl.static_range(GROUPS):
         xb = xs[g].index(slot).permute([1, 0])  # [32, BLOCK_M]
         w = _weight_group(ws[g].index(slot).load(word_l), s_gate[g], word_l, mult_l, a_l)
@@ -139,8 +141,8 @@ def _k_step(acc, acc_up, i, slot, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s
         else:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         if g == 0:
-            _copy_step(i + STAGES - 1, (slot + STAGES - 1) % STAGES, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask,
-                       s_offs, smask, bufs, n_steps, GLU)
+            _copy_step(i + STAGES - 1, (slot + STAGES - 1) % STAGES, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask,
+                       bufs, n_steps, GLU)
     return acc, acc_up
 
 
@@ -162,7 +164,11 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     x_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [row, k]: 8-byte copies along k
     x_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[2, 1, 0])
-    flat5: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+    # the scale copies [mat, row, j] (4 bytes a thread) and their read, broadcast over lanes 4g + c
+    scp_l: gl.constexpr = gl.BlockedLayout([1, GROUPS], [32, 1], [4, 1], [1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(vec=GROUPS, per_phase=1, max_phase=1, order=[1, 0])
+    sg_l: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, GROUPS], [1, 1, 8, 4, 1, 1], [1, 4, 1, 1, 1, 1],
+                                          [0, 5, 4, 3, 2, 1])  # [mat, block, g, c, h, j]
     out_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -180,35 +186,32 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         w_offs = gl.expand_dims(gl.expand_dims(blk * 16 * stride_wn, 1), 2) \
             + gl.expand_dims(gl.expand_dims(lane * 8, 0), 2) + gl.expand_dims(gl.expand_dims(byte, 0), 1)
         wmask = gl.expand_dims(gl.expand_dims(blk * 16 < N, 1), 2)
-        # E8M0 bytes: thread (block, lane) copies rows g, g + 8 (lane = 4g + c), GROUPS bytes each.
-        s3_l: gl.constexpr = gl.SliceLayout(3, scale_l)
-        sblk = pid_n * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, s3_l)))
-        slane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_l)))
-        sh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, s3_l)))
-        srows = gl.expand_dims(gl.expand_dims(sblk * 16, 1), 2) + gl.expand_dims(gl.expand_dims(slane // 4, 0), 2) \
-            + gl.expand_dims(gl.expand_dims(sh * 8, 0), 1)
-        sj = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, scale_l))))
-        s_offs = gl.expand_dims(srows * (stride_sn // 4) * 4, 3) \
-            + gl.expand_dims(gl.expand_dims(gl.expand_dims(sj, 0), 1), 2)
-        smask = gl.expand_dims(srows < N, 3)
+        # E8M0 bytes: the step's 4 a row for the gate's and up's 64 rows, one 4-byte copy each
+        rws = gl.arange(0, 128, layout=gl.SliceLayout(1, scp_l))  # gate rows, then up rows
+        srow = pid_n * 64 + rws % 64
+        sj = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scp_l))
+        s_offs = gl.expand_dims(srow * (stride_sn // 4) * 4, 1) + gl.expand_dims(sj, 0)
+        smask = gl.expand_dims(srow < N, 1)
         bufs = (_ring(gl.bfloat16, [STAGES, BLOCK_M, 32], x_s), _ring(gl.uint8, [STAGES, 4, 32, 8], flat),
                 _ring(gl.uint8, [STAGES, 4, 32, 8], flat) if GLU else None,
-                gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 2, GROUPS], flat5),
-                gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 2, GROUPS], flat5) if GLU else None)
+                gl.allocate_shared_memory(gl.uint8, [STAGES, 128, GROUPS], flat2))
         # (strides rounded as the wrapper checked they are: the copies' 8- and 4-byte alignment)
         w_at, s_at = e * (stride_we // 8) * 8, e * (stride_se // 4) * 4
-        W_e, S_e, WU_e, SU_e = W + w_at, S + s_at, W_UP + w_at, S_UP + s_at
+        W_e, WU_e = W + w_at, W_UP + w_at
+        # up's rows through gate's pointer, a multiple of their 16-byte aligned distance (the wrapper
+        # checks the alignment; a select, of pointers or offsets, loses it in Triton 3.9's analysis)
+        up_at = (S_UP.to(gl.int64) - S.to(gl.int64)) // 16 * 16
+        s_ptrs = S + s_at + gl.expand_dims((rws // 64).to(gl.int64) * up_at, 1) + s_offs
         n_steps = K // (32 * GROUPS)
         for j in gl.static_range(STAGES - 1):
-            _copy_step(j, j, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs, smask, bufs, n_steps, GLU)
+            _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, GLU)
         acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_l)
         acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_l)
-        acc, acc_up = _k_step(acc, acc_up, 0, 0, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs, smask, bufs,
-                              n_steps, STAGES, GLU, True, word_l, scale_l, mult_l, a_l)
+        acc, acc_up = _k_step(acc, acc_up, 0, 0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
+                              STAGES, GLU, True, word_l, scale_l, sg_l, mult_l, a_l)
         for i in range(1, n_steps):
-            acc, acc_up = _k_step(acc, acc_up, i, i % STAGES, W_e, S_e, WU_e, SU_e, x_ptrs, w_offs, wmask, s_offs,
-                                  smask, bufs, n_steps, STAGES, GLU, False, word_l, scale_l, mult_l,
-                                  a_l)
+            acc, acc_up = _k_step(acc, acc_up, i, i % STAGES, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs,
+                                  n_steps, STAGES, GLU, False, word_l, scale_l, sg_l, mult_l, a_l)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_up])
         async_copy.wait_group(0)
         if GLU:
@@ -239,10 +242,11 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     w_up, s_up = up if up is not None else (weight, scale)
     aligned = (x.stride(1) == 1 and x.stride(0) % 4 == 0 and weight.stride(2) == 1 and weight.stride(0) % 8 == 0
                and scale.stride(2) == 1 and scale.stride(0) % 4 == 0 and scale.stride(1) % 4 == 0
-               and w_up.stride() == weight.stride() and s_up.stride() == scale.stride())
+               and w_up.stride() == weight.stride() and s_up.stride() == scale.stride()
+               and all(t.data_ptr() % 16 == 0 for t in (x, weight, scale, w_up, s_up)))
     if not aligned:  # the copies move 8 bytes of activations and weights, 4 of scales, at once
-        raise ValueError("the Gluon grouped GEMM needs unit inner strides, activation rows and expert weight "
-                         "stacks 8-byte aligned, scale rows 4-byte aligned, and gate / up stacks alike")
+        raise ValueError("the Gluon grouped GEMM needs 16-byte aligned tensors with unit inner strides, activation "
+                         "rows and expert weight stacks 8-byte aligned, scale rows 4-byte aligned, gate / up alike")
     out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     kind, beta, linear_beta = act
     row_blocks = min(rows.numel() // block_m, num_assign)

@@ -750,7 +750,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     x = x.to(experts.dtype).contiguous()
     if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
         gluon = (GLUON_DECODE and block_m == 16 and experts.folded_scales and not interpreted()
-                 and blocks.get("mx_upcast") is None)
+                 and blocks.get("mx_upcast") is None and x.data_ptr() % 16 == 0)  # (its copies' alignment)
         blocks = dict(blocks, mx_upcast="gluon" if gluon else "mma")
     stored = experts.stack
     w1, s1 = stored("w1")
