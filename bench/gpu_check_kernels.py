@@ -192,7 +192,8 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
         record("KDA fused decode mixer", f"N={N} H={H} D={D} block {bv}, parts {parts}", err, 1e-4)
 
 
-def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator, upcast: str = "mma") -> None:
+def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator, upcast: str = "mma",
+                    block_m: int | None = None) -> None:
     """Gate / up GEMM with the SiLU-GLU epilogue, and a plain one, over MXFP4 stacks rewritten into
     the MMA layout, against fp32 matmuls of the exactly dequantised weights; rows of widely
     different scales (2^-20 .. 2^4; .. 2^1 for the Gluon kernel, whose folded multiply takes E8M0
@@ -206,21 +207,25 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
     (gp, gs), (upk, us) = stack(), stack()
     ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
     x = torch.randn(T, K, device=DEV, generator=gen).bfloat16()
-    block_m = 16 if T * top < 16 * E else 64
+    block_m = block_m or (16 if T * top < 16 * E else 64)
     rows, blocks = sort_by_expert(ids, E, block_m)
     xa = x.float()[torch.arange(T * top, device=DEV) // top]
     a = ids.flatten()
     gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
     exact = {False: gate, True: F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(upk, us)[a])}
-    # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps
-    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [(64, True, 4, st) for st in (2, 3, 4)]
+    # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps, and gate / up
+    # paired on one chain (the default at row blocks of 128)
+    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [(64, True, 4, st) for st in (2, 3, 4)] + [
+        (64, True, 4, 2, True)] if block_m < 128 else [(64, True, 4, st) for st in (2, 3)]
     for tile in tiles:
         for glu in (False, True):
-            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3]))
+            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3],
+                                 **({"paired": True} if len(tile) > 4 else {})))
             out = grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, block_m,
                                up=(to_mma_layout(upk), us) if glu else None, mx_upcast=upcast, **kw)
             record(f"MXFP4 grouped GEMM, MMA layout, {upcast}" + (" + GLU" if glu else ""),
-                   f"T={T} E={E} N={N} K={K} rows {block_m} tile {tile[0]}/{tile[2]}w/{tile[3]}s", rel(out, exact[glu]),
+                   f"T={T} E={E} N={N} K={K} rows {block_m} tile {tile[0]}/{tile[2]}w/{tile[3]}s"
+                   + (" paired" if len(tile) > 4 or (block_m == 128 and glu) else ""), rel(out, exact[glu]),
                    1e-4)
 
 
@@ -251,6 +256,7 @@ def main() -> int:
     for T, E, N, K, top in ((1, 64, 3072, 3584, 16), (16, 64, 3584, 3072, 16), (200, 32, 1024, 2304, 8)):
         for upcast in ("mma", "gluon"):
             check_mxfp4_mma(T, E, N, K, top, gen, upcast)
+    check_mxfp4_mma(300, 8, 1024, 2304, 4, gen, "gluon", block_m=128)  # prefill row blocks: ~150 rows an expert
     failed = [r for r in ROWS if r[2] > r[3]]
     print(f"{len(ROWS) - len(failed)} of {len(ROWS)} checks passed")
     return 1 if failed else 0

@@ -44,13 +44,16 @@ DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in (
 # The same layout through moe_gluon's kernel (64 weight rows, 4 warps, K steps of 128; stages: its copy ring).
 # Thirteenth session: 2 stages best (63 % of copy at 16 tokens; 3-5: 47-50 %); 87 registers a
 # thread held 5 programs an SM (then shared memory too); caps of 80 and 72 are tried.
+# The eighth element: the Gluon kernel's options (maxnreg, paired: gate and up rows on one chain).
 DECODE_VARIANTS += [(16, 64, True, 128, 4, st, "gluon") for st in (2, 3)] + [
-    (16, 64, True, 128, 4, 2, "gluon", r) for r in (80, 72)]
+    (16, 64, True, 128, 4, 2, "gluon", {"maxnreg": 80}), (16, 64, True, 128, 4, 2, "gluon", {"paired": True}),
+    (16, 64, True, 128, 4, 3, "gluon", {"paired": True})]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
     (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (
         (128, 128, 128, 8, 3), (128, 128, 128, 8, 2), (128, 128, 128, 4, 2), (64, 128, 128, 4, 3),
-        (64, 128, 128, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2))] + [(64, 64, True, 128, 4, 3, "gluon")]
+        (64, 128, 128, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 2))] + [
+    (bm, 64, True, 128, 4, st, "gluon", {"paired": True}) for bm in (64, 128) for st in (2, 3)]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
@@ -84,10 +87,9 @@ def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):
     print("|---|---|---|---|---|---|---|---|")
     for T, z, w, ids, ref in cases:
         _, gbytes, flops = work(ex, ids)
-        for bm, bn, swap, bk, nw, st, *up in variants:
-            tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st)
-            tiles.update({"maxnreg": up[1]} if len(up) > 1 else {})  # (the Gluon kernel's register cap)
-            up = up[0] if up else "dot_scaled"
+        for bm, bn, swap, bk, nw, st, *extra in variants:
+            up, opts = (extra + ["dot_scaled", {}][len(extra):])[:2]  # (opts: the Gluon kernel's options)
+            tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st, **opts)
             mma = up in ("mma", "gluon")
             if (mma and ex_mma is None) or (not mma and "--mma-only" in sys.argv):
                 continue
@@ -98,7 +100,7 @@ def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):
             except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
                 print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{up} | failed: {type(exc).__name__}: {str(exc)[:200]!r} |||||| ", flush=True)
                 continue
-            name = up + (f" <= {tiles['maxnreg']} regs" if "maxnreg" in tiles else "")
+            name = up + "".join(f" {k}={v}" for k, v in opts.items())
             print(f"| {T} | {bm},{bn},{swap},{bk},{nw},{st},{name} | {ms:.3f} | {gbytes / ms:.2f} | "
                   f"{100 * gbytes / ms / copy:.0f} % | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
                   f"{err:.2e} |", flush=True)

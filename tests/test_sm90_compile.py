@@ -65,12 +65,13 @@ def test_mxfp4_mma_layout_grouped_gemm_keeps_weights_in_registers(block_n, warps
     assert "mul.rn.bf16x2" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
-@pytest.mark.parametrize("glu, block_m", [(True, 16), (False, 64)])
-def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m):
+@pytest.mark.parametrize("glu, block_m, paired", [(True, 16, False), (False, 64, False), (True, 128, True)])
+def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, paired):
     """moe_gluon's kernel compiles for sm_90 (every layout conversion it asserts trivial is: the
     compile fails otherwise) and ptxas keeps wgmma groups in flight: a wait that leaves one or two
-    outstanding, not every wait at zero (its serialisation, C7515). What it computes is checked on
-    the GPU (bench/gpu_check_kernels.py); it is opt-in until then."""
+    outstanding, not every wait at zero (its serialisation, C7515); also with gate and up paired
+    on one chain at prefill row blocks of 128. What it computes is checked on the GPU
+    (bench/gpu_check_kernels.py)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from bench.sass_mix import sass_text
@@ -81,7 +82,8 @@ def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m):
     ints = {n: "i32" for n in ("num_assign", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se",
                                "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
-    consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES)
+    consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES,
+                  PAIRED=paired)
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")

@@ -21,7 +21,15 @@ Why it is faster (RESULTS.md twelfth and thirteenth sessions; ``bench/gluon_prob
 - wgmma runs async, at most one group (gate and up: two) in flight, the first K step peeled so
   the loop's zero-trip path never hands ptxas a zero-moved accumulator (C7515 serialisation).
 Programs: (row block of BLOCK_M assignment rows, 64 weight rows), 4 warps, K steps of 128 codes.
+
+PAIRED (opt-in, compiled but **not yet run on a GPU**, thirteenth session): gate and up rows on one
+accumulator chain (warps 0-1 gate, 2-3 the same up rows; 32 output columns a program), the GLU
+after a register exchange in the epilogue. Half the accumulator registers: 128 a thread at row
+blocks of 128 (two chains: 255), where the upcast's ~264 instructions a K step are under the
+wgmma's ~512 cycles, so prefill could turn tensor-bound ("mx_mma" at 8K tokens: 26 % of matmul).
+At row blocks of 16 the unpaired code compiles to the same SASS as the version timed on the H200.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,7 +76,7 @@ def _weight_group(packed, scale, word_l: gl.constexpr, mult_l: gl.constexpr, a_l
 
 
 @gluon.jit
-def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, GLU: gl.constexpr):
+def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO: gl.constexpr):
     """Start the asynchronous copies of K step i (GROUPS 32-code groups) into ring slot ``slot``:
     each group's gathered activations [BLOCK_M, 32], the weight words each thread later reads
     itself (its own bytes: no barrier needed for them), and the step's E8M0 bytes of the 64 gate
@@ -83,7 +91,7 @@ def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n
         _async_load(xs[g].index(slot), x_ptrs + kk, mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
         w_at = (i * GROUPS + g) * 256
         _async_load(ws[g].index(slot), W_e + w_offs + w_at, mask=wmask & live)
-        if GLU:
+        if TWO:
             _async_load(wus[g].index(slot), WU_e + w_offs + w_at, mask=wmask & live)
     _async_load(ss.index(slot), s_ptrs + i * GROUPS, mask=smask & live)
     async_copy.commit_group()
@@ -119,11 +127,11 @@ def _step_scales(rows, sg_l: gl.constexpr, scale_l: gl.constexpr):
 
 @gluon.jit
 def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
-            STAGES: gl.constexpr, GLU: gl.constexpr, FIRST: gl.constexpr, word_l: gl.constexpr,
+            STAGES: gl.constexpr, TWO: gl.constexpr, FIRST: gl.constexpr, word_l: gl.constexpr,
             scale_l: gl.constexpr, sg_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr):
     """K step i from ring slot ``slot``: wait for its copies, make the activations visible to the
-    wgmma (barrier + async-proxy fence), then per group upcast and issue the gate's (and up's)
-    wgmma, keeping this group's in flight. After the first group's wait every wgmma of the
+    wgmma (barrier + async-proxy fence), then per group upcast and issue the (gate's) wgmma, and
+    the up's with TWO chains, keeping this group's in flight. After the first group's wait every wgmma of the
     previous step has completed, so its slot is refilled there with step i + STAGES - 1."""
     xs, ws, wus, ss = bufs
     async_copy.wait_group(STAGES - 2)
@@ -134,7 +142,7 @@ def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smas
         xb = xs[g].index(slot).permute([1, 0])  # [32, BLOCK_M]
         w = _weight_group(ws[g].index(slot).load(word_l), s_gate[g], word_l, mult_l, a_l)
         acc = warpgroup_mma(w, xb, acc, use_acc=not (FIRST and g == 0), is_async=True)
-        if GLU:
+        if TWO:
             wu = _weight_group(wus[g].index(slot).load(word_l), s_up[g], word_l, mult_l, a_l)
             acc_up = warpgroup_mma(wu, xb, acc_up, use_acc=not (FIRST and g == 0), is_async=True)
             acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_up])
@@ -142,7 +150,7 @@ def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smas
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         if g == 0:
             _copy_step(i + STAGES - 1, (slot + STAGES - 1) % STAGES, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask,
-                       bufs, n_steps, GLU)
+                       bufs, n_steps, TWO)
     return acc, acc_up
 
 
@@ -150,18 +158,27 @@ def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smas
 def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          num_assign, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
                          beta, linear_beta, GLU: gl.constexpr, SITU: gl.constexpr, LINEAR_CLIP: gl.constexpr,
-                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         PAIRED: gl.constexpr = False):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
     weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
-    operand streams through a ring of STAGES K steps of cp.async copies."""
+    operand streams through a ring of STAGES K steps of cp.async copies. GLU: two accumulator
+    chains (gate, up) over the same 64 columns; or PAIRED, one chain whose 64 rows are 32 gate and
+    the same 32 up rows (warps 0-1 gate, 2-3 up; 32 output columns a program), half the
+    accumulator registers: what lets a program take 128 rows of a prefill."""
+    TWO: gl.constexpr = GLU and not PAIRED
+    COLS: gl.constexpr = 32 if PAIRED else 64
     word_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [4, 1, 1], [2, 1, 0])  # [block, lane, byte]
     scale_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, GROUPS], [1, 32, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
     mult_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2, 2], [1, 32, 1, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
-    x_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [row, k]: 8-byte copies along k
+    if BLOCK_M >= 32:  # [row, k]: 16-byte copies along k, 32 rows a pass
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    else:  # 8-byte copies, 16 rows a pass (no thread idle at 16 rows)
+        x_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     x_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[2, 1, 0])
     # the scale copies [mat, row, j] (4 bytes a thread) and their read, broadcast over lanes 4g + c
@@ -170,6 +187,7 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     sg_l: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, GROUPS], [1, 1, 8, 4, 1, 1], [1, 4, 1, 1, 1, 1],
                                           [0, 5, 4, 3, 2, 1])  # [mat, block, g, c, h, j]
     out_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    pair_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [1, 4, 1], [2, 1, 0])
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     # Row blocks of padding only (valid rows lead each block) stream no weights.
@@ -180,40 +198,54 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         tok = gl.where(rows < num_assign, rows // top_k, 0).to(gl.int64)
         xk = gl.arange(0, 32, layout=gl.SliceLayout(0, x_l))
         x_ptrs = X + gl.expand_dims(tok * (stride_xt // 4) * 4, 1) + gl.expand_dims(xk, 0)
-        blk = pid_n * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, word_l)))
+        # Up's rows are reached through gate's pointers, a multiple of their 16-byte aligned distance
+        # (the wrapper checks the alignment; a select, of pointers or offsets, loses it in Triton
+        # 3.9's analysis).
+        bi = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, word_l)))  # a warp's 16-row block
+        if PAIRED:  # blocks 0, 1: gate rows; 2, 3: the same up rows
+            blk = pid_n * 2 + bi % 2
+            w_row = blk * 16 * stride_wn + (bi // 2).to(gl.int64) * ((W_UP.to(gl.int64) - W.to(gl.int64)) // 16 * 16)
+        else:
+            blk = pid_n * 4 + bi
+            w_row = blk * 16 * stride_wn
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, word_l)))
         byte = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, word_l)))
-        w_offs = gl.expand_dims(gl.expand_dims(blk * 16 * stride_wn, 1), 2) \
+        w_offs = gl.expand_dims(gl.expand_dims(w_row, 1), 2) \
             + gl.expand_dims(gl.expand_dims(lane * 8, 0), 2) + gl.expand_dims(gl.expand_dims(byte, 0), 1)
         wmask = gl.expand_dims(gl.expand_dims(blk * 16 < N, 1), 2)
-        # E8M0 bytes: the step's 4 a row for the gate's and up's 64 rows, one 4-byte copy each
-        rws = gl.arange(0, 128, layout=gl.SliceLayout(1, scp_l))  # gate rows, then up rows
-        srow = pid_n * 64 + rws % 64
+        # E8M0 bytes: the step's 4 a row, one 4-byte copy each, for the 64 gate and 64 up rows
+        # (PAIRED: the 32 gate and 32 up rows of the chain; the other half masked)
+        rws = gl.arange(0, 128, layout=gl.SliceLayout(1, scp_l))
+        srow = pid_n * COLS + rws % COLS
         sj = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scp_l))
         s_offs = gl.expand_dims(srow * (stride_sn // 4) * 4, 1) + gl.expand_dims(sj, 0)
-        smask = gl.expand_dims(srow < N, 1)
+        if PAIRED:
+            smask = gl.expand_dims((srow < N) & (rws < 64), 1)
+        else:
+            smask = gl.expand_dims(srow < N, 1)
         bufs = (_ring(gl.bfloat16, [STAGES, BLOCK_M, 32], x_s), _ring(gl.uint8, [STAGES, 4, 32, 8], flat),
-                _ring(gl.uint8, [STAGES, 4, 32, 8], flat) if GLU else None,
+                _ring(gl.uint8, [STAGES, 4, 32, 8], flat) if TWO else None,
                 gl.allocate_shared_memory(gl.uint8, [STAGES, 128, GROUPS], flat2))
         # (strides rounded as the wrapper checked they are: the copies' 8- and 4-byte alignment)
         w_at, s_at = e * (stride_we // 8) * 8, e * (stride_se // 4) * 4
         W_e, WU_e = W + w_at, W_UP + w_at
-        # up's rows through gate's pointer, a multiple of their 16-byte aligned distance (the wrapper
-        # checks the alignment; a select, of pointers or offsets, loses it in Triton 3.9's analysis)
         up_at = (S_UP.to(gl.int64) - S.to(gl.int64)) // 16 * 16
-        s_ptrs = S + s_at + gl.expand_dims((rws // 64).to(gl.int64) * up_at, 1) + s_offs
+        s_ptrs = S + s_at + gl.expand_dims((rws // COLS).to(gl.int64) * up_at, 1) + s_offs
         n_steps = K // (32 * GROUPS)
         for j in gl.static_range(STAGES - 1):
-            _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, GLU)
+            _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO)
         acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_l)
         acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_l)
         acc, acc_up = _k_step(acc, acc_up, 0, 0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
-                              STAGES, GLU, True, word_l, scale_l, sg_l, mult_l, a_l)
+                              STAGES, TWO, True, word_l, scale_l, sg_l, mult_l, a_l)
         for i in range(1, n_steps):
             acc, acc_up = _k_step(acc, acc_up, i, i % STAGES, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs,
-                                  n_steps, STAGES, GLU, False, word_l, scale_l, sg_l, mult_l, a_l)
+                                  n_steps, STAGES, TWO, False, word_l, scale_l, sg_l, mult_l, a_l)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_up])
         async_copy.wait_group(0)
+        if PAIRED:  # rows r and r + 32 (gate, up of one column) into one thread: [32, BLOCK_M, 2]
+            gu = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), pair_l)
+            acc, acc_up = gl.split(gu)
         if GLU:
             acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
         y = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)  # [rows, cols]
@@ -222,7 +254,7 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         valid_o = rows_o < num_assign
         if HAS_ROW_SCALE:  # the routing weight of each assignment
             y = y * gl.expand_dims(gl.load(ROW_SCALE + gl.where(valid_o, rows_o, 0), mask=valid_o, other=0.0), 1)
-        cols = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, out_l))
+        cols = pid_n * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, out_l))
         gl.store(OUT + gl.expand_dims(rows_o, 1) * stride_on + gl.expand_dims(cols, 0), y.to(OUT.dtype.element_ty),
                  mask=gl.expand_dims(valid_o, 1) & gl.expand_dims(cols < N, 0))
 
@@ -231,14 +263,18 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
                        top_k: int, weight: torch.Tensor, scale: torch.Tensor, n_out: int, block_m: int,
                        up: tuple | None = None, act: tuple = ("silu", 1.0, None),
                        out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
-                       stages: int = STAGES, maxnreg: int | None = None) -> torch.Tensor:
+                       stages: int = STAGES, maxnreg: int | None = None, paired: bool | None = None) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
     (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``MMA_MAX_SCALE``: the caller's load-time check);
-    ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy)."""
+    ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy);
+    ``paired`` (GLU only; None: at row blocks of 128) gate and up rows on one accumulator chain."""
     K = x.shape[1]
-    if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (16, 32, 64) or stages < 2:
+    paired = up is not None and (block_m == 128 if paired is None else paired)
+    if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (16, 32, 64, 128) or stages < 2:
         raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
-                         f"16, 32 or 64 and >= 2 stages (got {x.dtype}, K={K}, block_m={block_m}, stages={stages})")
+                         f"16 to 128 and >= 2 stages (got {x.dtype}, K={K}, block_m={block_m}, stages={stages})")
+    if block_m == 128 and up is not None and not paired:
+        raise ValueError("gate / up row blocks of 128 need paired=True (two chains of 64 x 128 do not fit)")
     w_up, s_up = up if up is not None else (weight, scale)
     aligned = (x.stride(1) == 1 and x.stride(0) % 4 == 0 and weight.stride(2) == 1 and weight.stride(0) % 8 == 0
                and scale.stride(2) == 1 and scale.stride(0) % 4 == 0 and scale.stride(1) % 4 == 0
@@ -250,11 +286,11 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     kind, beta, linear_beta = act
     row_blocks = min(rows.numel() // block_m, num_assign)
-    _grouped_gemm_kernel[(row_blocks, triton.cdiv(n_out, BLOCK_N))](
+    _grouped_gemm_kernel[(row_blocks, triton.cdiv(n_out, BLOCK_N // 2 if paired else BLOCK_N))](
         x, weight, scale, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, top_k, n_out, K, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, STAGES=stages, num_warps=4,
+        BLOCK_M=block_m, STAGES=stages, PAIRED=paired, num_warps=4,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
