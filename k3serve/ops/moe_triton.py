@@ -594,6 +594,9 @@ MMA_LAYOUT = True
 # 0.126 / 1.304 / 3.124 ms = 52 / 63 / 58 % of copy, against "mx_mma"'s 0.171 / 1.675 / 3.853.
 # Prefill row blocks stay on "mx_mma" (8K tokens: 54.2 ms against 47.6). False: "mx_mma" always.
 GLUON_DECODE = True
+# Prefill row blocks of 128 through moe_gluon's PAIRED kernel (gate and up rows on one chain):
+# compiled, not yet checked or timed on a GPU (thirteenth session), so off.
+GLUON_PREFILL = False
 
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
@@ -727,32 +730,50 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     return out
 
 
+def row_block(assignments: int, num_experts: int, mma: bool, gluon_ok: bool) -> int:
+    """Row blocks of 16 while experts see a few rows each (decode); of 64 once they see dozens and
+    128 past a hundred (prefill), so each upcast weight tile serves that many rows (8K tokens on
+    K3: 128 rows 13 % faster than 64 on the H200, checkpoint layout). MMA-layout experts keep 64
+    ("mx_mma" at 8K tokens on K3: 46.9 ms with 64, 55.6 with 128) unless the Gluon PAIRED kernel
+    takes prefill (``GLUON_PREFILL``)."""
+    if assignments < 16 * num_experts:
+        return 16
+    if assignments < 128 * num_experts or (mma and not (gluon_ok and GLUON_PREFILL)):
+        return 64
+    return 128
+
+
+def mma_upcast(block_m: int, gluon_ok: bool) -> str:
+    """The grouped GEMM for MMA-layout experts: moe_gluon's ("gluon") at decode row blocks
+    (``GLUON_DECODE``) and, with ``GLUON_PREFILL``, at prefill ones of 128; "mma" elsewhere."""
+    gluon = gluon_ok and ((GLUON_DECODE and block_m == 16) or (GLUON_PREFILL and block_m == 128))
+    return "gluon" if gluon else "mma"
+
+
 def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, block_m: int | None = None,
                    norm=None, add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                    **blocks) -> torch.Tensor:
     """Drop-in for ``moe_ref.experts_ref`` over a ``model.moe.RoutedExperts``: gate/up GEMM, GLU,
     down GEMM, weighted sum (fp32), then ``combine_experts``'s optional norm / add / cast. No host
-    sync. Row blocks of 16 while experts see a few rows
-    each (decode); of 64 once they see dozens and 128 past a hundred (prefill), so each upcast
-    weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64 on the H200)."""
+    sync. Row blocks: ``row_block``; MMA-layout experts' kernel: ``mma_upcast``."""
     T, top_k = ids.shape
     E = experts.num_experts + experts.num_shared  # ids may name joined shared experts (moe.RoutedExperts.join_shared)
     if T == 0:
         return torch.empty(0, experts.out_features, dtype=out_dtype or torch.float32, device=x.device)
     mma = getattr(experts, "mma_layout", False)  # (moe.RoutedExperts.use_mma_layout)
-    if block_m is None:  # rows per expert on average: a few (decode), dozens, or a hundred and more
-        block_m = 16 if T * top_k < 16 * E else 64 if T * top_k < 128 * E or mma else 128
-        # (the MMA layout's upcast at 8K tokens on K3: 46.9 ms with row blocks of 64, 55.6 with 128)
+    x = x.to(experts.dtype).contiguous()
+    # moe_gluon may serve (its scale fold checked at load, its copies 16-byte aligned)
+    gluon_ok = mma and experts.folded_scales and not interpreted() and blocks.get("mx_upcast") is None \
+        and x.data_ptr() % 16 == 0
+    if block_m is None:
+        block_m = row_block(T * top_k, E, mma, gluon_ok)
     if T == 1:  # one token's experts are distinct: a block per assignment, in routing order, is the sort's layout
         rows, block_expert = one_row_blocks(top_k, block_m, ids.device), ids.reshape(-1)
     else:
         rows, block_expert = sort_by_expert(ids, E, block_m)
     num_assign = T * top_k
-    x = x.to(experts.dtype).contiguous()
     if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
-        gluon = (GLUON_DECODE and block_m == 16 and experts.folded_scales and not interpreted()
-                 and blocks.get("mx_upcast") is None and x.data_ptr() % 16 == 0)  # (its copies' alignment)
-        blocks = dict(blocks, mx_upcast="gluon" if gluon else "mma")
+        blocks = dict(blocks, mx_upcast=mma_upcast(block_m, gluon_ok))
     stored = experts.stack
     w1, s1 = stored("w1")
     # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
