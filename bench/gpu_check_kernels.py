@@ -184,12 +184,13 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
                  backend="torch")
     y_ref = (rms_norm(o, onw, 1e-5, torch.float32) * torch.sigmoid(gate.view(N, H, D))).reshape(N, P)
     has = torch.tensor(ctx, device=DEV) > 0
-    for bv, parts in ((64, 1), (64, 2), (32, 4), (64, None)):
+    for bv, parts, gluon in ((64, 1, False), (64, 2, False), (32, 4, False), (64, None, False), (64, 1, True)):
         conv_t, state_t = conv0.clone(), state0.clone()
         y = kda_decode_fused(x, conv_w, conv_t, has, f, b, A_log, dt_bias, gate, onw, 1e-5, lb, state_t, slots, H,
-                             block_v=bv, parts=parts)
+                             block_v=bv, parts=parts, gluon=gluon)
         err = max(rel(y, y_ref), rel(state_t, state_r), rel(conv_t, conv_r))
-        record("KDA fused decode mixer", f"N={N} H={H} D={D} block {bv}, parts {parts}", err, 1e-4)
+        record("KDA fused decode mixer" + (", Gluon" if gluon else ""),
+               f"N={N} H={H} D={D}" + (f" block {bv}, parts {parts}" if not gluon else ""), err, 1e-4)
 
 
 def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator, upcast: str = "mma",

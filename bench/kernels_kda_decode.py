@@ -42,9 +42,11 @@ def check(N, H, D, lb):
     return (((o - o_ref[:, 0]).norm() / o_ref.norm()).item(), ((state[slots] - s_ref).norm() / s_ref.norm()).item())
 
 
-# (value block, warps, programs a head); the default: 64-wide blocks, 4 warps, programs by
+# (value block, warps, programs a head, Gluon); the default: 64-wide blocks, 4 warps, programs by
 # ``kda_decode_fused``'s rule (one a value block while heads alone leave SMs idle, else one a head).
-FUSED_VARIANTS = [(64, 4, 1), (64, 4, 2), (32, 4, 1), (32, 4, 4), (128, 8, 1)]
+# Gluon: kda_decode_gluon's program a head (state copied to shared memory during the convs).
+FUSED_VARIANTS = [(64, 4, 1, False), (64, 4, 2, False), (32, 4, 1, False), (32, 4, 4, False), (128, 8, 1, False),
+                  (64, 4, 1, True)]
 
 
 def mixer_inputs(N, H, D, num_slots, seed):
@@ -63,11 +65,11 @@ def fused_check(N, H, D, lb):
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
     x, conv_w, conv0, gate, has = mixer_inputs(N, H, D, state0.shape[0], 5)
     outs = []
-    for bv, nw, parts in [(64, 4, None)] + FUSED_VARIANTS:
+    for bv, nw, parts, gluon in [(64, 4, None, False)] + FUSED_VARIANTS:
         st, cs = state0.clone(), conv0.clone()
         y = kda_decode_fused(x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
                              torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H, block_v=bv,
-                             num_warps=nw, parts=parts)
+                             num_warps=nw, parts=parts, gluon=gluon)
         outs.append((y, st))
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return max(max(rel(y, outs[0][0]), rel(st, outs[0][1])) for y, st in outs[1:])
@@ -83,13 +85,13 @@ def timing(N, H, D, lb=-5.0):
     fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                      torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
     row["fused_ms"] = gpu_ms(fused, rep=200)
-    # fused-kernel variants: (value block width, warps, programs a head)
+    # fused-kernel variants: (value block width, warps, programs a head, Gluon)
     row["fused_variants"] = {}
-    for bv, nw, parts in FUSED_VARIANTS:
+    for bv, nw, parts, gluon in FUSED_VARIANTS:
         run = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                        torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H, block_v=bv,
-                                       num_warps=nw, parts=parts)
-        row["fused_variants"][(bv, nw, parts)] = gpu_ms(run, rep=200)
+                                       num_warps=nw, parts=parts, gluon=gluon)
+        row["fused_variants"][(bv, nw, parts, gluon)] = gpu_ms(run, rep=200)
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 

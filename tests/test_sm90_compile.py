@@ -94,6 +94,39 @@ def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, pa
     assert waits and set(waits) - {"0x0"}, waits
 
 
+def test_gluon_kda_decode_compiles_with_warp_local_reductions():
+    """kda_decode_gluon's program a head compiles for sm_90 (its layout conversions and shared
+    views legal); its state copies are 16 bytes wide; and the two reductions over key rows of a
+    pass stay within a warp: halving the pass width (two more passes) adds at most the one
+    barrier a pass for its outputs, where rows reduced across warps would add two a reduction.
+    What it computes is checked on the GPU (bench/gpu_check_kernels.py)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench.sass_mix import sass_text
+    from k3serve.ops import kda_decode_gluon
+
+    f32, bf16 = "*fp32", "*bf16"
+    ptrs = {"X": bf16, "CONV_W": f32, "CONV_STATE": bf16, "HAS_CTX": "*i32", "F": bf16, "BETA": bf16, "A_LOG": f32,
+            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "SLOTS": "*i64", "Y": bf16}
+    scalars = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b",
+                                  "stride_g")}
+    scalars.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
+
+    def sass(pass_cols: int) -> str:
+        consts = dict(D=128, W=4, USE_LOWER_BOUND=True, PASS=pass_cols, NUM_WARPS=4)
+        sig = {**ptrs, **scalars, **{k: "constexpr" for k in consts}}
+        names = list(sig)
+        divisible = tuple(ptrs) + ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_g")
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+        src = GluonASTSource(fn=kda_decode_gluon._kda_decode_fused_kernel, signature=sig, constexprs=consts,
+                             attrs=attrs)
+        return sass_text(triton.compile(src, target=HOPPER, options=dict(num_warps=4)))
+
+    wide, narrow = sass(64), sass(32)
+    assert re.search(r"LDGSTS\.E(\.BYPASS)?\.128", wide), "state copies not 16 bytes wide"
+    assert narrow.count("BAR.SYNC") - wide.count("BAR.SYNC") <= 2
+
+
 def _add_rms_norm_ptx(use_pdl: bool) -> str:
     return _compile(norm_triton._add_rms_norm_kernel,
                     {"H": "*bf16", "DELTA": "*bf16", "W": "*bf16", "H_OUT": "*bf16", "Y": "*bf16"},

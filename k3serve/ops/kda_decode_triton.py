@@ -28,6 +28,11 @@ from .pdl import pdl_start
 from .tickets import last_arrival, tickets
 
 
+# One program a head through kda_decode_gluon (the state copied to shared memory while the convs,
+# gates and norms run): compiled, not yet checked or timed on a GPU (thirteenth session), so off.
+GLUON_FUSED = False
+
+
 @triton.jit
 def _kda_decode_kernel(
     Q, K, V, F, BETA, A_LOG, DT_BIAS, STATE, SLOTS, O,
@@ -195,7 +200,7 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 64,
                      out_dtype: torch.dtype = torch.float32, num_warps: int = 4,
-                     parts: int | None = None) -> torch.Tensor:
+                     parts: int | None = None, gluon: bool | None = None) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
@@ -205,7 +210,8 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     would not fill two waves of SMs, else one. ``block_v``, ``num_warps``, ``parts``: the variants
     bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
     the next value block inside one program, TMA state tiles, evict-first loads with streaming
-    stores; RESULTS.md seventh and eighth sessions.)"""
+    stores; RESULTS.md seventh and eighth sessions.) ``gluon`` (None: ``GLUON_FUSED``): a head's
+    program in ``kda_decode_gluon`` instead, where one program a head serves and D = 128."""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -219,6 +225,11 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         parts = D // bv if N * H < 2 * sm_count(x_qkv.device) else 1
     if parts < 1 or D % (bv * parts):
         raise ValueError(f"{parts} programs a head do not split {D} value columns into blocks of {bv}")
+    if (GLUON_FUSED if gluon is None else gluon) and parts == 1 and D == 128 and x_qkv.is_cuda:
+        from .kda_decode_gluon import kda_decode_fused_gluon
+
+        return kda_decode_fused_gluon(x_qkv, conv_w, conv_state, has_ctx, f, beta_logits, A_log, dt_bias, gate,
+                                      o_norm_w, eps, lower_bound, state, slots, H, out_dtype)
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
     sumsq = torch.empty(N, H, parts, dtype=torch.float32, device=x_qkv.device)
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
