@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, dense, kda, engine48, verify, ab: see each case below)
+#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, dense, kda, gluon, engine48, verify, ab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -104,6 +104,14 @@ case "$1" in
   kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
+  gluon)  # the Gluon kernels left unrun (thirteenth session): every kernel check (PAIRED MoE rows,
+          # the Gluon KDA mixer), the KDA decode bench (its Gluon variant), then the MXFP4 MoE
+          # sweeps (decode: PAIRED at 16 rows; prefill: PAIRED at 64 / 128 rows)
+    step kernels_check 200 python3 bench/gpu_check_kernels.py
+    step kda "$(left 300)" python3 -m bench.kernels_kda_decode
+    step moe "$(left 585)" python3 -m bench.kernels_moe --mxfp4-only --mma-only
+    grep -i "gluon\|FAIL\|checks passed" "$OUT/kernels_check.log" | tail -30; tail -c 2500 "$OUT/kda.log"
+    grep -v "failed" "$OUT/moe.log" | grep -i "gluon\|16,64,True,128,4,2,mma\|64,64,True,128,4,2,mma" ;;
   verify)  # a session's untimed code first: every kernel check, the KDA decode bench, the small
            # kernels (norms, GLU, routing, alignment), then the engine
     step kernels_check 240 python3 bench/gpu_check_kernels.py
@@ -154,6 +162,6 @@ case "$1" in
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|model|debugtiny|quick48|graphdiag|pdlab|ncu|dense|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|gluon|model|debugtiny|quick48|graphdiag|pdlab|ncu|dense|kda|engine48|profile48|e2e|engine|agentic|debug"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
