@@ -258,6 +258,7 @@ def main() -> int:
         for upcast in ("mma", "gluon"):
             check_mxfp4_mma(T, E, N, K, top, gen, upcast)
     check_mxfp4_mma(300, 8, 1024, 2304, 4, gen, "gluon", block_m=128)  # prefill row blocks: ~150 rows an expert
+    check_mxfp4_mma(16, 64, 3584, 3072, 16, gen, "gluon", block_m=8)  # row blocks of 8 (wgmma N = 8)
     failed = [r for r in ROWS if r[2] > r[3]]
     print(f"{len(ROWS) - len(failed)} of {len(ROWS)} checks passed")
     return 1 if failed else 0

@@ -47,7 +47,8 @@ DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in (
 # The eighth element: the Gluon kernel's options (maxnreg, paired: gate and up rows on one chain).
 DECODE_VARIANTS += [(16, 64, True, 128, 4, st, "gluon") for st in (2, 3)] + [
     (16, 64, True, 128, 4, 2, "gluon", {"maxnreg": 80}), (16, 64, True, 128, 4, 2, "gluon", {"paired": True}),
-    (16, 64, True, 128, 4, 3, "gluon", {"paired": True})]
+    (16, 64, True, 128, 4, 3, "gluon", {"paired": True})] + [
+    (8, 64, True, 128, 4, st, "gluon") for st in (2, 3)]  # row blocks of 8 (wgmma N = 8): 66 registers
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
     (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (

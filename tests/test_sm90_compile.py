@@ -65,7 +65,8 @@ def test_mxfp4_mma_layout_grouped_gemm_keeps_weights_in_registers(block_n, warps
     assert "mul.rn.bf16x2" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
-@pytest.mark.parametrize("glu, block_m, paired", [(True, 16, False), (False, 64, False), (True, 128, True)])
+@pytest.mark.parametrize("glu, block_m, paired",
+                         [(True, 16, False), (False, 64, False), (True, 128, True), (True, 8, False)])
 def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, paired):
     """moe_gluon's kernel compiles for sm_90 (every layout conversion it asserts trivial is: the
     compile fails otherwise) and ptxas keeps wgmma groups in flight: a wait that leaves one or two

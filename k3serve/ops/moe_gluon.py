@@ -177,8 +177,10 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
     if BLOCK_M >= 32:  # [row, k]: 16-byte copies along k, 32 rows a pass
         x_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    else:  # 8-byte copies, 16 rows a pass (no thread idle at 16 rows)
+    elif BLOCK_M == 16:  # 8-byte copies, 16 rows a pass (no thread idle at 16 rows)
         x_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    else:  # 8 rows (wgmma N = 8): 4-byte copies, every thread one
+        x_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [4, 1], [1, 0])
     x_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[2, 1, 0])
     # the scale copies [mat, row, j] (4 bytes a thread) and their read, broadcast over lanes 4g + c
@@ -270,9 +272,9 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     ``paired`` (GLU only; None: at row blocks of 128) gate and up rows on one accumulator chain."""
     K = x.shape[1]
     paired = up is not None and (block_m == 128 if paired is None else paired)
-    if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (16, 32, 64, 128) or stages < 2:
+    if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (8, 16, 32, 64, 128) or stages < 2:
         raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
-                         f"16 to 128 and >= 2 stages (got {x.dtype}, K={K}, block_m={block_m}, stages={stages})")
+                         f"8 to 128 and >= 2 stages (got {x.dtype}, K={K}, block_m={block_m}, stages={stages})")
     if block_m == 128 and up is not None and not paired:
         raise ValueError("gate / up row blocks of 128 need paired=True (two chains of 64 x 128 do not fit)")
     w_up, s_up = up if up is not None else (weight, scale)
