@@ -96,19 +96,24 @@ def check_mla_prefill(Ha: int, ctx: int, Tq: int, gen: torch.Generator) -> None:
     record("MLA flash prefill (autotuned)", f"Ha={Ha} ctx={ctx} Tq={Tq}", rel(out, ref), 2e-2)
 
 
-def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator) -> None:
+def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluon: bool = False) -> None:
+    """The split-KV decode (Triton, or with ``gluon`` mla_decode_gluon's keys-major kernel) vs the
+    fp32 reference; then (Triton only) the latent rows' cache store."""
     rkv, dr, page = 512, 64, 64
     max_pages = max(-(-n // page) for n in lens) + 2
     pool = torch.randn(B * max_pages + 5, page, rkv + dr, generator=gen, device=DEV).bfloat16()
     table = torch.randperm(pool.shape[0], generator=gen, device=DEV)[: B * max_pages].view(B, max_pages)
     seq_lens = torch.tensor(lens, device=DEV)
     q = torch.randn(B, H, rkv + dr, generator=gen, device=DEV).bfloat16()
-    out = mla_decode(q, pool, table, seq_lens, rkv, 0.07)
     S = table.shape[1] * page
     lat = pool[table].flatten(1, 2).float()
     mask = torch.arange(S, device=DEV)[None, :] < seq_lens[:, None]
     ref = mla_ref.mla_absorbed_ref(q.float()[:, None], lat, mask[:, None], rkv, 0.07)[:, 0]
-    record("MLA split-KV decode (default splits)", f"B={B} H={H} lens={lens[:4]}", rel(out, ref), 2e-2)
+    out = mla_decode(q, pool, table, seq_lens, rkv, 0.07, gluon=gluon)
+    record("MLA split-KV decode (default splits)" + (", Gluon" if gluon else ""), f"B={B} H={H} lens={lens[:4]}",
+           rel(out, ref), 2e-2)
+    if gluon:
+        return
     # the new rows' latent norm, k_pe and their cache store in one launch
     kv = torch.randn(B, 7 + rkv + dr, generator=gen, device=DEV).bfloat16()[:, 7:]
     nw = (torch.rand(rkv, generator=gen, device=DEV) + 0.5).bfloat16()
@@ -247,6 +252,9 @@ def main() -> int:
     for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16)):
         check_router(T, E, D, K, gen)
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
+    check_mla_decode(1, 32, [4096], gen, gluon=True)
+    check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
+    check_mla_decode(3, 16, [1, 64, 129], gen, gluon=True)  # one key, one whole page, a page and a key
     for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):
         check_gemv(T, K, N, gen)
     for B, T, K, N, fp32_x in ((2, 1, 128, 4096, False), (2, 4, 128, 4096, False), (32, 1, 128, 512, False),

@@ -104,13 +104,16 @@ case "$1" in
   kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
-  gluon)  # the Gluon kernels left unrun (thirteenth session): every kernel check (PAIRED MoE rows,
-          # the Gluon KDA mixer), the KDA decode bench (its Gluon variant), then the MXFP4 MoE
-          # sweeps (decode: PAIRED at 16 rows; prefill: PAIRED at 64 / 128 rows)
+  gluon)  # the Gluon kernels left unrun (thirteenth session): every kernel check (PAIRED and 8-row
+          # MoE, the Gluon KDA mixer, the Gluon MLA decode), the KDA decode bench (its Gluon
+          # variant), the Gluon MLA decode sweep, then the MXFP4 MoE sweeps (decode: PAIRED and
+          # 8-row blocks; prefill: PAIRED at 64 / 128 rows)
     step kernels_check 200 python3 bench/gpu_check_kernels.py
-    step kda "$(left 300)" python3 -m bench.kernels_kda_decode
+    step kda "$(left 280)" python3 -m bench.kernels_kda_decode
+    step mla "$(left 360)" python3 -m bench.kernels_mla --gluon
     step moe "$(left 585)" python3 -m bench.kernels_moe --mxfp4-only --mma-only
     grep -i "gluon\|FAIL\|checks passed" "$OUT/kernels_check.log" | tail -30; tail -c 2500 "$OUT/kda.log"
+    tail -c 2500 "$OUT/mla.log"
     grep -v "failed" "$OUT/moe.log" | grep -i "gluon\|16,64,True,128,4,2,mma\|64,64,True,128,4,2,mma" ;;
   verify)  # a session's untimed code first: every kernel check, the KDA decode bench, the small
            # kernels (norms, GLU, routing, alignment), then the engine

@@ -9,7 +9,7 @@ H200's ~165 flop/byte ridge, so it is compute-bound there and the copy ceiling i
 whatever the kernel (at 16 heads a GPU, e.g. 96 heads over TP=6, it is memory-bound). A sweep
 over head block, key tile, warps and stages at both head counts picks the autotuner's candidates.
 
-Usage: python bench/kernels_mla.py [--no-sweep | --mem]
+Usage: python bench/kernels_mla.py [--no-sweep | --mem | --gluon]   (--gluon: mla_decode_gluon, checked then timed)
 """
 
 import torch
@@ -24,7 +24,7 @@ from k3serve.ops.mla_decode_triton import _mla_decode_tuned, default_num_splits,
 from k3serve.ops.mla_ref import mla_absorbed_ref
 
 
-def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None):
+def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None, gluon=False):
     g = torch.Generator(device="cuda").manual_seed(B * 7 + H)
     pages_per = -(-ctx // page)
     latent = torch.randn(B * pages_per, page, rkv + dr, device="cuda", generator=g).bfloat16()
@@ -33,7 +33,8 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None
     q = torch.randn(B, H, rkv + dr, device="cuda", generator=g)
     scale = 192 ** -0.5
     splits = splits or default_num_splits(B, H, pages_per * page, torch.cuda.get_device_properties(0).multi_processor_count)
-    run = lambda: mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits, tiles=tiles)  # noqa: E731
+    run = lambda: mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits, tiles=tiles,  # noqa: E731
+                             gluon=gluon)
     out = run()
     row = {"B": B, "H": H, "ctx": ctx, "splits": splits}
     if check:
@@ -72,6 +73,21 @@ def main():
               f"{r['tbs']:.2f} | {100 * r['tbs'] / ceil:.0f} % | {r['tflops']:.0f} | {100 * r['tflops'] / mm:.0f} % | "
               f"{r.get('rel_err', float('nan')):.2e} |", flush=True)
 
+    if "--gluon" in sys.argv:  # mla_decode_gluon's keys-major split step (heads by 32), two split counts
+        print(head)
+        for B, H in ((16, 16), (64, 16), (16, 32), (64, 32), (16, 96)):
+            base = default_num_splits(B, H, 32768, torch.cuda.get_device_properties(0).multi_processor_count)
+            for splits in (base, 2 * base):
+                try:
+                    err = case(B, H, 4096, splits=splits, gluon=True)["rel_err"]
+                    r = case(B, H, 32768, splits=splits, check=False, gluon=True)
+                except Exception as exc:
+                    print(f"| {B} | {H} | 32768 | {splits} | gluon | failed: {type(exc).__name__}: "
+                          f"{str(exc)[:160]!r} ||||||")
+                    continue
+                r.update(config="gluon 32, 64, 4, 2", rel_err=err)
+                show(r)
+        return
     if "--mem" in sys.argv:  # memory-bound head counts (a TP shard of K3, kimi-linear's 32) and K3's 96:
         # tiles and split counts, each variant checked against the reference on a 4K table first
         print(head)

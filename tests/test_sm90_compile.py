@@ -128,6 +128,33 @@ def test_gluon_kda_decode_compiles_with_warp_local_reductions():
     assert narrow.count("BAR.SYNC") - wide.count("BAR.SYNC") <= 2
 
 
+def test_gluon_mla_decode_compiles_keys_major_on_wgmma():
+    """mla_decode_gluon's split step compiles for sm_90: the scores and the output on wgmma (32 a
+    64-key tile for the 512 latent columns and 4 for the rotary part, then 8 x 4 for out^T), the
+    key tiles by 16-byte cp.async, nothing spilled. What it computes is checked on the GPU
+    (bench/gpu_check_kernels.py)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench.sass_mix import sass_text
+    from k3serve.ops import mla_decode_gluon
+
+    ptrs = {"QC": "*bf16", "QP": "*bf16", "KV": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*fp32", "LSE": "*fp32"}
+    ints = {n: "i32" for n in ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_btb",
+                               "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")}
+    ints.update(scale="fp32", H="i32", NUM_SPLITS="i32")
+    block_h = mla_decode_gluon.BLOCK_H
+    consts = dict(PAGE=64, BLOCK_H=block_h)
+    sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
+    names = list(sig)
+    divisible = tuple(ptrs) + ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_ob",
+                               "stride_oh", "stride_os")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = GluonASTSource(fn=mla_decode_gluon._mla_decode_split_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    sass = sass_text(triton.compile(src, target=HOPPER, options=dict(num_warps=4)))
+    assert len(re.findall(r"HGMMA\.64x%dx16" % block_h, sass)) == 32 + 4 + 8 * 4
+    assert re.search(r"LDGSTS\.E(\.BYPASS)?\.128", sass) and "STL" not in sass
+
+
 def _add_rms_norm_ptx(use_pdl: bool) -> str:
     return _compile(norm_triton._add_rms_norm_kernel,
                     {"H": "*bf16", "DELTA": "*bf16", "W": "*bf16", "H_OUT": "*bf16", "Y": "*bf16"},

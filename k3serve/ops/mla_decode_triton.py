@@ -107,6 +107,11 @@ _mla_decode_tuned = autotuned(
     key=["H", "NUM_SPLITS", "CTX_BUCKET", "D_C", "D_PE", "PAGE"], prune=_heads_that_fit)
 
 
+# The split step through mla_decode_gluon (keys-major wgmma, the head block as its N): compiled,
+# not yet checked or timed on a GPU (thirteenth session), so off.
+GLUON_SPLIT = False
+
+
 def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) -> int:
     """Enough (sequence, split) programs for about two waves over the SMs once heads are blocked
     by 32, but no split shorter than 64 tokens of the table's width; a power of two, so eager
@@ -119,13 +124,15 @@ def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) 
 
 def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                kv_lora_rank: int, scale: float, num_splits: int | None = None, tiles: dict | None = None,
-               q_pe: torch.Tensor | None = None) -> torch.Tensor:
+               q_pe: torch.Tensor | None = None, gluon: bool | None = None) -> torch.Tensor:
     """q_abs [B, H, rkv+dr], or [B, H, rkv] with ``q_pe`` [B, H, dr] apart (both may be strided
     views: the absorbed part straight from a batched GEMM, q_pe a slice of the projected queries);
     latent_pages [num_pages, page, rkv+dr] (any page stride); block_table [B, max_pages]; seq_lens
     [B] (tokens to attend, >= 1). Returns the latent-space output [B, H, rkv] fp32 (unabsorb
     through W_UV afterwards). ``num_splits`` None: from the batch, the heads and the table's width
-    (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps, num_stages) None: autotuned."""
+    (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps, num_stages) None: autotuned.
+    ``gluon`` (None: ``GLUON_SPLIT``): the split step in ``mla_decode_gluon`` (keys-major wgmma,
+    heads by 32; ``tiles`` unused) where the widths, pages and dtype allow."""
     if q_pe is None:
         q_abs, q_pe = q_abs[..., :kv_lora_rank], q_abs[..., kv_lora_rank:]
     B, H, _ = q_abs.shape
@@ -139,15 +146,22 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
         num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], sm_count(q_abs.device))
     partial = torch.empty(B, H, num_splits, kv_lora_rank, dtype=torch.float32, device=q_abs.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_abs.device)
-    kernel, tiles = (_mla_decode_tuned, {}) if tiles is None else (_mla_decode_split_kernel, tiles)
-    kernel[lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]), num_splits)](
-        q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
-        q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_table.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), scale, H,
-        num_splits, triton.next_power_of_2(block_table.shape[1] * latent_pages.shape[1]), PAGE=latent_pages.shape[1], D_C=kv_lora_rank, D_PE=d_pe,
-        D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)), D_PE_P=max(16, triton.next_power_of_2(d_pe)),
-        **tiles, **pdl.launch(partial.device),
-    )
+    if (GLUON_SPLIT if gluon is None else gluon) and q_abs.is_cuda and (kv_lora_rank, d_pe) == (512, 64) \
+            and latent_pages.dtype == torch.bfloat16 and latent_pages.shape[1] % 64 == 0:
+        from .mla_decode_gluon import mla_decode_split_gluon
+
+        mla_decode_split_gluon(q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse, scale)
+    else:
+        kernel, tiles = (_mla_decode_tuned, {}) if tiles is None else (_mla_decode_split_kernel, tiles)
+        kernel[lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]), num_splits)](
+            q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
+            q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0),
+            latent_pages.stride(1), block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2),
+            lse.stride(0), lse.stride(1), scale, H, num_splits,
+            triton.next_power_of_2(block_table.shape[1] * latent_pages.shape[1]), PAGE=latent_pages.shape[1],
+            D_C=kv_lora_rank, D_PE=d_pe, D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)),
+            D_PE_P=max(16, triton.next_power_of_2(d_pe)), **tiles, **pdl.launch(partial.device),
+        )
     # Merge the splits by their log-sum-exp (empty splits carry -inf and weigh nothing): one
     # batched GEMV [S] x [S, rkv] per (sequence, head), no [B, H, S, rkv] product in memory.
     w = torch.softmax(lse, dim=-1)

@@ -1,0 +1,153 @@
+"""Split-KV MLA decode (``mla_decode_triton``'s split kernel) in Gluon, keys-major on wgmma.
+
+STATUS: compiled for sm_90 (tests/test_sm90_compile.py, Triton 3.6 and 3.9); **not yet run on a
+GPU**: opt-in (``mla_decode_triton.GLUON_SPLIT``) until bench/gpu_check_kernels.py's rows pass
+and bench/kernels_mla.py times it.
+
+Why: the Triton kernel reaches 83-99 % of copy at 16 heads but 61-71 % at 32 (kimi-linear on one
+GPU: 60 flop a latent byte): its head-major tiles put the heads on the MMA's M, which Triton fills
+with mma.sync at 16-32 heads; a keys-major Triton variant spilled (RESULTS.md eleventh session).
+Here the 64-key tile is the wgmma's M and the head block its N (FlashMLA's shape):
+scores^T [keys, heads] = K [keys, 576] @ Q^T; out^T [512, heads] += K_c^T [512, keys] @ P^T, the
+latent tile read from shared memory by both wgmmas (the transposed view for the second), P^T
+through 4 KB of shared memory. The key tiles stream through a 2-stage cp.async ring of whole
+pages (64 rows of 1,152 bytes); the online softmax runs over the tile's rows (keys) per column
+(head). One warpgroup a program; 189 KB of shared memory: one program an SM (compiled, 3.6:
+234 registers, no spills, 925 instructions a thread a 64-key tile, 68 wgmmas).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9, 3.6)
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+BLOCK_N = gl.constexpr(64)  # keys a tile: the wgmma's M, one page of the latent cache
+BLOCK_H = 32  # heads a program: the wgmma's N
+D_C = gl.constexpr(512)  # latent (kv_lora_rank) width the layouts are written for
+D_PE = gl.constexpr(64)  # its rotary part
+
+
+@gluon.jit
+def _copy_tile(KV, BT, b, n0, end, stride_btb, stride_kvp, kc_slot, kp_slot, rc, cc, cp, PAGE: gl.constexpr,
+               WIDTH: gl.constexpr):
+    """Start copying the key tile at n0 (one page: PAGE % BLOCK_N == 0) into a ring slot; rows at
+    or past ``end`` are not read (zero-filled), a tile past the split copies nothing."""
+    page = gl.load(BT + b * stride_btb + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
+    base = KV + page * stride_kvp + (n0 % PAGE) * WIDTH
+    live = gl.expand_dims(n0 + rc < end, 1)
+    _async_load(kc_slot, base + gl.expand_dims(rc * WIDTH, 1) + gl.expand_dims(cc, 0), mask=live)
+    _async_load(kp_slot, base + gl.expand_dims(rc * WIDTH, 1) + D_C + gl.expand_dims(cp, 0), mask=live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _mla_decode_split_kernel(
+    QC, QP, KV, BT, SL, O, LSE,
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, scale, H, NUM_SPLITS,
+    PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+):
+    """Program (sequence, head block, split): the split's keys in tiles of BLOCK_N, the partial
+    output [heads, D_C] and its log-sum-exp as ``mla_decode_triton``'s split kernel writes them."""
+    WIDTH: gl.constexpr = D_C + D_PE
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_H, 16])  # [keys, heads] and [D_C, heads]
+    kc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_C], gl.bfloat16)
+    kp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], gl.bfloat16)
+    qc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_C], gl.bfloat16)
+    qp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], gl.bfloat16)
+    p_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies along a row
+    b = gl.program_id(0)
+    hb = gl.program_id(1)
+    sp = gl.program_id(2)
+    seq_len = gl.load(SL + b)
+    per_split = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per_split
+    end = gl.minimum(start + per_split, seq_len)
+    # ---- the head block's queries into shared memory (the scores' B operand) -------------------
+    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, copy_l))
+    qmask = gl.expand_dims(hq < H, 1)
+    cc = gl.arange(0, D_C, layout=gl.SliceLayout(0, copy_l))
+    cp = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_l))
+    q_c = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_C], qc_s,
+                                    gl.load(QC + b * stride_qb + gl.expand_dims(hq * stride_qh, 1)
+                                            + gl.expand_dims(cc, 0), mask=qmask, other=0.0))
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_PE], qp_s,
+                                    gl.load(QP + b * stride_pb + gl.expand_dims(hq * stride_ph, 1)
+                                            + gl.expand_dims(cp, 0), mask=qmask, other=0.0))
+    kc = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_C], kc_s)
+    kp = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE], kp_s)
+    p_t = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_s)
+    rc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
+    _copy_tile(KV, BT, b, start, end, stride_btb, stride_kvp, kc.index(0), kp.index(0), rc, cc, cp, PAGE, WIDTH)
+    fence_async_shared()  # the queries, stored by every thread, before any wgmma reads them
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, s_l))
+    acc = gl.zeros([D_C, BLOCK_H], gl.float32, s_l)  # out^T
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_l))
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    for t in range(0, n_tiles):
+        slot = t % 2
+        n0 = start + t * BLOCK_N
+        # the next tile's copy into the other slot (its previous wgmmas completed last iteration)
+        _copy_tile(KV, BT, b, n0 + BLOCK_N, end, stride_btb, stride_kvp, kc.index(1 - slot), kp.index(1 - slot), rc,
+                   cc, cp, PAGE, WIDTH)
+        async_copy.wait_group(1)
+        _cta_barrier()
+        fence_async_shared()
+        k_c, k_p = kc.index(slot), kp.index(slot)
+        s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_l)
+        s = warpgroup_mma(k_c, q_c.permute([1, 0]), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_p, q_p.permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        s = gl.where(gl.expand_dims(n0 + keys < end, 1), s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        alpha = gl.exp(m_i - m_new)
+        p = gl.exp(s - gl.expand_dims(m_new, 0))
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        p_t.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()  # every warp's part of P^T before the wgmma reads it
+        acc = warpgroup_mma(k_c.permute([1, 0]), p_t, acc * gl.expand_dims(alpha, 0), is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    async_copy.wait_group(0)
+    has = l_i > 0
+    out = acc / gl.expand_dims(gl.where(has, l_i, 1.0), 0)
+    lse = gl.where(has, m_i + gl.log(gl.where(has, l_i, 1.0)), float("-inf"))
+    ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_l))
+    do = gl.arange(0, D_C, layout=gl.SliceLayout(1, s_l))
+    gl.store(O + b * stride_ob + gl.expand_dims(ho * stride_oh, 0) + sp * stride_os + gl.expand_dims(do, 1), out,
+             mask=gl.expand_dims(ho < H, 0))
+    gl.store(LSE + b * stride_lb + ho * stride_lh + sp, lse, mask=ho < H)
+
+
+def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, partial: torch.Tensor,
+                           lse: torch.Tensor, scale: float) -> None:
+    """``mla_decode_triton``'s split step into ``partial`` [B, H, S, D_C] / ``lse`` [B, H, S], for
+    latent widths D_C + D_PE, pages of whole key tiles, bf16 queries and cache; heads in blocks of
+    ``BLOCK_H`` (out^T alone is 128 registers a thread at 32: a block of 64 spills and overflows
+    shared memory with one warpgroup)."""
+    B, H, _ = q_abs.shape
+    page = latent_pages.shape[1]
+    if (q_abs.shape[-1], q_pe.shape[-1]) != (D_C.value, D_PE.value) or page % BLOCK_N.value \
+            or latent_pages.dtype != torch.bfloat16:
+        raise ValueError(f"the Gluon MLA decode takes {D_C} + {D_PE} latent widths, pages of multiples of {BLOCK_N} "
+                         f"keys and a bf16 cache (got {q_abs.shape[-1]} + {q_pe.shape[-1]}, page {page}, "
+                         f"{latent_pages.dtype})")
+    if latent_pages.stride(0) % 8 or latent_pages.data_ptr() % 16:
+        raise ValueError("the Gluon MLA decode copies 16-byte pieces of 16-byte aligned pages")
+    _mla_decode_split_kernel[(B, triton.cdiv(H, BLOCK_H), partial.shape[2])](
+        q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
+        q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0),
+        block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+        lse.stride(1), scale, H, partial.shape[2], PAGE=page, BLOCK_H=BLOCK_H, num_warps=4)
