@@ -6,7 +6,10 @@ fused KDA decode mixer (each way of splitting a head over programs), and the MXF
 weights in the MMA layout (every tuned tile). Fresh random inputs, mixed decode / prefill batches
 with cached context.
 
-Usage: python bench/gpu_check_kernels.py   (prints one row per check; exit code 1 if any fails)
+Also the Gluon kernels (moe_gluon, kda_decode_gluon, mla_decode_gluon) against the same references.
+
+Usage: python bench/gpu_check_kernels.py [--no-gluon | --gluon mla|kda|moe]
+(prints one row per check; exit code 1 if any fails)
 """
 
 from __future__ import annotations
@@ -167,9 +170,10 @@ def check_gemv_batched(B: int, T: int, K: int, N: int, fp32_x: bool, gen: torch.
            worst, 1e-5 if fp32_x else 1e-2)
 
 
-def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generator) -> None:
+def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generator, gluon: bool = False) -> None:
     """The fused decode mixer (conv, gates, norms, delta rule, gated RMSNorm) vs the reference
-    mixer, a head as one program, as one program per value block (the ticket), and by the rule."""
+    mixer, a head as one program, as one program per value block (the ticket), and by the rule;
+    with ``gluon`` kda_decode_gluon's program a head alone."""
     P, W, S = H * D, 4, N + 3
     x = torch.randn(N, 3 * P, generator=gen, device=DEV)
     conv_w = torch.randn(3 * P, W, generator=gen, device=DEV) * 0.5
@@ -189,7 +193,7 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
                  backend="torch")
     y_ref = (rms_norm(o, onw, 1e-5, torch.float32) * torch.sigmoid(gate.view(N, H, D))).reshape(N, P)
     has = torch.tensor(ctx, device=DEV) > 0
-    for bv, parts, gluon in ((64, 1, False), (64, 2, False), (32, 4, False), (64, None, False), (64, 1, True)):
+    for bv, parts in ((64, 1),) if gluon else ((64, 1), (64, 2), (32, 4), (64, None)):
         conv_t, state_t = conv0.clone(), state0.clone()
         y = kda_decode_fused(x, conv_w, conv_t, has, f, b, A_log, dt_bias, gate, onw, 1e-5, lb, state_t, slots, H,
                              block_v=bv, parts=parts, gluon=gluon)
@@ -235,9 +239,34 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
                    1e-4)
 
 
+def gluon_checks(family: str, gen: torch.Generator) -> None:
+    """The Gluon kernels' rows, by family (``--gluon FAMILY`` runs one alone: a kernel that faults
+    takes only its own process down)."""
+    if family == "mla":
+        check_mla_decode(1, 32, [4096], gen, gluon=True)
+        check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
+        check_mla_decode(3, 16, [1, 64, 129], gen, gluon=True)  # one key, one whole page, a page and a key
+    elif family == "kda":
+        for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0)):
+            check_kda_fused(N, H, 128, lb, gen, gluon=True)
+    elif family == "moe":
+        for T, E, N, K, top in ((1, 64, 3072, 3584, 16), (16, 64, 3584, 3072, 16), (200, 32, 1024, 2304, 8)):
+            check_mxfp4_mma(T, E, N, K, top, gen, "gluon")
+        check_mxfp4_mma(300, 8, 1024, 2304, 4, gen, "gluon", block_m=128)  # prefill row blocks: ~150 rows an expert
+        check_mxfp4_mma(16, 64, 3584, 3072, 16, gen, "gluon", block_m=8)  # row blocks of 8 (wgmma N = 8)
+    else:
+        raise SystemExit(f"--gluon {family!r}: mla, kda or moe")
+
+
 def main() -> int:
+    """Every check; ``--no-gluon``: all but the Gluon kernels' rows; ``--gluon FAMILY``: one
+    family of those alone."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     print(torch.cuda.get_device_name(), "\n| check | shape | rel err | tol | |\n|---|---|---|---|---|")
+    args = sys.argv[1:]
+    if "--gluon" in args:
+        gluon_checks(args[args.index("--gluon") + 1], gen)
+        return report()
     check_short_conv(12288, [(1, 40), (1, 7), (2, 1), (8192, 0), (300, 129)], gen)  # kimi-linear: 3 x 32 x 128
     check_short_conv(3 * 96 * 128, [(1, 5), (2048, 64), (3, 0)], gen)  # K3 widths
     check_gated_norm(8192, 32, 128, gen)
@@ -252,9 +281,6 @@ def main() -> int:
     for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16)):
         check_router(T, E, D, K, gen)
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
-    check_mla_decode(1, 32, [4096], gen, gluon=True)
-    check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
-    check_mla_decode(3, 16, [1, 64, 129], gen, gluon=True)  # one key, one whole page, a page and a key
     for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):
         check_gemv(T, K, N, gen)
     for B, T, K, N, fp32_x in ((2, 1, 128, 4096, False), (2, 4, 128, 4096, False), (32, 1, 128, 512, False),
@@ -263,10 +289,14 @@ def main() -> int:
     for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0)):
         check_kda_fused(N, H, 128, lb, gen)
     for T, E, N, K, top in ((1, 64, 3072, 3584, 16), (16, 64, 3584, 3072, 16), (200, 32, 1024, 2304, 8)):
-        for upcast in ("mma", "gluon"):
-            check_mxfp4_mma(T, E, N, K, top, gen, upcast)
-    check_mxfp4_mma(300, 8, 1024, 2304, 4, gen, "gluon", block_m=128)  # prefill row blocks: ~150 rows an expert
-    check_mxfp4_mma(16, 64, 3584, 3072, 16, gen, "gluon", block_m=8)  # row blocks of 8 (wgmma N = 8)
+        check_mxfp4_mma(T, E, N, K, top, gen, "mma")
+    if "--no-gluon" not in args:
+        for family in ("moe", "kda", "mla"):
+            gluon_checks(family, gen)
+    return report()
+
+
+def report() -> int:
     failed = [r for r in ROWS if r[2] > r[3]]
     print(f"{len(ROWS) - len(failed)} of {len(ROWS)} checks passed")
     return 1 if failed else 0

@@ -108,11 +108,13 @@ case "$1" in
           # MoE, the Gluon KDA mixer, the Gluon MLA decode), the KDA decode bench (its Gluon
           # variant), the Gluon MLA decode sweep, then the MXFP4 MoE sweeps (decode: PAIRED and
           # 8-row blocks; prefill: PAIRED at 64 / 128 rows)
-    step kernels_check 200 python3 bench/gpu_check_kernels.py
+    step kernels_check 150 python3 bench/gpu_check_kernels.py --no-gluon
+    for fam in moe kda mla; do step "check_$fam" 90 python3 bench/gpu_check_kernels.py --gluon $fam; done
     step kda "$(left 280)" python3 -m bench.kernels_kda_decode
     step mla "$(left 360)" python3 -m bench.kernels_mla --gluon
     step moe "$(left 585)" python3 -m bench.kernels_moe --mxfp4-only --mma-only
-    grep -i "gluon\|FAIL\|checks passed" "$OUT/kernels_check.log" | tail -30; tail -c 2500 "$OUT/kda.log"
+    grep "FAIL\|checks passed" "$OUT/kernels_check.log"; for fam in moe kda mla; do tail -c 2500 "$OUT/check_$fam.log"; done
+    tail -c 2500 "$OUT/kda.log"
     tail -c 2500 "$OUT/mla.log"
     grep -v "failed" "$OUT/moe.log" | grep -i "gluon\|16,64,True,128,4,2,mma\|64,64,True,128,4,2,mma" ;;
   verify)  # a session's untimed code first: every kernel check, the KDA decode bench, the small
