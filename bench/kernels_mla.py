@@ -73,40 +73,32 @@ def main():
               f"{r['tbs']:.2f} | {100 * r['tbs'] / ceil:.0f} % | {r['tflops']:.0f} | {100 * r['tflops'] / mm:.0f} % | "
               f"{r.get('rel_err', float('nan')):.2e} |", flush=True)
 
-    if "--gluon" in sys.argv:  # mla_decode_gluon's keys-major split step (heads by 32), two split counts
+    def checked_sweep(variants_of):
+        """At the memory-bound head counts (a TP shard of K3, kimi-linear's 32) and K3's 96, two
+        split counts: each variant ``(label, mla_decode kwargs)`` checked on a 4K table, then timed."""
         print(head)
         for B, H in ((16, 16), (64, 16), (16, 32), (64, 32), (16, 96)):
             base = default_num_splits(B, H, 32768, torch.cuda.get_device_properties(0).multi_processor_count)
-            for splits in (base, 2 * base):
-                try:
-                    err = case(B, H, 4096, splits=splits, gluon=True)["rel_err"]
-                    r = case(B, H, 32768, splits=splits, check=False, gluon=True)
-                except Exception as exc:
-                    print(f"| {B} | {H} | 32768 | {splits} | gluon | failed: {type(exc).__name__}: "
-                          f"{str(exc)[:160]!r} ||||||")
-                    continue
-                r.update(config="gluon 32, 64, 4, 2", rel_err=err)
-                show(r)
-        return
-    if "--mem" in sys.argv:  # memory-bound head counts (a TP shard of K3, kimi-linear's 32) and K3's 96:
-        # tiles and split counts, each variant checked against the reference on a 4K table first
-        print(head)
-        for B, H in ((16, 16), (64, 16), (16, 32), (64, 32), (16, 96)):
-            base = default_num_splits(B, H, 32768, torch.cuda.get_device_properties(0).multi_processor_count)
-            for bh, bn, w, st in (MEM_SWEEP if H <= 32 else MEM_SWEEP_96):
-                if bh > max(16, triton.next_power_of_2(H)):
-                    continue
+            for label, kw in variants_of(H):
                 for splits in (base, 2 * base):
-                    tiles = dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st)
                     try:
-                        err = case(B, H, 4096, splits=splits, tiles=tiles)["rel_err"]
-                        r = case(B, H, 32768, splits=splits, check=False, tiles=tiles)
+                        err = case(B, H, 4096, splits=splits, **kw)["rel_err"]
+                        r = case(B, H, 32768, splits=splits, check=False, **kw)
                     except Exception as exc:
-                        print(f"| {B} | {H} | 32768 | {splits} | {bh},{bn},{w},{st} | failed: "
+                        print(f"| {B} | {H} | 32768 | {splits} | {label} | failed: "
                               f"{type(exc).__name__}: {str(exc)[:160]!r} ||||||")
                         continue
-                    r.update(config=f"{bh},{bn},{w},{st}", rel_err=err)
+                    r.update(config=label, rel_err=err)
                     show(r)
+
+    if "--gluon" in sys.argv:  # mla_decode_gluon's keys-major split step (heads by 32)
+        checked_sweep(lambda H: [("gluon 32, 64, 4, 2", {"gluon": True})])
+        return
+    if "--mem" in sys.argv:  # the Triton kernel's tiles
+        checked_sweep(lambda H: [(f"{bh},{bn},{w},{st}", {"tiles": dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w,
+                                                                        num_stages=st)})
+                                 for bh, bn, w, st in (MEM_SWEEP if H <= 32 else MEM_SWEEP_96)
+                                 if bh <= max(16, triton.next_power_of_2(H))])
         return
     if "--no-sweep" not in sys.argv:
         print(head)

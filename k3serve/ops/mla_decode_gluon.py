@@ -25,6 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from .mla_decode_triton import split_range
+
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9, 3.6)
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -68,10 +70,7 @@ def _mla_decode_split_kernel(
     b = gl.program_id(0)
     hb = gl.program_id(1)
     sp = gl.program_id(2)
-    seq_len = gl.load(SL + b)
-    per_split = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = sp * per_split
-    end = gl.minimum(start + per_split, seq_len)
+    start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
     # ---- the head block's queries into shared memory (the scores' B operand) -------------------
     hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, copy_l))
     qmask = gl.expand_dims(hq < H, 1)

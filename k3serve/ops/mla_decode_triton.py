@@ -26,6 +26,16 @@ from .pdl import pdl_start
 
 
 @triton.jit
+def split_range(SL, b, sp, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Keys [start, end) of split ``sp`` of sequence ``b``: equal shares in whole key tiles (also
+    called from mla_decode_gluon, so both kernels split alike and share the merge)."""
+    seq_len = tl.load(SL + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per_split
+    return start, tl.minimum(start + per_split, seq_len)
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     QC, QP, KV, BT, SL, O, LSE,
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_kvt, stride_btb, stride_ob, stride_oh, stride_os,
@@ -39,10 +49,7 @@ def _mla_decode_split_kernel(
     b = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
-    seq_len = tl.load(SL + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = sp * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
