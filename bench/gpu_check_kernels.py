@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
 from k3serve.ops import mla_ref
+from k3serve.ops.attn_res_triton import attn_res_mix
 from k3serve.ops.gemv_triton import GEMV_CONFIGS, gemv
 from k3serve.ops.kda import kda_core
 from k3serve.ops.kda_decode_triton import kda_decode_fused
@@ -126,6 +127,22 @@ def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluo
     before[slot // page, slot % page] = torch.cat([rms_norm_triton(kv[:, :rkv], nw, 1e-6), kv[:, rkv:]], -1)
     record("MLA latent rows to cache (1 = differs from norm + cat + store)", f"T={B}",
            float(not torch.equal(pool, before)), 0.0)
+
+
+def check_attn_res_partial(M: int, T: int, D: int, gen: torch.Generator) -> None:
+    """The AttnRes mixer doing the partial's pending update in its pass (``attn_res.FUSE_PARTIAL``):
+    the buffer and the output bit for bit those of torch's add (or copy) first, then the mix."""
+    q, w = torch.randn(D, generator=gen, device=DEV), torch.rand(D, generator=gen, device=DEV) + 0.5
+    buf = torch.randn(M, T, D, generator=gen, device=DEV).bfloat16()
+    delta = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    for reset in (False, True):
+        first = buf.clone()
+        (first[-1].copy_ if reset else first[-1].add_)(delta)
+        expect = attn_res_mix(first, q, 1e-5, w, torch.bfloat16)
+        fused = buf.clone()
+        got = attn_res_mix(fused, q, 1e-5, w, torch.bfloat16, (delta, reset))
+        record("AttnRes mix + partial update (1 = differs from update first)", f"M={M} T={T} D={D} reset={reset}",
+               float(not (torch.equal(fused, first) and torch.equal(got, expect))), 0.0)
 
 
 def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
@@ -274,6 +291,8 @@ def main() -> int:
     for T in (1, 64, 8192):
         check_combine(T, 8, 2304, False, gen)  # kimi-linear: shared experts added
     check_combine(16, 16, 3584, True, gen)  # K3 latent: the latent norm
+    for M, T in ((2, 1), (9, 64), (16, 3)):
+        check_attn_res_partial(M, T, 7168, gen)  # K3's width
     check_mla_prefill(32, 0, 2048, gen)
     check_mla_prefill(32, 700, 300, gen)
     check_mla_prefill(96, 0, 37, gen)

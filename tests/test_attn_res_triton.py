@@ -34,6 +34,20 @@ SCRIPT = textwrap.dedent('''
         assert got_bf16.dtype == torch.bfloat16
         ref_bf16 = rms_norm(mixer(src), out_w.bfloat16(), 1e-5, torch.float32)
         assert ((got_bf16.float() - ref_bf16).norm() / ref_bf16.norm()).item() < 8e-3  # one bf16 rounding
+        # the partial's pending update done in the pass: the buffer and the output bit for bit those
+        # of the update done first. (The interpreter rounds fp32 -> bf16 toward zero where the GPU
+        # and torch round to nearest: the reference here truncates too; bench/gpu_check_kernels.py
+        # checks the GPU against torch's add.)
+        buf = torch.stack(src).bfloat16()
+        delta = torch.randn(T, D, generator=gen).bfloat16()
+        for reset in (False, True):
+            first = buf.clone()
+            summed = delta.float() + (0 if reset else first[-1].float())
+            first[-1] = (summed.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)  # truncated
+            expect = attn_res_mix(first, mixer.folded_query(), 1e-5, out_w, torch.bfloat16)
+            fused = buf.clone()
+            got = attn_res_mix(fused, mixer.folded_query(), 1e-5, out_w, torch.bfloat16, (delta, reset))
+            assert torch.equal(fused, first) and torch.equal(got, expect), (M, reset)
     print(worst)
 ''')
 

@@ -109,6 +109,40 @@ def test_attn_res_serving_buffer_keeps_the_same_sources_as_the_list_form(num_lay
     assert torch.equal(mixer(listed._sources()), mixer(buffered._sources()))
 
 
+@pytest.mark.parametrize("num_layers,block", [(6, 2), (7, 3), (5, 1)])
+def test_attn_res_deferred_partial_updates_reach_the_mixers_unchanged(num_layers, block):
+    """Serving may leave each partial update (add, or copy at a block start) to the next mixer
+    (``AttnResState.take_pending`` into ``mix_and_norm``, whose Triton pass does it): every mixer's
+    output and the buffer afterwards are bit for bit those of the updates done in place first (here
+    through the torch path, which applies the pending update before mixing)."""
+    from k3serve.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(num_layers * 10 + block)
+    emb = torch.randn(5, 8, generator=g).bfloat16()
+    eager, deferred = (AttnResState(emb, block, num_layers, use_buffer=True, defer=d) for d in (False, True))
+    assert deferred.defer and not eager.defer
+    mixer = AttnResMixer(8, 1e-5, torch.bfloat16)
+    mixer.proj.data.normal_(generator=g)
+    mixer.norm.data.uniform_(0.5, 1.5, generator=g)
+    norm = RMSNorm(8, 1e-5, torch.bfloat16)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+
+    def mixes(state, i, a, m):
+        x = mixer.mix_and_norm(state.token_mixer_sources(i, m), norm, torch.bfloat16, state.take_pending())
+        y = mixer.mix_and_norm(state.channel_mixer_sources(i, a), norm, torch.bfloat16, state.take_pending())
+        return x, y
+
+    m = None
+    for i in range(num_layers):
+        a = torch.randn(5, 8, generator=g).bfloat16()
+        for got, want in zip(mixes(deferred, i, a, m), mixes(eager, i, a, m)):
+            assert torch.equal(got, want)
+        assert eager.take_pending() is None and deferred.pending is None
+        m = torch.randn(5, 8, generator=g).bfloat16()
+    final = [mixer.mix_and_norm(s.final_sources(m), None, torch.bfloat16, s.take_pending()) for s in (deferred, eager)]
+    assert torch.equal(final[0], final[1]) and torch.equal(deferred.buffer, eager.buffer)
+
+
 @pytest.mark.parametrize("groups,topk_group,k", [(1, 1, 4), (4, 2, 4), (8, 3, 6)])
 def test_router_matches_naive(groups, topk_group, k):
     E, d = 32, 24

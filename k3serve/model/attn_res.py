@@ -11,6 +11,13 @@ from torch import nn
 from ..ops.backend import triton_enabled
 from .layers import RMSNorm
 
+# Serving: the partial's update (an add, or a copy at a block start) left to the next mixer, whose
+# Triton pass does it while it reads the sources (``attn_res_triton.attn_res_mix``'s
+# ``partial_update``) instead of a torch kernel of its own before it: two launches a layer fewer
+# and the partial read once. Checked on CPU through the interpreter, not yet timed on a GPU
+# (thirteenth session), so off.
+FUSE_PARTIAL = False
+
 
 class AttnResMixer(nn.Module):
     """Mix(v) = sum_i softmax_i(w . RMSNorm(v_i; gamma)) v_i, all fp32; the UN-normalised
@@ -41,15 +48,20 @@ class AttnResMixer(nn.Module):
         return (alpha.unsqueeze(-1) * v).sum(0)
 
     def mix_and_norm(self, sources: list[torch.Tensor], out_norm: RMSNorm | None,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+                     out_dtype: torch.dtype, partial_update: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
         """The mix followed by the next sublayer's RMSNorm (None: the final mixer, no norm). On CUDA
-        with the Triton backend (ops/backend.py) one fused pass per token."""
+        with the Triton backend (ops/backend.py) one fused pass per token. ``partial_update``
+        (``AttnResState.take_pending``): (delta, reset) still owed to the last source, the buffer's
+        partial slot: added (or, with reset, copied) in that pass, or here first."""
         if (triton_enabled("ATTNRES", sources[0].device) and len(sources) <= 16
                 and (out_norm is None or out_norm.eps == self.eps)):
             from ..ops.attn_res_triton import attn_res_mix
 
             return attn_res_mix(_stacked(sources), self.folded_query(), self.eps,
-                                None if out_norm is None else out_norm.weight, out_dtype)
+                                None if out_norm is None else out_norm.weight, out_dtype, partial_update)
+        if partial_update is not None:
+            delta, reset = partial_update
+            (sources[-1].copy_ if reset else sources[-1].add_)(delta)
         mixed = self(sources)
         return mixed.to(out_dtype) if out_norm is None else out_norm(mixed, out_dtype=out_dtype)
 
@@ -66,7 +78,8 @@ class AttnResState:
     buffer, updated in place, so every mixer's sources are one tensor view: no stack (a copy of all
     sources) per mixer call. Training keeps a list (in-place updates would break autograd)."""
 
-    def __init__(self, embeddings: torch.Tensor, block_size: int, num_layers: int, use_buffer: bool | None = None):
+    def __init__(self, embeddings: torch.Tensor, block_size: int, num_layers: int, use_buffer: bool | None = None,
+                 defer: bool | None = None):
         self.block_size = block_size
         self.blocks: list[torch.Tensor] = []
         self.partial = embeddings
@@ -75,12 +88,24 @@ class AttnResState:
         if not torch.is_grad_enabled() if use_buffer is None else use_buffer:
             self.buffer = embeddings.new_empty(-(-num_layers // block_size) + 1, *embeddings.shape)
             self.buffer[0].copy_(embeddings)
+        # buffer mode: each partial update may be left to the next mixer (``take_pending``)
+        if defer is None:
+            defer = FUSE_PARTIAL and triton_enabled("ATTNRES", embeddings.device)
+        self.defer = defer and self.buffer is not None
+        self.pending: tuple[torch.Tensor, bool] | None = None
 
     def _add_to_partial(self, x: torch.Tensor) -> None:
         if self.buffer is None:
             self.partial = self.partial + x
+        elif self.defer:
+            self.pending = (x, False)
         else:
             self.buffer[self.n_blocks].add_(x)
+
+    def take_pending(self) -> tuple[torch.Tensor, bool] | None:
+        """The partial update owed to the sources just returned (their last one), for the mixer."""
+        pending, self.pending = self.pending, None
+        return pending
 
     def _sources(self, with_partial: bool = True) -> list[torch.Tensor] | torch.Tensor:
         if self.buffer is None:
@@ -102,6 +127,8 @@ class AttnResState:
         if layer % self.block_size == 0:  # a new block's partial starts from the mixer output
             if self.buffer is None:
                 self.partial = attn_out
+            elif self.defer:
+                self.pending = (attn_out, True)
             else:
                 self.buffer[self.n_blocks].copy_(attn_out)
         else:

@@ -115,12 +115,14 @@ class K3ForCausalLM(nn.Module):
                 else:
                     h = h + layer.ffn(x)  # the final norm runs on the sampled rows only (compute_logits)
                 continue
-            x = layer.self_attention_res.mix_and_norm(res.token_mixer_sources(i, m), layer.input_layernorm, self.dtype)
+            x = layer.self_attention_res.mix_and_norm(res.token_mixer_sources(i, m), layer.input_layernorm, self.dtype,
+                                                      res.take_pending())
             a = layer.self_attn(x, batch, cache)
-            x = layer.mlp_res.mix_and_norm(res.channel_mixer_sources(i, a), layer.post_attention_layernorm, self.dtype)
+            x = layer.mlp_res.mix_and_norm(res.channel_mixer_sources(i, a), layer.post_attention_layernorm, self.dtype,
+                                           res.take_pending())
             m = layer.ffn(x)
         if res is not None:
-            return self.model.output_attn_res.mix_and_norm(res.final_sources(m), None, self.dtype)
+            return self.model.output_attn_res.mix_and_norm(res.final_sources(m), None, self.dtype, res.take_pending())
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
