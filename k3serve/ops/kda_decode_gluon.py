@@ -24,8 +24,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9, 3.6)
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+from .gluon_compat import async_load, cta_barrier
+
 
 D_HEAD = 128  # the head width the layouts are written for (K3 and Kimi-Linear)
 PASS = 32  # value columns a pass over the tile: 128 registers a thread (64: 184)
@@ -84,7 +84,7 @@ def _kda_decode_fused_kernel(
     cr = gl.arange(0, D, layout=gl.SliceLayout(1, copy_l))
     cc = gl.arange(0, D, layout=gl.SliceLayout(0, copy_l))
     live = gl.full([D, D], 1, gl.int1, copy_l) & (has > 0)
-    _async_load(tile, base + gl.expand_dims(cr * D, 1) + gl.expand_dims(cc, 0), mask=live)  # one copy: no barriers
+    async_load(tile, base + gl.expand_dims(cr * D, 1) + gl.expand_dims(cc, 0), mask=live)  # one copy: no barriers
     async_copy.commit_group()
     # ---- short conv with state for q, k; gates and L2 norms ------------------------------------
     ch = gl.arange(0, D, layout=gl.SliceLayout(1, conv_l))
@@ -113,7 +113,7 @@ def _kda_decode_fused_kernel(
     qq = gl.expand_dims(q, 1)
     o_s = gl.allocate_shared_memory(gl.float32, [D], vec_s)
     async_copy.wait_group(0)
-    _cta_barrier()  # every thread's copies (and v) have landed
+    cta_barrier()  # every thread's copies (and v) have landed
     for j in gl.static_range(D // PASS):
         # S <- decay S + beta k r^T with r = v - (decay S)^T k; o = S^T q; the columns stored back
         dv = j * PASS + gl.arange(0, PASS, layout=cols_l)
@@ -123,7 +123,7 @@ def _kda_decode_fused_kernel(
         gl.store(base + gl.expand_dims(dk * D, 1) + gl.expand_dims(dv, 0), s)
         o_s.slice(j * PASS, PASS).store(gl.sum(s * qq, 0))
     # ---- gated RMSNorm over the head: y = RMSNorm(o; w) * sigmoid(gate) ------------------------
-    _cta_barrier()
+    cta_barrier()
     o = o_s.load(vec_l)
     dh = gl.arange(0, D, layout=vec_l)
     gt = gl.load(GATE + n * stride_g + h * D + dh).to(gl.float32)

@@ -25,10 +25,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from .gluon_compat import async_load, cta_barrier
+
 from .mla_decode_triton import split_range
 
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9, 3.6)
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BLOCK_N = gl.constexpr(64)  # keys a tile: the wgmma's M, one page of the latent cache
 BLOCK_H = 32  # heads a program: the wgmma's N
@@ -44,8 +44,8 @@ def _copy_tile(KV, BT, b, n0, end, stride_btb, stride_kvp, kc_slot, kp_slot, rc,
     page = gl.load(BT + b * stride_btb + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
     base = KV + page * stride_kvp + (n0 % PAGE) * WIDTH
     live = gl.expand_dims(n0 + rc < end, 1)
-    _async_load(kc_slot, base + gl.expand_dims(rc * WIDTH, 1) + gl.expand_dims(cc, 0), mask=live)
-    _async_load(kp_slot, base + gl.expand_dims(rc * WIDTH, 1) + D_C + gl.expand_dims(cp, 0), mask=live)
+    async_load(kc_slot, base + gl.expand_dims(rc * WIDTH, 1) + gl.expand_dims(cc, 0), mask=live)
+    async_load(kp_slot, base + gl.expand_dims(rc * WIDTH, 1) + D_C + gl.expand_dims(cp, 0), mask=live)
     async_copy.commit_group()
 
 
@@ -100,7 +100,7 @@ def _mla_decode_split_kernel(
         _copy_tile(KV, BT, b, n0 + BLOCK_N, end, stride_btb, stride_kvp, kc.index(1 - slot), kp.index(1 - slot), rc,
                    cc, cp, PAGE, WIDTH)
         async_copy.wait_group(1)
-        _cta_barrier()
+        cta_barrier()
         fence_async_shared()
         k_c, k_p = kc.index(slot), kp.index(slot)
         s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_l)
@@ -115,7 +115,7 @@ def _mla_decode_split_kernel(
         m_i = m_new
         p_t.store(p.to(gl.bfloat16))
         fence_async_shared()
-        _cta_barrier()  # every warp's part of P^T before the wgmma reads it
+        cta_barrier()  # every warp's part of P^T before the wgmma reads it
         acc = warpgroup_mma(k_c.permute([1, 0]), p_t, acc * gl.expand_dims(alpha, 0), is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     async_copy.wait_group(0)

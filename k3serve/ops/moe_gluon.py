@@ -39,13 +39,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from .gluon_compat import async_load, cta_barrier
+
 from .glu_triton import glu
 from .moe_triton import _E2M1_WORD_TO_BF16_ASM
-from .mxfp4 import MMA_MAX_SCALE  # noqa: F401  (the bound the caller checks at load)
 
-# cp.async into shared memory (Triton 3.6 names it async_copy_global_to_shared, 3.9 async_load)
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (3.9: barrier)
 
 
 # ``_E2M1_WORD_TO_BF16_ASM`` with each mul.rn.bf16x2 by the row's 2^(E8M0 - 1) instead of the
@@ -88,12 +86,12 @@ def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n
     live = i < n_steps
     for g in gl.static_range(GROUPS):
         kk = i * (32 * GROUPS) + 32 * g
-        _async_load(xs[g].index(slot), x_ptrs + kk, mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
+        async_load(xs[g].index(slot), x_ptrs + kk, mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
         w_at = (i * GROUPS + g) * 256
-        _async_load(ws[g].index(slot), W_e + w_offs + w_at, mask=wmask & live)
+        async_load(ws[g].index(slot), W_e + w_offs + w_at, mask=wmask & live)
         if TWO:
-            _async_load(wus[g].index(slot), WU_e + w_offs + w_at, mask=wmask & live)
-    _async_load(ss.index(slot), s_ptrs + i * GROUPS, mask=smask & live)
+            async_load(wus[g].index(slot), WU_e + w_offs + w_at, mask=wmask & live)
+    async_load(ss.index(slot), s_ptrs + i * GROUPS, mask=smask & live)
     async_copy.commit_group()
 
 
@@ -135,7 +133,7 @@ def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smas
     previous step has completed, so its slot is refilled there with step i + STAGES - 1."""
     xs, ws, wus, ss = bufs
     async_copy.wait_group(STAGES - 2)
-    _cta_barrier()  # (also: every thread's scale copies of this step landed)
+    cta_barrier()  # (also: every thread's scale copies of this step landed)
     fence_async_shared()
     s_gate, s_up = _step_scales(ss.index(slot), sg_l, scale_l)
     for g in gl.static_range(GROUPS):
@@ -267,7 +265,7 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
                        out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
                        stages: int = STAGES, maxnreg: int | None = None, paired: bool | None = None) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
-    (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``MMA_MAX_SCALE``: the caller's load-time check);
+    (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``mxfp4.MMA_MAX_SCALE``: the caller's load-time check);
     ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy);
     ``paired`` (GLU only; None: at row blocks of 128) gate and up rows on one accumulator chain."""
     K = x.shape[1]
