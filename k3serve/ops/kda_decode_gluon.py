@@ -12,7 +12,9 @@ convs it was held in registers across them (3,160 instructions a thread, 43 %). 
 [D, D] fp32 tile (64 KB) is copied into shared memory by cp.async as the program's first act,
 the convs, gates and norms run while it is in flight, and the tile is read from shared memory
 PASS value columns at a time, updated in registers and stored back to its slot (compiled, 3.6:
-128 registers, 1,616 instructions a thread; the Triton kernel 168 and 1,664).
+128 registers, 1,592 instructions a thread; the Triton kernel 168 and 1,664). (An L2 prefetch of
+the state before the convs did not help the Triton kernel, RESULTS.md eleventh session: the bytes
+landed in L2, still to be loaded after the prologue; here they land in shared memory.)
 Programs: (sequence, head); 64 KB of shared memory each: 3 an SM.
 """
 
