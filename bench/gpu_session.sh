@@ -105,18 +105,16 @@ case "$1" in
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
   gluon)  # the Gluon kernels left unrun (thirteenth session): every kernel check (PAIRED and 8-row
-          # MoE, the Gluon KDA mixer, the Gluon MLA decode), the KDA decode bench (its Gluon
-          # variant), the Gluon MLA decode sweep, then the MXFP4 MoE sweeps (decode: PAIRED and
-          # 8-row blocks; prefill: PAIRED at 64 / 128 rows)
+          # MoE, the Gluon KDA mixer, the Gluon MLA decode, each family in its own process), the
+          # KDA decode bench (its Gluon variant), the Gluon MLA decode sweep. The MoE sweeps (PAIRED
+          # and 8-row decode, PAIRED prefill) are the next call's:
+          # MOE_ARGS="--mxfp4-only --mma-only" bash bench/gpu_session.sh moe
     step kernels_check 150 python3 bench/gpu_check_kernels.py --no-gluon
-    for fam in moe kda mla; do step "check_$fam" 90 python3 bench/gpu_check_kernels.py --gluon $fam; done
-    step kda "$(left 280)" python3 -m bench.kernels_kda_decode
-    step mla "$(left 360)" python3 -m bench.kernels_mla --gluon
-    step moe "$(left 585)" python3 -m bench.kernels_moe --mxfp4-only --mma-only
+    for fam in moe kda mla; do step "check_$fam" 120 python3 bench/gpu_check_kernels.py --gluon $fam; done
+    step kda "$(left 420)" python3 -m bench.kernels_kda_decode
+    step mla "$(left 585)" python3 -m bench.kernels_mla --gluon
     grep "FAIL\|checks passed" "$OUT/kernels_check.log"; for fam in moe kda mla; do tail -c 2500 "$OUT/check_$fam.log"; done
-    tail -c 2500 "$OUT/kda.log"
-    tail -c 2500 "$OUT/mla.log"
-    grep -v "failed" "$OUT/moe.log" | grep -i "gluon\|16,64,True,128,4,2,mma\|64,64,True,128,4,2,mma" ;;
+    tail -c 3000 "$OUT/kda.log"; tail -c 3000 "$OUT/mla.log" ;;
   verify)  # a session's untimed code first: every kernel check, the KDA decode bench, the small
            # kernels (norms, GLU, routing, alignment), then the engine
     step kernels_check 240 python3 bench/gpu_check_kernels.py
