@@ -1,8 +1,8 @@
 """The MXFP4 grouped expert GEMM over MMA-layout weights in Gluon (Triton's explicit-layout
 dialect): the same computation as ``moe_triton`` "mx_mma", written so that what the Triton
 language cannot guarantee is stated and checked by the compiler. It serves decode row blocks
-(``moe_triton.GLUON_DECODE``): K3's experts at 1 / 16 / 64 tokens 52 / 63 / 58 % of copy on the
-H200 against "mx_mma"'s 39 / 49 / 47 % (RESULTS.md thirteenth session); checked against fp32
+(``moe_triton.GLUON_DECODE``): K3's experts at 1 / 16 / 64 tokens 58 / 70 / 67 % of copy on the
+H200 against "mx_mma"'s 39 / 49 / 49 % (RESULTS.md thirteenth session, calls 7-8); checked against fp32
 matmuls of the exact dequantisation by bench/gpu_check_kernels.py, compiled for sm_90 on CPU by
 tests/test_sm90_compile.py (Triton 3.6 and 3.9).
 

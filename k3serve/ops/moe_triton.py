@@ -591,8 +591,8 @@ MMA_LAYOUT = True
 # Decode row blocks (16) over MMA-layout experts whose scales fold (``RoutedExperts.folded_scales``)
 # go through moe_gluon's kernel: cp.async copy ring of 2 K steps, scale folded into the upcast,
 # async wgmma chains. K3's experts on the H200 (RESULTS.md thirteenth session): 1 / 16 / 64 tokens
-# 0.126 / 1.304 / 3.124 ms = 52 / 63 / 58 % of copy, against "mx_mma"'s 0.171 / 1.675 / 3.853.
-# Prefill row blocks stay on "mx_mma" (8K tokens: 54.2 ms against 47.6). False: "mx_mma" always.
+# 0.114 / 1.181 / 2.740 ms = 58 / 70 / 67 % of copy, against "mx_mma"'s 0.171 / 1.684 / 3.771.
+# Prefill row blocks stay on "mx_mma" (8K tokens: 51-54 ms against 47.6). False: "mx_mma" always.
 GLUON_DECODE = True
 # Prefill row blocks of 128 through moe_gluon's PAIRED kernel (gate and up rows on one chain):
 # compiled, not yet checked or timed on a GPU (thirteenth session), so off.
