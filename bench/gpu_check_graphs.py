@@ -143,11 +143,12 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
     passes, each figure the median of its rounds with their spread: drift over a call then hits
     every variant alike (sequential variants that could not differ differed by up to 2 % within
     one call, RESULTS.md tenth session)."""
-    import ast
     import functools
     import importlib
 
     from triton.runtime.autotuner import Autotuner
+
+    from bench.overrides import restore, set_constants
 
     def forget_tuning():
         for name in ("moe_triton", "gemv_triton", "kda_decode_triton", "mla_decode_triton", "norm_triton"):
@@ -160,13 +161,7 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
     shared = new_pool(model, pool_bytes, ctx, max(sizes)) if rounds > 1 else None
     for spec in variants.split(";"):
         name, _, assigns = spec.partition(":")
-        saved = []
-        for a in filter(None, assigns.split(",")):
-            target, _, value = a.partition("=")
-            mod_name, _, const = target.strip().rpartition(".")
-            mod = importlib.import_module(mod_name)
-            saved.append((mod, const, getattr(mod, const)))
-            setattr(mod, const, ast.literal_eval(value.strip()))
+        saved = set_constants(assigns)
         forget_tuning()
         pool, slots, pages = shared or new_pool(model, pool_bytes, ctx, max(sizes))
         graphs = DecodeGraphs(model, pool, max(sizes), len(pages[0]), capture=True)
@@ -175,8 +170,7 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
             chunks = [SeqChunk([rng.randrange(1000)], ctx, slots[i], pages[i]) for i in range(n)]
             graphs.run(chunks)
             runs.append((n, functools.partial(graphs.run, chunks)))
-        for mod, const, value in saved:  # (a captured graph replays without reading them)
-            setattr(mod, const, value)
+        restore(saved)  # (a captured graph replays without reading them)
         if rounds > 1:
             kept.append((name.strip(), assigns, runs, graphs))
             continue

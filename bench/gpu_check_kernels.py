@@ -240,19 +240,16 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
     a = ids.flatten()
     gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
     exact = {False: gate, True: F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(upk, us)[a])}
-    # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps, and gate / up
-    # paired on one chain (the default at row blocks of 128)
-    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [(64, True, 4, st) for st in (2, 3, 4)] + [
-        (64, True, 4, 2, True)] if block_m < 128 else [(64, True, 4, st) for st in (2, 3)]
+    # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps (its gate / up
+    # chains do not fit row blocks of 128: the single GEMM only there)
+    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [(64, True, 4, st) for st in (2, 3, 4)]
     for tile in tiles:
-        for glu in (False, True):
-            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3],
-                                 **({"paired": True} if len(tile) > 4 else {})))
+        for glu in (False, True) if upcast == "mma" or block_m < 128 else (False,):
+            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3]))
             out = grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, block_m,
                                up=(to_mma_layout(upk), us) if glu else None, mx_upcast=upcast, **kw)
             record(f"MXFP4 grouped GEMM, MMA layout, {upcast}" + (" + GLU" if glu else ""),
-                   f"T={T} E={E} N={N} K={K} rows {block_m} tile {tile[0]}/{tile[2]}w/{tile[3]}s"
-                   + (" paired" if len(tile) > 4 or (block_m == 128 and glu) else ""), rel(out, exact[glu]),
+                   f"T={T} E={E} N={N} K={K} rows {block_m} tile {tile[0]}/{tile[2]}w/{tile[3]}s", rel(out, exact[glu]),
                    1e-4)
 
 
@@ -264,7 +261,7 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
         check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
         check_mla_decode(3, 16, [1, 64, 129], gen, gluon=True)  # one key, one whole page, a page and a key
     elif family == "kda":
-        for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0)):
+        for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0), (300, 96, -5.0)):
             check_kda_fused(N, H, 128, lb, gen, gluon=True)
     elif family == "moe":
         for T, E, N, K, top in ((1, 64, 3072, 3584, 16), (16, 64, 3584, 3072, 16), (200, 32, 1024, 2304, 8)):

@@ -10,6 +10,7 @@
    the machine's host RAM; the reference code is the same one CI runs on CPU).
 
 Usage: python bench/gpu_check_model.py [--out DIR] [--skip-slice] [--skip-tiny] [--skip-kda] [--backends auto,triton]
+       [--set module.CONST=value,...]
 Prints a table; writes results.json under --out.
 """
 
@@ -194,7 +195,13 @@ def main() -> None:
     ap.add_argument("--skip-kda", action="store_true", help="skip the kda_core checks (fla autotuning takes a while)")
     ap.add_argument("--dump-stacks-after", type=float, default=0, help="print every thread's stack after N s "
                     "(and every N s after that): where a slow run spends its time")
+    ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
+                    "(a flag checked before it turns on)")
     args = ap.parse_args()
+    if args.set:
+        from bench.overrides import set_constants
+
+        print("set", args.set, set_constants(args.set), flush=True)
     if args.dump_stacks_after:
         import faulthandler
 

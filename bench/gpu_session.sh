@@ -97,6 +97,13 @@ case "$1" in
         --section MemoryWorkloadAnalysis --section LaunchStats python3 -m bench.ncu_moe "${NCU_TOKENS:-16}" "$up" $NCU_TILE
       grep -v "^==PROF==" "$OUT/ncu_$up.log" | tail -c 6000
     done ;;
+  ncukda)  # Nsight Compute on the KDA decode kernels (probe, core step, fused Triton, fused Gluon; N = 256)
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 0; }
+    step ncu_kda "$(left "${NCU_UNTIL:-580}")" "$NCU" --profile-from-start off --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+      python3 -m bench.ncu_kda "${NCU_N:-256}"
+    grep -v "^==PROF==" "$OUT/ncu_kda.log" | tail -c 20000 ;;
   dense)  # skinny dense GEMMs: cuBLAS vs our grouped GEMM as one expert; then MLA decode by split count
     step dense "$(left 300)" python3 -m bench.kernels_dense
     step mla "$(left 580)" python3 -m bench.kernels_mla --no-sweep
@@ -104,10 +111,9 @@ case "$1" in
   kda)  # the KDA decode kernels (ours, fused mixer variants, fla) against the copy ceiling
     step kda "$(left "${KDA_UNTIL:-580}")" python3 -m bench.kernels_kda_decode
     tail -c 5000 "$OUT/kda.log" ;;
-  gluon)  # the Gluon kernels left unrun (thirteenth session): every kernel check (PAIRED and 8-row
-          # MoE, the Gluon KDA mixer, the Gluon MLA decode, each family in its own process), the
-          # KDA decode bench (its Gluon variant), the Gluon MLA decode sweep. The MoE sweeps (PAIRED
-          # and 8-row decode, PAIRED prefill) are the next call's:
+  gluon)  # the Gluon kernels: every kernel check (the Gluon MoE, KDA mixer and MLA decode, each
+          # family in its own process), the KDA decode bench (its Gluon variant), the Gluon MLA
+          # decode sweep. The MoE sweeps are the next call's:
           # MOE_ARGS="--mxfp4-only --mma-only" bash bench/gpu_session.sh moe
     step kernels_check 150 python3 bench/gpu_check_kernels.py --no-gluon
     for fam in moe kda mla; do step "check_$fam" 120 python3 bench/gpu_check_kernels.py --gluon $fam; done
@@ -115,6 +121,10 @@ case "$1" in
     step mla "$(left 585)" python3 -m bench.kernels_mla --gluon
     grep "FAIL\|checks passed" "$OUT/kernels_check.log"; for fam in moe kda mla; do tail -c 2500 "$OUT/check_$fam.log"; done
     tail -c 3000 "$OUT/kda.log"; tail -c 3000 "$OUT/mla.log" ;;
+  mlagluon)  # the Gluon MLA decode alone: its check, then its sweep beside the Triton split kernel
+    step check_mla 150 python3 bench/gpu_check_kernels.py --gluon mla
+    step mla "$(left "${MLA_UNTIL:-585}")" python3 -m bench.kernels_mla --gluon
+    tail -c 1500 "$OUT/check_mla.log"; tail -c 3000 "$OUT/mla.log" ;;
   verify)  # a session's untimed code first: every kernel check, the KDA decode bench, the small
            # kernels (norms, GLU, routing, alignment), then the engine
     step kernels_check 240 python3 bench/gpu_check_kernels.py

@@ -45,6 +45,8 @@ def check(N, H, D, lb):
 # (value block, warps, programs a head, Gluon); the default: 64-wide blocks, 4 warps, programs by
 # ``kda_decode_fused``'s rule (one a value block while heads alone leave SMs idle, else one a head).
 # Gluon: kda_decode_gluon's program a head (state copied to shared memory during the convs).
+# (8 and 16 warps a head, whose rows the reductions then cross warps for: 35-58 % of copy, RESULTS.md
+# fourteenth session.)
 FUSED_VARIANTS = [(64, 4, 1, False), (64, 4, 2, False), (32, 4, 1, False), (32, 4, 4, False), (128, 8, 1, False),
                   (64, 4, 1, True)]
 

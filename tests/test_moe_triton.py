@@ -409,19 +409,21 @@ def test_folded_scales_checked_once_at_the_mma_rewrite(din, inter, top_scale, fo
 
 
 def test_row_blocks_and_the_mma_layout_kernel_follow_the_measured_choices(monkeypatch):
-    """Decode (a few rows an expert) takes row blocks of 16 and, on MMA-layout experts whose scales
-    fold, the Gluon kernel; prefill keeps "mx_mma" at 64 rows (the timed best) until GLUON_PREFILL
-    sends row blocks of 128 to the PAIRED Gluon kernel; the checkpoint layout goes to 128."""
+    """Decode on MMA-layout experts whose scales fold: the Gluon kernel, row blocks of 8 while
+    experts see under two rows on average, else 16; prefill: 64 rows through the Gluon kernel too
+    (the timed bests); the checkpoint layout goes to 128; without the fold, "mx_mma"."""
     from k3serve.ops import moe_triton as m
 
     E = 896
-    assert m.row_block(16, E, True, True) == 16 and m.mma_upcast(16, True) == "gluon"
-    assert m.mma_upcast(16, False) == "mma"  # scales that do not fold, or unaligned activations
-    assert m.row_block(8192 * 16, E, True, True) == 64 and m.mma_upcast(64, True) == "mma"
+    assert m.row_block(16, E, True, True) == 8 and m.mma_upcast(8, True) == "gluon"
+    assert m.row_block(64 * 16, E, True, True) == 8  # K3 at 64 tokens: 1.1 rows an expert
+    assert m.row_block(256 * 16, E, True, True) == 16 and m.mma_upcast(16, True) == "gluon"
+    assert m.row_block(16, E, True, False) == 16 and m.mma_upcast(16, False) == "mma"  # no fold / unaligned
+    assert m.row_block(8192 * 16, E, True, True) == 64 and m.mma_upcast(64, True) == "gluon"
+    assert m.row_block(8192 * 16, E, True, False) == 64 and m.mma_upcast(64, False) == "mma"
     assert m.row_block(8192 * 16, E, False, False) == 128  # checkpoint layout
     assert m.row_block(50 * 56, 56, True, True) == m.row_block(50 * 56, 56, False, False) == 64  # dozens an expert
-    monkeypatch.setattr(m, "GLUON_PREFILL", True)
-    assert m.row_block(8192 * 16, E, True, True) == 128 and m.mma_upcast(128, True) == "gluon"
-    assert m.row_block(8192 * 16, E, True, False) == 64 and m.mma_upcast(128, False) == "mma"
+    monkeypatch.setattr(m, "GLUON_PREFILL", False)
+    assert m.mma_upcast(64, True) == "mma"
     monkeypatch.setattr(m, "GLUON_DECODE", False)
-    assert m.mma_upcast(16, True) == "mma"
+    assert m.row_block(16, E, True, True) == 16 and m.mma_upcast(16, True) == "mma"

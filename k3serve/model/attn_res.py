@@ -14,9 +14,10 @@ from .layers import RMSNorm
 # Serving: the partial's update (an add, or a copy at a block start) left to the next mixer, whose
 # Triton pass does it while it reads the sources (``attn_res_triton.attn_res_mix``'s
 # ``partial_update``) instead of a torch kernel of its own before it: two launches a layer fewer
-# and the partial read once. Checked on CPU through the interpreter, not yet timed on a GPU
-# (thirteenth session), so off.
-FUSE_PARTIAL = False
+# and the partial read once. H200, k3-slice graph-replayed decode step (RESULTS.md fourteenth
+# session): batch 16 5.727 ms against 5.794, batch 1 2.745 against 2.733 (within the rounds'
+# spread, 0.013); the whole-model check's figures bit-identical. False: the torch update.
+FUSE_PARTIAL = True
 
 
 class AttnResMixer(nn.Module):

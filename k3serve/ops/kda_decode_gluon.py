@@ -1,9 +1,13 @@
 """The fused KDA decode mixer (``kda_decode_triton.kda_decode_fused``, one program a head) in Gluon,
 so that the head's recurrent state streams in while the program does everything else.
 
-STATUS: compiled for sm_90 (tests/test_sm90_compile.py, Triton 3.6 and 3.9); **not yet run on a
-GPU**: opt-in (``kda_decode_triton.GLUON_FUSED``, ``kda_decode_fused(..., gluon=True)``) until
-bench/gpu_check_kernels.py's rows pass and bench/kernels_kda_decode.py times it.
+STATUS: checked on the H200 (bench/gpu_check_kernels.py), but **slower** than the Triton kernel:
+75 / 79 % of copy at N = 64 / 256 against 80 / 83 % (RESULTS.md fourteenth session), so opt-in
+(``kda_decode_triton.GLUON_FUSED``, ``kda_decode_fused(..., gluon=True)``). A persistent version
+(programs over items, the next one or two items' state tiles copied into a shared-memory ring
+during this one's prologue; one program an SM) checked correct but ran at 52-56 % (69-74 % with
+no look-ahead and three programs an SM): one 4-warp program's serial prologue, barriers and
+passes cannot keep an SM's share of the bandwidth busy (RESULTS.md fourteenth session).
 
 Why: the Triton kernel reaches 80 / 83 % of copy at N = 64 / 256 (H = 96, D = 128) against the
 bare delta-rule step's 87 / 90 % (RESULTS.md ninth session). Its state tile cannot be loaded

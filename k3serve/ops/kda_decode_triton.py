@@ -29,7 +29,8 @@ from .tickets import last_arrival, tickets
 
 
 # One program a head through kda_decode_gluon (the state copied to shared memory while the convs,
-# gates and norms run): compiled, not yet checked or timed on a GPU (thirteenth session), so off.
+# gates and norms run): checked, but 75 / 79 % of copy at N = 64 / 256 against this kernel's
+# 80 / 83 % (RESULTS.md fourteenth session), so off.
 GLUON_FUSED = False
 
 

@@ -1,8 +1,9 @@
 """Split-KV MLA decode (``mla_decode_triton``'s split kernel) in Gluon, keys-major on wgmma.
 
-STATUS: compiled for sm_90 (tests/test_sm90_compile.py, Triton 3.6 and 3.9); **not yet run on a
-GPU**: opt-in (``mla_decode_triton.GLUON_SPLIT``) until bench/gpu_check_kernels.py's rows pass
-and bench/kernels_mla.py times it.
+Served (``mla_decode_triton.GLUON_SPLIT``): checked by bench/gpu_check_kernels.py, compiled for
+sm_90 on CPU by tests/test_sm90_compile.py (Triton 3.6 and 3.9). H200, 32K context (RESULTS.md
+fourteenth session): 16 heads 84 / 97 % of copy at batch 16 / 64, 32 heads 80 / 94 %, 96 heads
+0.44 ms (the Triton kernel's best 0.78).
 
 Why: the Triton kernel reaches 83-99 % of copy at 16 heads but 61-71 % at 32 (kimi-linear on one
 GPU: 60 flop a latent byte): its head-major tiles put the heads on the MMA's M, which Triton fills
@@ -94,7 +95,7 @@ def _mla_decode_split_kernel(
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_l))
     n_tiles = gl.cdiv(end - start, BLOCK_N)
     for t in range(0, n_tiles):
-        slot = t % 2
+        slot = (t % 2).to(gl.int32)  # seq_lens may be int64: ring indices must be int32
         n0 = start + t * BLOCK_N
         # the next tile's copy into the other slot (its previous wgmmas completed last iteration)
         _copy_tile(KV, BT, b, n0 + BLOCK_N, end, stride_btb, stride_kvp, kc.index(1 - slot), kp.index(1 - slot), rc,

@@ -114,9 +114,11 @@ _mla_decode_tuned = autotuned(
     key=["H", "NUM_SPLITS", "CTX_BUCKET", "D_C", "D_PE", "PAGE"], prune=_heads_that_fit)
 
 
-# The split step through mla_decode_gluon (keys-major wgmma, the head block as its N): compiled,
-# not yet checked or timed on a GPU (thirteenth session), so off.
-GLUON_SPLIT = False
+# The split step through mla_decode_gluon (keys-major wgmma, the head block as its N). H200, 32K
+# context (RESULTS.md fourteenth session), % of copy on latent bytes at batch 16 / 64: 16 heads
+# 84 / 97 %, 32 heads 80 / 94 % (this kernel at 32 heads: 61-71 %), 96 heads 0.44 ms against 0.78.
+# False: the Triton split kernel.
+GLUON_SPLIT = True
 
 
 def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) -> int:

@@ -1,8 +1,9 @@
 """The MXFP4 grouped expert GEMM over MMA-layout weights in Gluon (Triton's explicit-layout
 dialect): the same computation as ``moe_triton`` "mx_mma", written so that what the Triton
 language cannot guarantee is stated and checked by the compiler. It serves decode row blocks
-(``moe_triton.GLUON_DECODE``): K3's experts at 1 / 16 / 64 tokens 58 / 70 / 67 % of copy on the
-H200 against "mx_mma"'s 39 / 49 / 49 % (RESULTS.md thirteenth session, calls 7-8); checked against fp32
+(``moe_triton.GLUON_DECODE``): K3's experts at 1 / 16 / 64 tokens 63 / 77 / 71 % of copy on the
+H200 with row blocks of 8 (58 / 70 / 68 % with 16) against "mx_mma"'s 39 / 49 / 48 % (RESULTS.md
+fourteenth session); checked against fp32
 matmuls of the exact dequantisation by bench/gpu_check_kernels.py, compiled for sm_90 on CPU by
 tests/test_sm90_compile.py (Triton 3.6 and 3.9).
 
@@ -22,12 +23,11 @@ Why it is faster (RESULTS.md twelfth and thirteenth sessions; ``bench/gluon_prob
   the loop's zero-trip path never hands ptxas a zero-moved accumulator (C7515 serialisation).
 Programs: (row block of BLOCK_M assignment rows, 64 weight rows), 4 warps, K steps of 128 codes.
 
-PAIRED (opt-in, compiled but **not yet run on a GPU**, thirteenth session): gate and up rows on one
-accumulator chain (warps 0-1 gate, 2-3 the same up rows; 32 output columns a program), the GLU
-after a register exchange in the epilogue. Half the accumulator registers: 128 a thread at row
-blocks of 128 (two chains: 255), where the upcast's ~264 instructions a K step are under the
-wgmma's ~512 cycles, so prefill could turn tensor-bound ("mx_mma" at 8K tokens: 26 % of matmul).
-At row blocks of 16 the unpaired code compiles to the same SASS as the version timed on the H200.
+Prefill row blocks of 64 (``moe_triton.GLUON_PREFILL``): K3's experts at 8K tokens in 36.6 ms
+against "mx_mma"'s 46.9 (33 % of the bf16 matmul ceiling against 26 %; RESULTS.md fourteenth
+session). A PAIRED mode (gate and up rows on one chain, half the accumulator registers, so row
+blocks of 128 fit) checked correct but measured slower at both 64 rows (43.3 ms) and 128 (62.8),
+so it was removed.
 """
 
 from __future__ import annotations
@@ -156,17 +156,14 @@ def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smas
 def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          num_assign, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
                          beta, linear_beta, GLU: gl.constexpr, SITU: gl.constexpr, LINEAR_CLIP: gl.constexpr,
-                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         PAIRED: gl.constexpr = False):
+                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
     weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
     operand streams through a ring of STAGES K steps of cp.async copies. GLU: two accumulator
-    chains (gate, up) over the same 64 columns; or PAIRED, one chain whose 64 rows are 32 gate and
-    the same 32 up rows (warps 0-1 gate, 2-3 up; 32 output columns a program), half the
-    accumulator registers: what lets a program take 128 rows of a prefill."""
-    TWO: gl.constexpr = GLU and not PAIRED
-    COLS: gl.constexpr = 32 if PAIRED else 64
+    chains (gate, up) over the same 64 columns."""
+    TWO: gl.constexpr = GLU
+    COLS: gl.constexpr = 64  # output columns a program (BLOCK_N)
     word_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [4, 1, 1], [2, 1, 0])  # [block, lane, byte]
     scale_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, GROUPS], [1, 32, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
     mult_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2, 2], [1, 32, 1, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
@@ -187,7 +184,6 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     sg_l: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, GROUPS], [1, 1, 8, 4, 1, 1], [1, 4, 1, 1, 1, 1],
                                           [0, 5, 4, 3, 2, 1])  # [mat, block, g, c, h, j]
     out_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    pair_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [1, 4, 1], [2, 1, 0])
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     # Row blocks of padding only (valid rows lead each block) stream no weights.
@@ -198,31 +194,19 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         tok = gl.where(rows < num_assign, rows // top_k, 0).to(gl.int64)
         xk = gl.arange(0, 32, layout=gl.SliceLayout(0, x_l))
         x_ptrs = X + gl.expand_dims(tok * (stride_xt // 4) * 4, 1) + gl.expand_dims(xk, 0)
-        # Up's rows are reached through gate's pointers, a multiple of their 16-byte aligned distance
-        # (the wrapper checks the alignment; a select, of pointers or offsets, loses it in Triton
-        # 3.9's analysis).
-        bi = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, word_l)))  # a warp's 16-row block
-        if PAIRED:  # blocks 0, 1: gate rows; 2, 3: the same up rows
-            blk = pid_n * 2 + bi % 2
-            w_row = blk * 16 * stride_wn + (bi // 2).to(gl.int64) * ((W_UP.to(gl.int64) - W.to(gl.int64)) // 16 * 16)
-        else:
-            blk = pid_n * 4 + bi
-            w_row = blk * 16 * stride_wn
+        blk = pid_n * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, word_l)))  # a warp's 16 rows
+        w_row = blk * 16 * stride_wn
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, word_l)))
         byte = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, word_l)))
         w_offs = gl.expand_dims(gl.expand_dims(w_row, 1), 2) \
             + gl.expand_dims(gl.expand_dims(lane * 8, 0), 2) + gl.expand_dims(gl.expand_dims(byte, 0), 1)
         wmask = gl.expand_dims(gl.expand_dims(blk * 16 < N, 1), 2)
         # E8M0 bytes: the step's 4 a row, one 4-byte copy each, for the 64 gate and 64 up rows
-        # (PAIRED: the 32 gate and 32 up rows of the chain; the other half masked)
         rws = gl.arange(0, 128, layout=gl.SliceLayout(1, scp_l))
         srow = pid_n * COLS + rws % COLS
         sj = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scp_l))
         s_offs = gl.expand_dims(srow * (stride_sn // 4) * 4, 1) + gl.expand_dims(sj, 0)
-        if PAIRED:
-            smask = gl.expand_dims((srow < N) & (rws < 64), 1)
-        else:
-            smask = gl.expand_dims(srow < N, 1)
+        smask = gl.expand_dims(srow < N, 1)
         bufs = (_ring(gl.bfloat16, [STAGES, BLOCK_M, 32], x_s), _ring(gl.uint8, [STAGES, 4, 32, 8], flat),
                 _ring(gl.uint8, [STAGES, 4, 32, 8], flat) if TWO else None,
                 gl.allocate_shared_memory(gl.uint8, [STAGES, 128, GROUPS], flat2))
@@ -243,9 +227,6 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                                   n_steps, STAGES, TWO, False, word_l, scale_l, sg_l, mult_l, a_l)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_up])
         async_copy.wait_group(0)
-        if PAIRED:  # rows r and r + 32 (gate, up of one column) into one thread: [32, BLOCK_M, 2]
-            gu = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), pair_l)
-            acc, acc_up = gl.split(gu)
         if GLU:
             acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
         y = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)  # [rows, cols]
@@ -263,18 +244,17 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
                        top_k: int, weight: torch.Tensor, scale: torch.Tensor, n_out: int, block_m: int,
                        up: tuple | None = None, act: tuple = ("silu", 1.0, None),
                        out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
-                       stages: int = STAGES, maxnreg: int | None = None, paired: bool | None = None) -> torch.Tensor:
+                       stages: int = STAGES, maxnreg: int | None = None) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
     (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``mxfp4.MMA_MAX_SCALE``: the caller's load-time check);
-    ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy);
-    ``paired`` (GLU only; None: at row blocks of 128) gate and up rows on one accumulator chain."""
+    ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy).
+    Row blocks of 128 serve the single-chain GEMM only (two chains of 64 x 128 do not fit)."""
     K = x.shape[1]
-    paired = up is not None and (block_m == 128 if paired is None else paired)
     if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (8, 16, 32, 64, 128) or stages < 2:
         raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
                          f"8 to 128 and >= 2 stages (got {x.dtype}, K={K}, block_m={block_m}, stages={stages})")
-    if block_m == 128 and up is not None and not paired:
-        raise ValueError("gate / up row blocks of 128 need paired=True (two chains of 64 x 128 do not fit)")
+    if block_m == 128 and up is not None:
+        raise ValueError("gate / up row blocks of 128 do not fit (two accumulator chains of 64 x 128)")
     w_up, s_up = up if up is not None else (weight, scale)
     aligned = (x.stride(1) == 1 and x.stride(0) % 4 == 0 and weight.stride(2) == 1 and weight.stride(0) % 8 == 0
                and scale.stride(2) == 1 and scale.stride(0) % 4 == 0 and scale.stride(1) % 4 == 0
@@ -286,11 +266,11 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     kind, beta, linear_beta = act
     row_blocks = min(rows.numel() // block_m, num_assign)
-    _grouped_gemm_kernel[(row_blocks, triton.cdiv(n_out, BLOCK_N // 2 if paired else BLOCK_N))](
+    _grouped_gemm_kernel[(row_blocks, triton.cdiv(n_out, BLOCK_N))](
         x, weight, scale, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, top_k, n_out, K, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, STAGES=stages, PAIRED=paired, num_warps=4,
+        BLOCK_M=block_m, STAGES=stages, num_warps=4,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

@@ -588,15 +588,16 @@ ASM_MIN_ASSIGNMENTS = 128
 # tl.dot_scaled's 46.5 on the checkpoint layout (27 % of matmul). False keeps that layout.
 MMA_LAYOUT = True
 
-# Decode row blocks (16) over MMA-layout experts whose scales fold (``RoutedExperts.folded_scales``)
+# Decode row blocks over MMA-layout experts whose scales fold (``RoutedExperts.folded_scales``)
 # go through moe_gluon's kernel: cp.async copy ring of 2 K steps, scale folded into the upcast,
-# async wgmma chains. K3's experts on the H200 (RESULTS.md thirteenth session): 1 / 16 / 64 tokens
-# 0.114 / 1.181 / 2.740 ms = 58 / 70 / 67 % of copy, against "mx_mma"'s 0.171 / 1.684 / 3.771.
-# Prefill row blocks stay on "mx_mma" (8K tokens: 51-54 ms against 47.6). False: "mx_mma" always.
+# async wgmma chains. K3's experts on the H200 (RESULTS.md fourteenth session), row blocks of
+# ``GLUON_DECODE_ROWS`` = 8 (wgmma N = 8, 66 registers): 1 / 16 / 64 tokens 0.106 / 1.068 / 2.584
+# ms = 63 / 77 / 71 % of copy; of 16: 58 / 70 / 68 %; "mx_mma" (16): 39 / 49 / 48 %. False: "mx_mma".
 GLUON_DECODE = True
-# Prefill row blocks of 128 through moe_gluon's PAIRED kernel (gate and up rows on one chain):
-# compiled, not yet checked or timed on a GPU (thirteenth session), so off.
-GLUON_PREFILL = False
+GLUON_DECODE_ROWS = 8
+# Prefill row blocks (64) through moe_gluon's kernel too: K3's experts at 8K tokens 36.6 ms against
+# "mx_mma"'s 46.9 (33 against 26 % of the bf16 matmul ceiling; RESULTS.md fourteenth session).
+GLUON_PREFILL = True
 
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
@@ -698,8 +699,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon)
         from .moe_gluon import gluon_grouped_gemm
 
-        opts = {k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg"), ("paired", "paired"))
-                if tiles and t in tiles}
+        opts = {k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg")) if tiles and t in tiles}
         return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
                                   act=act, out_dtype=out_dtype, row_scale=row_scale, **opts)
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
@@ -731,22 +731,23 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
 
 
 def row_block(assignments: int, num_experts: int, mma: bool, gluon_ok: bool) -> int:
-    """Row blocks of 16 while experts see a few rows each (decode); of 64 once they see dozens and
-    128 past a hundred (prefill), so each upcast weight tile serves that many rows (8K tokens on
-    K3: 128 rows 13 % faster than 64 on the H200, checkpoint layout). MMA-layout experts keep 64
-    ("mx_mma" at 8K tokens on K3: 46.9 ms with 64, 55.6 with 128) unless the Gluon PAIRED kernel
-    takes prefill (``GLUON_PREFILL``)."""
+    """Row blocks of 16 while experts see a few rows each (decode), of ``GLUON_DECODE_ROWS`` (8)
+    for the Gluon kernel while they see under two on average (K3 at 64 tokens: 1.1; an expert past
+    8 rows reads its weights twice); of 64 once they see dozens and 128 past a hundred (prefill),
+    so each upcast weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64
+    on the H200, checkpoint layout). MMA-layout experts keep 64 ("mx_mma" at 8K tokens on K3: 46.9
+    ms with 64, 55.6 with 128; the Gluon kernel's gate and up chains do not fit 128 rows)."""
     if assignments < 16 * num_experts:
-        return 16
-    if assignments < 128 * num_experts or (mma and not (gluon_ok and GLUON_PREFILL)):
+        return GLUON_DECODE_ROWS if gluon_ok and GLUON_DECODE and assignments < 2 * num_experts else 16
+    if assignments < 128 * num_experts or mma:
         return 64
     return 128
 
 
 def mma_upcast(block_m: int, gluon_ok: bool) -> str:
-    """The grouped GEMM for MMA-layout experts: moe_gluon's ("gluon") at decode row blocks
-    (``GLUON_DECODE``) and, with ``GLUON_PREFILL``, at prefill ones of 128; "mma" elsewhere."""
-    gluon = gluon_ok and ((GLUON_DECODE and block_m == 16) or (GLUON_PREFILL and block_m == 128))
+    """The grouped GEMM for MMA-layout experts: moe_gluon's ("gluon") at decode row blocks (up to
+    16, ``GLUON_DECODE``) and prefill ones (64, ``GLUON_PREFILL``); "mma" elsewhere."""
+    gluon = gluon_ok and ((GLUON_DECODE and block_m <= 16) or (GLUON_PREFILL and block_m == 64))
     return "gluon" if gluon else "mma"
 
 

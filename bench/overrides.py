@@ -1,0 +1,26 @@
+"""Module constants set from the command line ("module.CONST=value,..."; values Python literals):
+how a GPU run checks or times a flag of the code without editing it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+
+
+def set_constants(assigns: str) -> list[tuple]:
+    """Set each constant; returns (module, name, old value) triples for ``restore``."""
+    saved = []
+    for a in filter(None, assigns.split(",")):
+        target, _, value = a.partition("=")
+        mod_name, _, const = target.strip().rpartition(".")
+        mod = importlib.import_module(mod_name)
+        if not hasattr(mod, const):
+            raise SystemExit(f"{mod_name} has no constant {const!r}")
+        saved.append((mod, const, getattr(mod, const)))
+        setattr(mod, const, ast.literal_eval(value.strip()))
+    return saved
+
+
+def restore(saved: list[tuple]) -> None:
+    for mod, const, value in reversed(saved):
+        setattr(mod, const, value)
