@@ -88,13 +88,15 @@ case "$1" in
     K3SERVE_PDL=0 step graphs_nopdl "$(left 580)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts timing --iters 10 --out /tmp/gpu_work/nopdl
     tail -c 1500 "$OUT/graphs_pdl.log"; grep -A7 "| context" "$OUT/graphs_nopdl.log" ;;
-  ncu)  # Nsight Compute on one K3 MXFP4 grouped-GEMM launch at decode size (why it is at ~30 % of copy)
+  ncu)  # Nsight Compute on one K3 MXFP4 grouped-GEMM launch (gate + up), at decode size by default;
+       # prefill: NCU_TOKENS=8192 NCU_UPCASTS=gluon NCU_TILE=64,4,2 (row blocks of 64)
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 0; }
     for up in ${NCU_UPCASTS:-dot_scaled}; do
       step "ncu_$up" "$(left "${NCU_UNTIL:-580}")" "$NCU" --kernel-name regex:_grouped_gemm --launch-skip 2 \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section MemoryWorkloadAnalysis --section LaunchStats python3 -m bench.ncu_moe "${NCU_TOKENS:-16}" "$up" $NCU_TILE
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section LaunchStats \
+        python3 -m bench.ncu_moe "${NCU_TOKENS:-16}" "$up" $NCU_TILE
       grep -v "^==PROF==" "$OUT/ncu_$up.log" | tail -c 6000
     done ;;
   ncukda)  # Nsight Compute on the KDA decode kernels (probe, core step, fused Triton, fused Gluon; N = 256)

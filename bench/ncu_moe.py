@@ -1,5 +1,6 @@
-"""One K3 MXFP4 grouped-GEMM launch at a decode size, for Nsight Compute (where a kernel's time
-goes: memory throughput, occupancy, warp stalls), with fixed tiles so no autotuning launches
+"""One K3 MXFP4 grouped-GEMM launch (gate + up) at a decode or prefill size, row blocks as the
+model picks them (16 at decode, 64 at prefill), for Nsight Compute (where a kernel's time goes:
+memory throughput, occupancy, warp stalls, pipe use), with fixed tiles so no autotuning launches
 get in the way. Not a benchmark: ``bench/kernels_moe.py`` times; this explains.
 
 Usage (device): ncu --kernel-name regex:_grouped_gemm --launch-skip 2 --launch-count 1 \\
@@ -35,7 +36,8 @@ def main() -> None:
         z = moe.routed_expert_down_proj(x)
         tiles = dict(BLOCK_N=bn, SWAP_AB=True, num_warps=warps, num_stages=stages)
         for _ in range(2):  # the first call compiles (launches 1-2); the second call's gate/up GEMM is launch 3
-            experts_triton(z, w, ids, moe.experts, block_m=16, block_k=128, tiles=tiles, mx_upcast=upcast)
+            # (row blocks as the model picks them for an explicit upcast: 16 at decode, 64 at prefill)
+            experts_triton(z, w, ids, moe.experts, block_k=128, tiles=tiles, mx_upcast=upcast)
         torch.cuda.synchronize()
 
 
