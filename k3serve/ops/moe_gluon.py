@@ -3,8 +3,8 @@ dialect): the same computation as ``moe_triton`` "mx_mma", written so that what 
 language cannot guarantee is stated and checked by the compiler. It serves decode row blocks
 (``moe_triton.GLUON_DECODE``): K3's experts at 1 / 16 / 64 tokens 63 / 77 / 71 % of copy on the
 H200 with row blocks of 8 (58 / 70 / 68 % with 16) against "mx_mma"'s 39 / 49 / 48 % (RESULTS.md
-fourteenth session); checked against fp32
-matmuls of the exact dequantisation by bench/gpu_check_kernels.py, compiled for sm_90 on CPU by
+fourteenth session), and prefill ones (below). Checked against fp32 matmuls of the exact
+dequantisation by bench/gpu_check_kernels.py, compiled for sm_90 on CPU by
 tests/test_sm90_compile.py (Triton 3.6 and 3.9).
 
 Why it is faster (RESULTS.md twelfth and thirteenth sessions; ``bench/gluon_probe.py``):
