@@ -240,11 +240,13 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
     a = ids.flatten()
     gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
     exact = {False: gate, True: F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(upk, us)[a])}
-    # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps (its gate / up
-    # chains do not fit row blocks of 128: the single GEMM only there)
-    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [(64, True, 4, st) for st in (2, 3, 4)]
+    # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps (its 4-warp
+    # gate / up chains do not fit row blocks of 128: the single GEMM only there), and at prefill
+    # row blocks its 8-warp STACKED form
+    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [(64, True, 4, st) for st in (2, 3, 4)] + (
+        [(64, True, 8, 2)] if block_m >= 64 else [])
     for tile in tiles:
-        for glu in (False, True) if upcast == "mma" or block_m < 128 else (False,):
+        for glu in (False, True) if upcast == "mma" or block_m < 128 or tile[2] == 8 else (False,):
             kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3]))
             out = grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, block_m,
                                up=(to_mma_layout(upk), us) if glu else None, mx_upcast=upcast, **kw)

@@ -52,7 +52,8 @@ DECODE_VARIANTS += [(bm, 64, True, 128, 4, 2, "gluon") for bm in (16, 8)]
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
     (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (  # (the best two of the twelfth session's seven)
         (64, 64, 128, 4, 2), (128, 128, 128, 8, 3))] + [
-    (64, 64, True, 128, 4, st, "gluon") for st in (2, 3)]
+    (64, 64, True, 128, 4, st, "gluon") for st in (2, 3)] + [
+    (bm, 64, True, 128, 8, 2, "gluon") for bm in (64, 128)]  # 8 warps: moe_gluon's STACKED form
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]

@@ -65,12 +65,14 @@ def test_mxfp4_mma_layout_grouped_gemm_keeps_weights_in_registers(block_n, warps
     assert "mul.rn.bf16x2" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
-@pytest.mark.parametrize("glu, block_m", [(True, 16), (False, 64), (True, 64), (False, 128), (True, 8)])
-def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m):
+@pytest.mark.parametrize("glu, block_m, warps", [(True, 16, 4), (False, 64, 4), (True, 64, 4), (False, 128, 4),
+                                                 (True, 8, 4), (True, 128, 8), (False, 128, 8), (True, 64, 8)])
+def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, warps):
     """moe_gluon's kernel compiles for sm_90 (every layout conversion it asserts trivial is: the
     compile fails otherwise) and ptxas keeps wgmma groups in flight: a wait that leaves one or two
     outstanding, not every wait at zero (its serialisation, C7515), at decode and prefill row
-    blocks. What it computes is checked on the GPU
+    blocks, and in the 8-warp STACKED form (one chain of 128 weight rows), nothing spilled. What it
+    computes is checked on the GPU
     (bench/gpu_check_kernels.py)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -82,15 +84,18 @@ def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m):
     ints = {n: "i32" for n in ("num_assign", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se",
                                "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
-    consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES)
+    consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES,
+                  WARPS=warps)
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = GluonASTSource(fn=moe_gluon._grouped_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=4))
-    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass_text(kernel))
+    kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=warps))
+    sass = sass_text(kernel)
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
     assert waits and set(waits) - {"0x0"}, waits
+    assert "STL" not in sass
 
 
 def test_gluon_kda_decode_compiles_with_warp_local_reductions():

@@ -60,16 +60,17 @@ STAGES = 2  # K steps in the copy ring (H200, K3 decode: 2 beat 3, 4 and 5 by 12
 
 
 @gluon.jit
-def _weight_group(packed, scale, word_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr):
-    """The scaled bf16 weight tile [64, 32] of one group as the wgmma register operand, from its
-    packed words [block, lane, byte] and E8M0 bytes [block, lane, h] (rows g, g + 8)."""
+def _weight_group(packed, scale, BLOCKS: gl.constexpr, word_l: gl.constexpr, mult_l: gl.constexpr,
+                  a_l: gl.constexpr):
+    """The scaled bf16 weight tile [16 * BLOCKS, 32] of one group as the wgmma register operand,
+    from its packed words [block, lane, byte] and E8M0 bytes [block, lane, h] (rows g, g + 8)."""
     mult = ((scale.to(gl.int16) + 126) << 7).to(gl.bfloat16, bitcast=True)  # 2^(E8M0 - 1)
-    mult = gl.convert_layout(gl.join(mult, mult).reshape([4, 32, 1, 2, 2]), mult_l, assert_trivial=True)
-    mult = gl.broadcast(mult, packed.reshape([4, 32, 2, 2, 2]).to(gl.bfloat16))[0]  # to the bytes (s, h, q0)
-    mult = gl.convert_layout(mult.reshape([4, 32, 8]), word_l, assert_trivial=True)
+    mult = gl.convert_layout(gl.join(mult, mult).reshape([BLOCKS, 32, 1, 2, 2]), mult_l, assert_trivial=True)
+    mult = gl.broadcast(mult, packed.reshape([BLOCKS, 32, 2, 2, 2]).to(gl.bfloat16))[0]  # to the bytes (s, h, q0)
+    mult = gl.convert_layout(mult.reshape([BLOCKS, 32, 8]), word_l, assert_trivial=True)
     lo, hi = gl.inline_asm_elementwise(_SCALED_WORD_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [packed, mult],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    w = gl.join(lo, hi).reshape([4, 8, 4, 2, 2, 2, 2]).permute([0, 4, 1, 3, 6, 2, 5]).reshape([64, 32])
+    w = gl.join(lo, hi).reshape([BLOCKS, 8, 4, 2, 2, 2, 2]).permute([0, 4, 1, 3, 6, 2, 5]).reshape([16 * BLOCKS, 32])
     return gl.convert_layout(w, a_l, assert_trivial=True)  # rows (block, h, g); k (s, o, c, q0)
 
 
@@ -103,30 +104,39 @@ def _ring(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _groups(s4):
+def _groups(s4, BLOCKS: gl.constexpr):
     """[block, lane, h, GROUPS] E8M0 bytes -> GROUPS tensors [block, lane, h] (registers only)."""
-    a, b = gl.split(s4.reshape([4, 32, 2, 2, 2]))  # group = 2 * j1 + j0: split j0
+    a, b = gl.split(s4.reshape([BLOCKS, 32, 2, 2, 2]))  # group = 2 * j1 + j0: split j0
     s0, s2 = gl.split(a)
     s1, s3 = gl.split(b)
     return s0, s1, s2, s3
 
 
 @gluon.jit
-def _step_scales(rows, sg_l: gl.constexpr, scale_l: gl.constexpr):
-    """A step's E8M0 bytes of the 64 gate and 64 up rows [128, GROUPS] (shared) -> for each of gate
-    and up, GROUPS tensors [block, lane, h] of rows g, g + 8 (lane = 4g + c): each (block, g)
-    read once, broadcast over c by the lanes that already hold it."""
-    s = rows.reshape([2, 4, 2, 8, GROUPS]).permute([0, 1, 3, 2, 4]).load(gl.SliceLayout(3, sg_l))  # m, blk, g, h, j
-    s = gl.expand_dims(s, 3) + gl.zeros([2, 4, 8, 4, 2, GROUPS], gl.uint8, sg_l)
-    gate, up = gl.split(s.reshape([2, 4, 32, 2, GROUPS]).permute([1, 2, 3, 4, 0]))
-    return (_groups(gl.convert_layout(gate, scale_l, assert_trivial=True)),
-            _groups(gl.convert_layout(up, scale_l, assert_trivial=True)))
+def _step_scales(rows, sg_l: gl.constexpr, scale_l: gl.constexpr, STACKED: gl.constexpr):
+    """A step's E8M0 bytes of the 64 gate and 64 up rows (or STACKED: the 128 rows of the 8 warps'
+    blocks, gate's then up's with GLU) [128, GROUPS] (shared) -> for each of gate and up (STACKED:
+    all, twice), GROUPS tensors [block, lane, h] of rows g, g + 8 (lane = 4g + c): each
+    (block, g) read once, broadcast over c by the lanes that already hold it."""
+    if STACKED:
+        s = rows.reshape([8, 2, 8, GROUPS]).permute([0, 2, 1, 3]).load(gl.SliceLayout(2, sg_l))  # blk, g, h, j
+        s = gl.expand_dims(s, 2) + gl.zeros([8, 8, 4, 2, GROUPS], gl.uint8, sg_l)
+        gate = _groups(gl.convert_layout(s.reshape([8, 32, 2, GROUPS]), scale_l, assert_trivial=True), 8)
+        up = gate  # (one chain: unused)
+    else:
+        s = rows.reshape([2, 4, 2, 8, GROUPS]).permute([0, 1, 3, 2, 4]).load(gl.SliceLayout(3, sg_l))  # m, blk, g, h, j
+        s = gl.expand_dims(s, 3) + gl.zeros([2, 4, 8, 4, 2, GROUPS], gl.uint8, sg_l)
+        gate, up = gl.split(s.reshape([2, 4, 32, 2, GROUPS]).permute([1, 2, 3, 4, 0]))
+        gate = _groups(gl.convert_layout(gate, scale_l, assert_trivial=True), 4)
+        up = _groups(gl.convert_layout(up, scale_l, assert_trivial=True), 4)
+    return gate, up
 
 
 @gluon.jit
 def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
             STAGES: gl.constexpr, TWO: gl.constexpr, FIRST: gl.constexpr, word_l: gl.constexpr,
-            scale_l: gl.constexpr, sg_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr):
+            scale_l: gl.constexpr, sg_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr,
+            STACKED: gl.constexpr):
     """K step i from ring slot ``slot``: wait for its copies, make the activations visible to the
     wgmma (barrier + async-proxy fence), then per group upcast and issue the (gate's) wgmma, and
     the up's with TWO chains, keeping this group's in flight. After the first group's wait every wgmma of the
@@ -135,13 +145,14 @@ def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smas
     async_copy.wait_group(STAGES - 2)
     cta_barrier()  # (also: every thread's scale copies of this step landed)
     fence_async_shared()
-    s_gate, s_up = _step_scales(ss.index(slot), sg_l, scale_l)
+    BLOCKS: gl.constexpr = 8 if STACKED else 4
+    s_gate, s_up = _step_scales(ss.index(slot), sg_l, scale_l, STACKED)
     for g in gl.static_range(GROUPS):
         xb = xs[g].index(slot).permute([1, 0])  # [32, BLOCK_M]
-        w = _weight_group(ws[g].index(slot).load(word_l), s_gate[g], word_l, mult_l, a_l)
+        w = _weight_group(ws[g].index(slot).load(word_l), s_gate[g], BLOCKS, word_l, mult_l, a_l)
         acc = warpgroup_mma(w, xb, acc, use_acc=not (FIRST and g == 0), is_async=True)
         if TWO:
-            wu = _weight_group(wus[g].index(slot).load(word_l), s_up[g], word_l, mult_l, a_l)
+            wu = _weight_group(wus[g].index(slot).load(word_l), s_up[g], BLOCKS, word_l, mult_l, a_l)
             acc_up = warpgroup_mma(wu, xb, acc_up, use_acc=not (FIRST and g == 0), is_async=True)
             acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_up])
         else:
@@ -156,22 +167,29 @@ def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smas
 def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          num_assign, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
                          beta, linear_beta, GLU: gl.constexpr, SITU: gl.constexpr, LINEAR_CLIP: gl.constexpr,
-                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         WARPS: gl.constexpr = 4):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
     weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
     operand streams through a ring of STAGES K steps of cp.async copies. GLU: two accumulator
-    chains (gate, up) over the same 64 columns."""
-    TWO: gl.constexpr = GLU
-    COLS: gl.constexpr = 64  # output columns a program (BLOCK_N)
-    word_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [4, 1, 1], [2, 1, 0])  # [block, lane, byte]
-    scale_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, GROUPS], [1, 32, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
-    mult_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2, 2], [1, 32, 1, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    chains (gate, up) over the same 64 columns. WARPS = 8 (STACKED, prefill): one chain of 128
+    weight rows over two warpgroups, each warp upcasting one 16-row block of one matrix (with GLU
+    warpgroup 0 the gate's 64 rows, 1 the same up rows, paired after the loop through shared
+    memory; without, 128 output columns), so a program's row block of 128 fits (64 accumulator
+    registers a thread) and each upcast weight tile serves twice the rows of the 4-warp kernel's."""
+    STACKED: gl.constexpr = WARPS == 8
+    TWO: gl.constexpr = GLU and not STACKED
+    COLS: gl.constexpr = 128 if STACKED and not GLU else 64  # output columns a program (BLOCK_N)
+    word_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [block, lane, byte]
+    scale_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, GROUPS], [1, 32, 1, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+    mult_l: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2, 2], [1, 32, 1, 1, 1], [WARPS, 1, 1, 1, 1],
+                                            [4, 3, 2, 1, 0])
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
-    if BLOCK_M >= 32:  # [row, k]: 16-byte copies along k, 32 rows a pass
-        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    if BLOCK_M >= 32:  # [row, k]: 16-byte copies along k, 8 rows a warp a pass
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
     elif BLOCK_M == 16:  # 8-byte copies, 16 rows a pass (no thread idle at 16 rows)
         x_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     else:  # 8 rows (wgmma N = 8): 4-byte copies, every thread one
@@ -179,11 +197,15 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     x_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[2, 1, 0])
     # the scale copies [mat, row, j] (4 bytes a thread) and their read, broadcast over lanes 4g + c
-    scp_l: gl.constexpr = gl.BlockedLayout([1, GROUPS], [32, 1], [4, 1], [1, 0])
+    scp_l: gl.constexpr = gl.BlockedLayout([1, GROUPS], [32, 1], [WARPS, 1], [1, 0])  # (8 warps: rows copied twice)
     flat2: gl.constexpr = gl.SwizzledSharedLayout(vec=GROUPS, per_phase=1, max_phase=1, order=[1, 0])
-    sg_l: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, GROUPS], [1, 1, 8, 4, 1, 1], [1, 4, 1, 1, 1, 1],
-                                          [0, 5, 4, 3, 2, 1])  # [mat, block, g, c, h, j]
-    out_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    if STACKED:  # [block, g, c, h, j]
+        sg_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, GROUPS], [1, 8, 4, 1, 1], [8, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    else:  # [mat, block, g, c, h, j]
+        sg_l: gl.constexpr = gl.BlockedLayout([2, 1, 1, 1, 2, GROUPS], [1, 1, 8, 4, 1, 1], [1, 4, 1, 1, 1, 1],
+                                              [0, 5, 4, 3, 2, 1])
+    out_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+    pair_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [WARPS, 1, 1], [2, 1, 0])  # [col, row, gate | up]
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     # Row blocks of padding only (valid rows lead each block) stream no weights.
@@ -194,8 +216,15 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         tok = gl.where(rows < num_assign, rows // top_k, 0).to(gl.int64)
         xk = gl.arange(0, 32, layout=gl.SliceLayout(0, x_l))
         x_ptrs = X + gl.expand_dims(tok * (stride_xt // 4) * 4, 1) + gl.expand_dims(xk, 0)
-        blk = pid_n * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, word_l)))  # a warp's 16 rows
-        w_row = blk * 16 * stride_wn
+        bi = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, word_l)))  # a warp's 16-row block
+        if STACKED and GLU:  # blocks 4-7: the up rows of blocks 0-3, reached from gate's pointer by their
+            # distance (a multiple of 16 bytes, checked by the wrapper; a pointer select loses the
+            # alignment in Triton 3.9's analysis)
+            blk = pid_n * 4 + bi % 4
+            w_row = blk * 16 * stride_wn + (bi // 4).to(gl.int64) * ((W_UP.to(gl.int64) - W.to(gl.int64)) // 16 * 16)
+        else:
+            blk = pid_n * WARPS + bi
+            w_row = blk * 16 * stride_wn
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, word_l)))
         byte = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, word_l)))
         w_offs = gl.expand_dims(gl.expand_dims(w_row, 1), 2) \
@@ -207,8 +236,8 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         sj = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scp_l))
         s_offs = gl.expand_dims(srow * (stride_sn // 4) * 4, 1) + gl.expand_dims(sj, 0)
         smask = gl.expand_dims(srow < N, 1)
-        bufs = (_ring(gl.bfloat16, [STAGES, BLOCK_M, 32], x_s), _ring(gl.uint8, [STAGES, 4, 32, 8], flat),
-                _ring(gl.uint8, [STAGES, 4, 32, 8], flat) if TWO else None,
+        bufs = (_ring(gl.bfloat16, [STAGES, BLOCK_M, 32], x_s), _ring(gl.uint8, [STAGES, WARPS, 32, 8], flat),
+                _ring(gl.uint8, [STAGES, WARPS, 32, 8], flat) if TWO else None,
                 gl.allocate_shared_memory(gl.uint8, [STAGES, 128, GROUPS], flat2))
         # (strides rounded as the wrapper checked they are: the copies' 8- and 4-byte alignment)
         w_at, s_at = e * (stride_we // 8) * 8, e * (stride_se // 4) * 4
@@ -218,15 +247,17 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         n_steps = K // (32 * GROUPS)
         for j in gl.static_range(STAGES - 1):
             _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO)
-        acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_l)
-        acc_up = gl.zeros([64, BLOCK_M], gl.float32, layout=mma_l)
+        acc = gl.zeros([16 * WARPS, BLOCK_M], gl.float32, layout=mma_l)
+        acc_up = gl.zeros([16 * WARPS, BLOCK_M], gl.float32, layout=mma_l)
         acc, acc_up = _k_step(acc, acc_up, 0, 0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
-                              STAGES, TWO, True, word_l, scale_l, sg_l, mult_l, a_l)
+                              STAGES, TWO, True, word_l, scale_l, sg_l, mult_l, a_l, STACKED)
         for i in range(1, n_steps):
             acc, acc_up = _k_step(acc, acc_up, i, i % STAGES, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs,
-                                  n_steps, STAGES, TWO, False, word_l, scale_l, sg_l, mult_l, a_l)
+                                  n_steps, STAGES, TWO, False, word_l, scale_l, sg_l, mult_l, a_l, STACKED)
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_up])
         async_copy.wait_group(0)
+        if STACKED and GLU:  # rows r and r + 64 (gate and up of one column) into one thread: [64, BLOCK_M, 2]
+            acc, acc_up = gl.split(gl.convert_layout(acc.reshape([2, 64, BLOCK_M]).permute([1, 2, 0]), pair_l))
         if GLU:
             acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
         y = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)  # [rows, cols]
@@ -244,17 +275,22 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
                        top_k: int, weight: torch.Tensor, scale: torch.Tensor, n_out: int, block_m: int,
                        up: tuple | None = None, act: tuple = ("silu", 1.0, None),
                        out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
-                       stages: int = STAGES, maxnreg: int | None = None) -> torch.Tensor:
+                       stages: int = STAGES, maxnreg: int | None = None, warps: int = 4) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
     (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``mxfp4.MMA_MAX_SCALE``: the caller's load-time check);
-    ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy).
-    Row blocks of 128 serve the single-chain GEMM only (two chains of 64 x 128 do not fit)."""
+    ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy);
+    ``warps`` 8: the STACKED kernel (one chain of 128 weight rows over two warpgroups; row blocks
+    of 64 or 128). With 4 warps, row blocks of 128 serve the single GEMM only (two accumulator
+    chains of 64 x 128 do not fit)."""
     K = x.shape[1]
     if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (8, 16, 32, 64, 128) or stages < 2:
         raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
                          f"8 to 128 and >= 2 stages (got {x.dtype}, K={K}, block_m={block_m}, stages={stages})")
-    if block_m == 128 and up is not None:
-        raise ValueError("gate / up row blocks of 128 do not fit (two accumulator chains of 64 x 128)")
+    if warps not in (4, 8) or (warps == 8 and block_m not in (64, 128)):
+        raise ValueError(f"the Gluon grouped GEMM runs 4 warps, or 8 at row blocks of 64 or 128 (got {warps} warps, "
+                         f"row blocks of {block_m})")
+    if block_m == 128 and up is not None and warps == 4:
+        raise ValueError("gate / up row blocks of 128 need 8 warps (two accumulator chains of 64 x 128 do not fit)")
     w_up, s_up = up if up is not None else (weight, scale)
     aligned = (x.stride(1) == 1 and x.stride(0) % 4 == 0 and weight.stride(2) == 1 and weight.stride(0) % 8 == 0
                and scale.stride(2) == 1 and scale.stride(0) % 4 == 0 and scale.stride(1) % 4 == 0
@@ -266,11 +302,12 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     kind, beta, linear_beta = act
     row_blocks = min(rows.numel() // block_m, num_assign)
-    _grouped_gemm_kernel[(row_blocks, triton.cdiv(n_out, BLOCK_N))](
+    cols = 2 * BLOCK_N if warps == 8 and up is None else BLOCK_N  # output columns a program
+    _grouped_gemm_kernel[(row_blocks, triton.cdiv(n_out, cols))](
         x, weight, scale, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, top_k, n_out, K, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, STAGES=stages, num_warps=4,
+        BLOCK_M=block_m, STAGES=stages, WARPS=warps, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

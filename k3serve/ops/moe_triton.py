@@ -699,7 +699,8 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon)
         from .moe_gluon import gluon_grouped_gemm
 
-        opts = {k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg")) if tiles and t in tiles}
+        opts = {k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg"), ("warps", "num_warps"))
+                if tiles and t in tiles}
         return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
                                   act=act, out_dtype=out_dtype, row_scale=row_scale, **opts)
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
