@@ -28,6 +28,14 @@ against "mx_mma"'s 46.9 (33 % of the bf16 matmul ceiling against 26 %; RESULTS.m
 session). A PAIRED mode (gate and up rows on one chain, half the accumulator registers, so row
 blocks of 128 fit) checked correct but measured slower at both 64 rows (43.3 ms) and 128 (62.8),
 so it was removed.
+
+STACKED (``warps=8``; compiled for sm_90, **not yet run on a GPU**, fourteenth session): one
+accumulator chain of 128 weight rows over two warpgroups, each warp upcasting 16 rows of one
+matrix (with GLU: warpgroup 0 the gate's 64 rows, 1 the same up rows, paired after the loop
+through shared memory; without: 128 output columns). At row blocks of 128 with GLU: 128
+registers, 83 KB, 253 instructions a warp a K step for 2.1M MACs (the 4-warp kernel at 64 rows:
+414 for 1M), so ~40 % fewer upcast instructions per MAC, against more padding (K3 at 8K tokens:
+~146 rows an expert, 57 % of 256 rows useful against 76 % of 192).
 """
 
 from __future__ import annotations
