@@ -31,7 +31,8 @@ from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_prefill_triton import mla_prefill
 from k3serve.ops import moe_triton
-from k3serve.ops.moe_triton import combine_experts, grouped_gemm, route_triton, router_logits, sort_by_expert
+from k3serve.ops.moe_triton import (combine_experts, grouped_gemm, route_triton, router_logits, sort_by_expert,
+                                    sort_by_expert_sizes)
 from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_mma_layout
 from k3serve.ops.moe_ref import route
 from k3serve.ops.norm_triton import latent_to_cache, rms_norm_triton
@@ -220,11 +221,14 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
 
 
 def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator, upcast: str = "mma",
-                    block_m: int | None = None) -> None:
+                    block_m: int | tuple | None = None) -> None:
     """Gate / up GEMM with the SiLU-GLU epilogue, and a plain one, over MXFP4 stacks rewritten into
     the MMA layout, against fp32 matmuls of the exactly dequantised weights; rows of widely
     different scales (2^-20 .. 2^4; .. 2^1 for the Gluon kernel, whose folded multiply takes E8M0
-    bytes up to 128). "mma": every tuned tile of the Triton kernel; "gluon": moe_gluon's kernel."""
+    bytes up to 128). "mma": every tuned tile of the Triton kernel; "gluon": moe_gluon's kernel.
+    ``block_m`` a tuple: row blocks of those sizes (``sort_by_expert_sizes``), one launch a size
+    into one output, each with the kernel's default tile (as ``experts_triton`` runs them), its
+    programs ordered row block fastest, then column tile fastest."""
     top_exp = 5 if upcast == "mma" else 2
 
     def stack():
@@ -235,7 +239,8 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
     ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
     x = torch.randn(T, K, device=DEV, generator=gen).bfloat16()
     block_m = block_m or (16 if T * top < 16 * E else 64)
-    rows, blocks = sort_by_expert(ids, E, block_m)
+    sizes = block_m if isinstance(block_m, tuple) else None
+    layouts = sort_by_expert_sizes(ids, E, sizes) if sizes else [(block_m, *sort_by_expert(ids, E, block_m))]
     xa = x.float()[torch.arange(T * top, device=DEV) // top]
     a = ids.flatten()
     gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
@@ -243,16 +248,20 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
     # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps (its 4-warp
     # gate / up chains do not fit row blocks of 128: the single GEMM only there), and at prefill
     # row blocks its 8-warp STACKED form
-    tiles = sorted(moe_triton._MMA_TILES) if upcast == "mma" else [(64, True, 4, st) for st in (2, 3, 4)] + (
-        [(64, True, 8, 2)] if block_m >= 64 else [])
+    tiles = [False, True] if sizes else sorted(moe_triton._MMA_TILES) if upcast == "mma" else [
+        (64, True, 4, st) for st in (2, 3, 4)] + ([(64, True, 8, 2)] if block_m >= 64 else [])
     for tile in tiles:
-        for glu in (False, True) if upcast == "mma" or block_m < 128 or tile[2] == 8 else (False,):
-            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3]))
-            out = grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, block_m,
-                               up=(to_mma_layout(upk), us) if glu else None, mx_upcast=upcast, **kw)
+        for glu in (False, True) if upcast == "mma" or sizes or block_m < 128 or tile[2] == 8 else (False,):
+            kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3])
+                      if sizes is None else dict(cols_first=tile))
+            out = torch.empty(T * top, N, device=DEV)
+            for bm, rows, blocks in layouts:
+                grouped_gemm(x, rows, blocks, T * top, top, to_mma_layout(gp), gs, N, bm,
+                             up=(to_mma_layout(upk), us) if glu else None, mx_upcast=upcast, out=out, **kw)
             record(f"MXFP4 grouped GEMM, MMA layout, {upcast}" + (" + GLU" if glu else ""),
-                   f"T={T} E={E} N={N} K={K} rows {block_m} tile {tile[0]}/{tile[2]}w/{tile[3]}s", rel(out, exact[glu]),
-                   1e-4)
+                   f"T={T} E={E} N={N} K={K} rows {block_m} tile " + (f"{tile[0]}/{tile[2]}w/{tile[3]}s" if sizes is None
+                                                                      else f"default, cols first {tile}"),
+                   rel(out, exact[glu]), 1e-4)
 
 
 def gluon_checks(family: str, gen: torch.Generator) -> None:
@@ -270,6 +279,8 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
             check_mxfp4_mma(T, E, N, K, top, gen, "gluon")
         check_mxfp4_mma(300, 8, 1024, 2304, 4, gen, "gluon", block_m=128)  # prefill row blocks: ~150 rows an expert
         check_mxfp4_mma(16, 64, 3584, 3072, 16, gen, "gluon", block_m=8)  # row blocks of 8 (wgmma N = 8)
+        check_mxfp4_mma(300, 8, 1024, 2304, 4, gen, "gluon", block_m=(32, 64, 128))  # mixed sizes: 1 x 128 + a tail
+        check_mxfp4_mma(700, 16, 1024, 2304, 4, gen, "gluon", block_m=(16, 32, 64, 128))
     else:
         raise SystemExit(f"--gluon {family!r}: mla, kda or moe")
 

@@ -47,18 +47,24 @@ DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in ((64, 
 # row blocks of 8 (wgmma N = 8, 66 registers) beat 16 at 1 / 16 / 64 tokens (63 / 77 / 71 % of copy
 # against 58 / 70 / 68), 3 stages lost again (46-53 %), gate and up paired on one chain lost (removed).
 # The eighth element, where present: the Gluon kernel's options (maxnreg).
-DECODE_VARIANTS += [(bm, 64, True, 128, 4, 2, "gluon") for bm in (16, 8)]
+# Fifteenth session: programs ordered row block fastest, or column tile fastest (moe_gluon.COLS_FIRST_MIN_ROWS)
+DECODE_VARIANTS += [(bm, 64, True, 128, 4, 2, "gluon", {"cols_first": c}) for bm in (16, 8) for c in (False, True)]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
     (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (  # (the best two of the twelfth session's seven)
         (64, 64, 128, 4, 2), (128, 128, 128, 8, 3))] + [
     (64, 64, True, 128, 4, st, "gluon") for st in (2, 3)] + [
-    (bm, 64, True, 128, 8, 2, "gluon") for bm in (64, 128)]  # 8 warps: moe_gluon's STACKED form
+    (bm, 64, True, 128, 8, 2, "gluon") for bm in (64, 128)] + [  # 8 warps: moe_gluon's STACKED form
+    # row blocks of mixed sizes (moe_triton.sort_by_expert_sizes), each size at its default warps
+    (sizes, 64, True, 128, None, 2, "gluon", opts) for sizes in ((32, 64, 128), (16, 32, 64, 128))
+    for opts in ({"cols_first": False}, {"cols_first": True})] + [
+    (64, 64, True, 128, 8, 2, "gluon", {"cols_first": True})]
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
-BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st) for bm, bn in ((64, 128), (128, 128), (128, 256))
-                         for w, st in ((4, 3), (8, 3), (8, 4))]
+BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st, "dot_scaled", {"cols_first": c})
+                         for bm, bn in ((64, 128), (128, 128), (128, 256)) for w, st in ((4, 3), (8, 3), (8, 4))
+                         for c in (False, True)]  # (cols_first: programs column tile fastest, fifteenth session)
 
 
 def routing(moe, d, T):
@@ -89,11 +95,13 @@ def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):
         _, gbytes, flops = work(ex, ids)
         for bm, bn, swap, bk, nw, st, *extra in variants:
             up, opts = (extra + ["dot_scaled", {}][len(extra):])[:2]  # (opts: the Gluon kernel's options)
-            tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_warps=nw, num_stages=st, **opts)
+            tiles = dict(BLOCK_N=bn, SWAP_AB=swap, num_stages=st, **opts, **({"num_warps": nw} if nw else {}))
             mma = up in ("mma", "gluon")
-            if (mma and ex_mma is None) or (not mma and "--mma-only" in sys.argv):
+            if (mma and ex_mma is None) or (not mma and ex.mxfp4 and "--mma-only" in sys.argv):
                 continue
-            run = lambda: experts_triton(z, w, ids, ex_mma if mma else ex, block_m=bm, block_k=bk, tiles=tiles, mx_upcast=up)  # noqa: E731
+            rows = dict(block_sizes=bm) if isinstance(bm, tuple) else dict(block_m=bm)
+            bm = "+".join(map(str, bm)) if isinstance(bm, tuple) else bm
+            run = lambda: experts_triton(z, w, ids, ex_mma if mma else ex, block_k=bk, tiles=tiles, mx_upcast=up, **rows)  # noqa: E731
             try:
                 err = rel(run(), ref) if ref is not None else float("nan")
                 ms = gpu_ms(run, rep=60)
@@ -129,7 +137,7 @@ def main():
     d = model.config.hidden_size
     ref_of = lambda z, w, ids: experts_ref(z, w, ids, ex.expert, *ex.act)  # noqa: E731
     cases = {}
-    for T in (1, 16, 64, 8192):
+    for T in (1, 16, 64, 256, 8192):
         xin, w, ids = routing(moe, d, T)
         z = moe.routed_expert_down_proj(xin)
         cases[T] = (T, z, w, ids, ref_of(z, w, ids))  # 8K tokens too: the prefill tiles are checked
@@ -137,7 +145,7 @@ def main():
     if not ex_mma.use_mma_layout():
         ex_mma = None
     if "--no-sweep" not in sys.argv:
-        sweep(ex, [cases[T] for T in (1, 16, 64)], DECODE_VARIANTS, copy, mm, "K3 MXFP4 experts, decode", ex_mma)
+        sweep(ex, [cases[T] for T in (1, 16, 64, 256)], DECODE_VARIANTS, copy, mm, "K3 MXFP4 experts, decode", ex_mma)
         if "--decode-only" not in sys.argv:
             sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill", ex_mma)
     if "--no-sweep" not in sys.argv and "--mxfp4-only" not in sys.argv:
@@ -165,11 +173,12 @@ def main():
     print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm", "mma", "gluon") for c in cases.values()
-                                    if up != "asm" or c[0] <= 64]:  # (asm serves decode only)
+                                    if up != "asm" or c[0] <= 256]:  # (asm serves decode only)
         mma = up in ("mma", "gluon")
         if (mma and ex_mma is None) or (not mma and "--mma-only" in sys.argv):
             continue
-        ours = lambda: experts_triton(z, w, ids, ex_mma if mma else ex, mx_upcast=up)  # noqa: E731
+        # (MMA-layout experts with no upcast named take the model's own choice: "gluon" where it serves)
+        ours = lambda: experts_triton(z, w, ids, ex_mma if mma else ex, mx_upcast=None if up == "gluon" else up)  # noqa: E731
         err = rel(ours(), ref)
         t_ours = gpu_ms(ours, rep=100)
         t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,

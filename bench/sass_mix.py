@@ -112,7 +112,7 @@ def grouped_gemm_rows() -> None:
                                           ("mx_mma", 128, True, 128, 4, 3), ("bf16", 32, True, 64, 2, 4)):
         sig = dict(ptrs, W="*bf16", W_UP="*bf16", S="*bf16", S_UP="*bf16") if weights == "bf16" else ptrs
         consts = dict(WEIGHTS=weights, GLU=True, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=False, BLOCK_M=16,
-                      BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, INTERPRETED=False, USE_PDL=False)
+                      BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, INTERPRETED=False, COLS_FIRST=False, USE_PDL=False)
         kernel = compile_sm90(moe_triton._grouped_gemm_kernel, {**sig, **ints}, consts, divisible,
                               num_warps=nw, num_stages=st)
         total, ops = hottest_loop_mix(kernel)

@@ -85,6 +85,39 @@ ALIGN_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.parametrize("sizes", [(16,), (16, 32, 128), (32, 64, 128), (16, 64)])
+def test_mixed_size_row_blocks_hold_each_assignment_once(sizes):
+    """``sort_by_expert_sizes``: each expert's rows as whole blocks of the largest size, then one
+    tail block of the smallest size that holds the rest; every assignment in exactly one block,
+    of its expert; valid rows lead each block (the GEMMs skip a block whose first row is padding)."""
+    import torch
+
+    from k3serve.ops.moe_triton import sort_by_expert_sizes
+
+    gen = torch.Generator().manual_seed(len(sizes))
+    T, k, E = 300, 4, 9
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    seen = torch.zeros(T * k, dtype=torch.int64)
+    blocks_of = torch.zeros(E, len(sizes), dtype=torch.int64)
+    for i, (bm, rows, owners) in enumerate(sort_by_expert_sizes(ids, E, sizes)):
+        assert bm == sizes[i] and rows.numel() == owners.numel() * bm
+        for b, block in enumerate(rows.view(-1, bm)):
+            valid = block < T * k
+            assert torch.equal(valid, torch.arange(bm) < valid.sum())  # valid rows lead
+            assert (ids.flatten()[block[valid]] == owners[b]).all()
+            seen[block[valid]] += 1
+            blocks_of[owners[b], i] += bool(valid.any())
+    assert (seen == 1).all()
+    for e in range(E):  # whole blocks of the largest size, then one tail block of the smallest that holds the rest
+        whole, rest = divmod(int(counts[e]), sizes[-1])
+        want = torch.zeros(len(sizes), dtype=torch.int64)
+        want[-1] = whole
+        if rest:
+            want[next(i for i, s in enumerate(sizes) if s >= rest)] += 1
+        assert torch.equal(blocks_of[e], want), (e, counts[e], blocks_of[e])
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_one_kernel_expert_alignment_matches_the_torch_layout(seed):
     """The single-program counting sort gives the torch form's padded segments and block owners."""
@@ -373,6 +406,16 @@ MMA_SCRIPT = textwrap.dedent('''
     assert torch.equal(experts_ref(x.float(), w, ids, fp32, *ex.act), ref)
     after = m.experts_triton(x, w, ids, ex)  # (scaled per group: another summation order, so not bit-equal)
     worst = max(worst, ((after.float() - before.float()).norm() / before.float().norm()).item())
+    # row blocks of mixed sizes (sort_by_expert_sizes, ~24 rows an expert: whole blocks of 32,
+    # tails of 16 and 32): several launches into one output, the same result as blocks of 16
+    x = torch.randn(96, x.shape[1], generator=gen).bfloat16()
+    w, ids = moe.gate(torch.randn(96, model.config.hidden_size, generator=gen).bfloat16())
+    one = m.experts_triton(x, w, ids, ex, block_m=16).float()
+    mixed = m.experts_triton(x, w, ids, ex, block_sizes=(16, 32)).float()
+    worst = max(worst, ((mixed - one).norm() / one.norm()).item())
+    # ... and with the programs ordered column tile fastest
+    cols = m.experts_triton(x, w, ids, ex, block_sizes=(16, 32), tiles=dict(BLOCK_N=32, SWAP_AB=True, cols_first=True))
+    worst = max(worst, ((cols.float() - one).norm() / one.norm()).item())
     print(worst)
 ''')
 

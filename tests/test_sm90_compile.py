@@ -37,7 +37,7 @@ def _grouped_gemm(weights: str, block_n: int, warps: int, swap: bool = True, use
                                "stride_se", "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
     consts = dict(WEIGHTS=weights, GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
-                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, USE_PDL=use_pdl)
+                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, COLS_FIRST=False, USE_PDL=use_pdl)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
     return _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, divisible, num_warps=warps, num_stages=3)
 
@@ -85,7 +85,7 @@ def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, wa
                                "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
     consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES,
-                  WARPS=warps)
+                  WARPS=warps, COLS_FIRST=block_m >= 64)
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")

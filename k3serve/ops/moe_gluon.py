@@ -23,13 +23,14 @@ Why it is faster (RESULTS.md twelfth and thirteenth sessions; ``bench/gluon_prob
   the loop's zero-trip path never hands ptxas a zero-moved accumulator (C7515 serialisation).
 Programs: (row block of BLOCK_M assignment rows, 64 weight rows), 4 warps, K steps of 128 codes.
 
-Prefill row blocks of 64 (``moe_triton.GLUON_PREFILL``): K3's experts at 8K tokens in 36.6 ms
-against "mx_mma"'s 46.9 (33 % of the bf16 matmul ceiling against 26 %; RESULTS.md fourteenth
-session). A PAIRED mode (gate and up rows on one chain, half the accumulator registers, so row
+Prefill (``moe_triton.GLUON_PREFILL``): K3's experts at 8K tokens in 24.4 ms against "mx_mma"'s
+47.1, 50 % of the bf16 matmul ceiling (RESULTS.md fifteenth session), from the 8-warp STACKED
+form, row blocks of mixed sizes (``moe_triton.sort_by_expert_sizes``: fewer upcasts, less
+padding) and programs ordered column tile fastest (``COLS_FIRST_MIN_ROWS``). A PAIRED mode (gate and up rows on one chain, half the accumulator registers, so row
 blocks of 128 fit) checked correct but measured slower at both 64 rows (43.3 ms) and 128 (62.8),
 so it was removed.
 
-STACKED (``warps=8``; compiled for sm_90, **not yet run on a GPU**, fourteenth session): one
+STACKED (``warps=8``; serves prefill row blocks of 64 and 128, fifteenth session): one
 accumulator chain of 128 weight rows over two warpgroups, each warp upcasting 16 rows of one
 matrix (with GLU: warpgroup 0 the gate's 64 rows, 1 the same up rows, paired after the loop
 through shared memory; without: 128 output columns). At row blocks of 128 with GLU: 128
@@ -65,6 +66,11 @@ BLOCK_N = 64  # weight rows a program: four 16-row blocks, one a warp
 GROUPS = gl.constexpr(4)  # 32-code groups a K step (a row's E8M0 bytes of a step: one 4-byte copy)
 BLOCK_K = 32 * GROUPS.value
 STAGES = 2  # K steps in the copy ring (H200, K3 decode: 2 beat 3, 4 and 5 by 12-20 %)
+# Row blocks read their gathered activations once per column tile: ordered row block fastest, the
+# ~260 programs in flight hold ~260 row blocks' (K3 prefill: ~240 MB, past L2) and the re-reads go
+# to DRAM; column tile fastest they hold a few. K3 on the H200 (fifteenth session): 8K tokens 24.4
+# ms against 28.2, 256 tokens (row blocks of 16) 4.50 against 4.92; None: row block fastest always.
+COLS_FIRST_MIN_ROWS = 16
 
 
 @gluon.jit
@@ -176,7 +182,7 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          num_assign, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
                          beta, linear_beta, GLU: gl.constexpr, SITU: gl.constexpr, LINEAR_CLIP: gl.constexpr,
                          HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         WARPS: gl.constexpr = 4):
+                         WARPS: gl.constexpr = 4, COLS_FIRST: gl.constexpr = False):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
     weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
@@ -214,8 +220,8 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                                               [0, 5, 4, 3, 2, 1])
     out_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
     pair_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [WARPS, 1, 1], [2, 1, 0])  # [col, row, gate | up]
-    pid_m = gl.program_id(0)
-    pid_n = gl.program_id(1)
+    pid_m = gl.program_id(1 if COLS_FIRST else 0)
+    pid_n = gl.program_id(0 if COLS_FIRST else 1)
     # Row blocks of padding only (valid rows lead each block) stream no weights.
     if gl.load(ROWS + pid_m * BLOCK_M) < num_assign:
         e = gl.load(EXPERTS + pid_m).to(gl.int64)
@@ -283,13 +289,16 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
                        top_k: int, weight: torch.Tensor, scale: torch.Tensor, n_out: int, block_m: int,
                        up: tuple | None = None, act: tuple = ("silu", 1.0, None),
                        out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
-                       stages: int = STAGES, maxnreg: int | None = None, warps: int = 4) -> torch.Tensor:
+                       stages: int = STAGES, maxnreg: int | None = None, warps: int = 4,
+                       out: torch.Tensor | None = None, cols_first: bool | None = None) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
     (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``mxfp4.MMA_MAX_SCALE``: the caller's load-time check);
     ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy);
     ``warps`` 8: the STACKED kernel (one chain of 128 weight rows over two warpgroups; row blocks
     of 64 or 128). With 4 warps, row blocks of 128 serve the single GEMM only (two accumulator
-    chains of 64 x 128 do not fit)."""
+    chains of 64 x 128 do not fit). ``cols_first``: programs ordered column tile fastest (a row
+    block's programs run together and share its gathered activations in L2), by default from row
+    blocks of ``COLS_FIRST_MIN_ROWS`` up."""
     K = x.shape[1]
     if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (8, 16, 32, 64, 128) or stages < 2:
         raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
@@ -307,15 +316,20 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     if not aligned:  # the copies move 8 bytes of activations and weights, 4 of scales, at once
         raise ValueError("the Gluon grouped GEMM needs 16-byte aligned tensors with unit inner strides, activation "
                          "rows and expert weight stacks 8-byte aligned, scale rows 4-byte aligned, gate / up alike")
-    out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     kind, beta, linear_beta = act
     row_blocks = min(rows.numel() // block_m, num_assign)
     cols = 2 * BLOCK_N if warps == 8 and up is None else BLOCK_N  # output columns a program
-    _grouped_gemm_kernel[(row_blocks, triton.cdiv(n_out, cols))](
+    if cols_first is None:
+        cols_first = COLS_FIRST_MIN_ROWS is not None and block_m >= COLS_FIRST_MIN_ROWS
+    grid = (row_blocks, triton.cdiv(n_out, cols))
+    cols_first = cols_first and row_blocks < 65536  # (the grid's second dimension)
+    _grouped_gemm_kernel[grid[::-1] if cols_first else grid](
         x, weight, scale, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, top_k, n_out, K, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, STAGES=stages, WARPS=warps, num_warps=warps,
+        BLOCK_M=block_m, STAGES=stages, WARPS=warps, COLS_FIRST=cols_first, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

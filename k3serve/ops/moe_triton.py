@@ -286,7 +286,7 @@ def _grouped_gemm_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
     WEIGHTS: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr,
+    SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, COLS_FIRST: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
@@ -298,8 +298,8 @@ def _grouped_gemm_kernel(
     tiles). (A K split over programs for one- and two-token steps, and the combine with the
     residual add + norm as this kernel's tail, both lost on the H200: RESULTS.md ninth session.)"""
     pdl_start(USE_PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(1 if COLS_FIRST else 0)  # (COLS_FIRST: ``moe_gluon.COLS_FIRST_MIN_ROWS``)
+    pid_n = tl.program_id(0 if COLS_FIRST else 1)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
     rows = tl.load(ROWS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_assign
@@ -595,9 +595,20 @@ MMA_LAYOUT = True
 # ms = 63 / 77 / 71 % of copy; of 16: 58 / 70 / 68 %; "mx_mma" (16): 39 / 49 / 48 %. False: "mx_mma".
 GLUON_DECODE = True
 GLUON_DECODE_ROWS = 8
-# Prefill row blocks (64) through moe_gluon's kernel too: K3's experts at 8K tokens 36.6 ms against
-# "mx_mma"'s 46.9 (33 against 26 % of the bf16 matmul ceiling; RESULTS.md fourteenth session).
+# Prefill row blocks through moe_gluon's kernel too. K3's experts at 8K tokens on the H200 (RESULTS.md
+# fifteenth session): "mx_mma" 47.1 ms (26 % of the bf16 matmul ceiling); Gluon, row blocks of 64,
+# 4 warps 34.7; 8 warps (``GLUON_PREFILL_WARPS``, its STACKED form) 29.3; row blocks of mixed sizes
+# (``GLUON_PREFILL_SIZES``) 28.2; with the programs column tile fastest (moe_gluon.COLS_FIRST_MIN_ROWS)
+# 24.4 ms: 50 % of matmul.
 GLUON_PREFILL = True
+GLUON_PREFILL_WARPS = 8
+# Prefill row blocks of mixed sizes (``sort_by_expert_sizes``) for the Gluon kernel; None: 64 alone.
+GLUON_PREFILL_SIZES = (16, 32, 64, 128)
+# The Triton kernel's programs column tile fastest from row blocks of this many (as
+# ``moe_gluon.COLS_FIRST_MIN_ROWS``: a prefill row block's programs share its gathered activations in
+# L2). Kimi-Linear's bf16 experts at 8K tokens, row blocks of 128: 2.62 ms against 3.04 (49 against
+# 43 % of matmul), every tile faster (fifteenth session). 1 << 30: never.
+TRITON_COLS_FIRST_MIN_ROWS = 64
 
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
@@ -643,22 +654,46 @@ def one_row_blocks(num_assign: int, block_m: int, device: torch.device) -> torch
 
 def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``sort_by_expert`` in torch ops (the reference of its layout; rows in stable order)."""
+    return sort_by_expert_sizes(ids, num_experts, (block_m,))[0][1:]
+
+
+def sort_by_expert_sizes(ids: torch.Tensor, num_experts: int, sizes: tuple) -> list:
+    """Each expert's assignments as row blocks of the largest of ``sizes`` (ascending) while that
+    many remain, the rest as one block of the smallest size that holds it, so a prefill expert's
+    ~150 rows take one block of 128 and one of 32 (2 weight upcasts, 160 rows computed) instead of
+    three of 64 (3 upcasts, 192 rows). Returns [(block_m, rows, block expert)], one layout (each
+    ``sort_by_expert_torch``'s form) a size, on the device, no host sync: buffers are sized by
+    bounds (a tail size holds at most one block an expert), each launch's blocks of padding only
+    exit at once. Every assignment is in exactly one layout."""
     flat = ids.flatten()
     num_assign = flat.numel()
+    dev = ids.device
     # scatter_add, not bincount: CUDA bincount reads the maximum back to size its output (a host
     # sync that also breaks CUDA-graph capture).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    big = sizes[-1]
+    full = counts // big * big  # rows in whole blocks of the largest size
+    tail = sum((counts - full > s).long() for s in sizes[:-1])  # the size index holding the rest (no host tensor)
     order = torch.argsort(flat, stable=True)
     sorted_e = flat[order]
-    rank = torch.arange(num_assign, device=ids.device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    total = _padded_rows(num_assign, num_experts, block_m)
-    rows = torch.full((total,), num_assign, dtype=torch.int64, device=ids.device)
-    rows[starts[sorted_e] + rank] = order
-    block_expert = torch.searchsorted(torch.cumsum(padded, 0), torch.arange(0, total, block_m, device=ids.device),
-                                      right=True).clamp_max(num_experts - 1)
-    return rows, block_expert
+    rank = torch.arange(num_assign, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    in_tail = rank >= full[sorted_e]
+    layouts = []
+    for i, bm in enumerate(sizes):
+        is_big = i == len(sizes) - 1
+        has_tail = (tail == i) & (counts > full)
+        n = torch.where(has_tail, counts - full, 0) + (full if is_big else 0)  # this layout's rows an expert
+        member = (in_tail & has_tail[sorted_e]) | (~in_tail if is_big else False)
+        at = rank - (0 if is_big else full[sorted_e])  # rank inside this layout's segment
+        padded = (n + bm - 1) // bm * bm
+        starts = torch.cumsum(padded, 0) - padded
+        total = _padded_rows(num_assign, num_experts, bm) if is_big else min(num_experts, num_assign) * bm
+        rows = torch.full((total + 1,), num_assign, dtype=torch.int64, device=dev)  # (+1: non-members' slot)
+        rows[torch.where(member, starts[sorted_e] + at, total)] = order
+        block_expert = torch.searchsorted(torch.cumsum(padded, 0), torch.arange(0, total, bm, device=dev),
+                                          right=True).clamp_max(num_experts - 1)
+        layouts.append((bm, rows[:total], block_expert))
+    return layouts
 
 
 def weights_mode(mx: bool, act_dtype: torch.dtype, device: torch.device, block_m: int, num_assign: int,
@@ -683,9 +718,10 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
                  block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
-                 row_scale: torch.Tensor | None = None, mx_upcast: str | None = None) -> torch.Tensor:
+                 row_scale: torch.Tensor | None = None, mx_upcast: str | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
-    ``out_dtype``. ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
+    ``out_dtype``, into ``out`` where given (only the rows of ``rows`` are written). ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
     [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
     epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights).
     ``tiles`` (BLOCK_N, SWAP_AB, num_warps, num_stages) None: autotuned for this shape. MXFP4 with
@@ -699,17 +735,19 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon)
         from .moe_gluon import gluon_grouped_gemm
 
-        opts = {k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg"), ("warps", "num_warps"))
-                if tiles and t in tiles}
+        opts = {"warps": GLUON_PREFILL_WARPS if block_m >= 64 else 4}
+        opts.update({k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg"), ("warps", "num_warps"),
+                                              ("cols_first", "cols_first")) if tiles and t in tiles})
         return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
-                                  act=act, out_dtype=out_dtype, row_scale=row_scale, **opts)
+                                  act=act, out_dtype=out_dtype, row_scale=row_scale, out=out, **opts)
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
         block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
     if K % block_k or (mx and block_k % 32):
         raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and of 32 for MXFP4)")
-    out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
     s = scale if mx else weight
     w_up, s_up = up if up is not None else (weight, s)
     s_up = s_up if mx else w_up
@@ -718,15 +756,17 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     # and number at most num_assign: at batch 1 that is 16 blocks of the ~840 the buffer has room
     # for (K3, top-16 of 896), so ~98 % of the programs are never launched.
     row_blocks = min(rows.numel() // block_m, num_assign)
-    kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, tiles)
-    kernel[lambda meta: (row_blocks, triton.cdiv(n_out, meta["BLOCK_N"]))](
+    kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, dict(tiles))
+    cols_first = tiles.pop("cols_first", block_m >= TRITON_COLS_FIRST_MIN_ROWS) and row_blocks < 65536
+    kernel[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), row_blocks)[::1 if cols_first else -1]](
         x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
         float(beta), float(linear_beta or 1.0),
         WEIGHTS=weights, INTERPRETED=interpreted(), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
-        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, **tiles, **pdl.launch(out.device),
+        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, COLS_FIRST=cols_first, **tiles,
+        **pdl.launch(out.device),
     )
     return out
 
@@ -747,17 +787,19 @@ def row_block(assignments: int, num_experts: int, mma: bool, gluon_ok: bool) -> 
 
 def mma_upcast(block_m: int, gluon_ok: bool) -> str:
     """The grouped GEMM for MMA-layout experts: moe_gluon's ("gluon") at decode row blocks (up to
-    16, ``GLUON_DECODE``) and prefill ones (64, ``GLUON_PREFILL``); "mma" elsewhere."""
-    gluon = gluon_ok and ((GLUON_DECODE and block_m <= 16) or (GLUON_PREFILL and block_m == 64))
+    16, ``GLUON_DECODE``) and prefill ones (32 to 128, ``GLUON_PREFILL``); "mma" elsewhere."""
+    gluon = gluon_ok and ((GLUON_DECODE and block_m <= 16) or (GLUON_PREFILL and block_m >= 32))
     return "gluon" if gluon else "mma"
 
 
 def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, block_m: int | None = None,
                    norm=None, add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                   **blocks) -> torch.Tensor:
+                   block_sizes: tuple | None = None, **blocks) -> torch.Tensor:
     """Drop-in for ``moe_ref.experts_ref`` over a ``model.moe.RoutedExperts``: gate/up GEMM, GLU,
     down GEMM, weighted sum (fp32), then ``combine_experts``'s optional norm / add / cast. No host
-    sync. Row blocks: ``row_block``; MMA-layout experts' kernel: ``mma_upcast``."""
+    sync. Row blocks: ``row_block``, or of each of ``block_sizes`` (``sort_by_expert_sizes``; by
+    default ``GLUON_PREFILL_SIZES`` where the Gluon kernel takes prefill blocks); MMA-layout
+    experts' kernel: ``mma_upcast``."""
     T, top_k = ids.shape
     E = experts.num_experts + experts.num_shared  # ids may name joined shared experts (moe.RoutedExperts.join_shared)
     if T == 0:
@@ -769,22 +811,31 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
         and x.data_ptr() % 16 == 0
     if block_m is None:
         block_m = row_block(T * top_k, E, mma, gluon_ok)
-    if T == 1:  # one token's experts are distinct: a block per assignment, in routing order, is the sort's layout
-        rows, block_expert = one_row_blocks(top_k, block_m, ids.device), ids.reshape(-1)
+    if block_sizes is None and GLUON_PREFILL_SIZES and block_m == 64 and mma_upcast(64, gluon_ok) == "gluon":
+        block_sizes = GLUON_PREFILL_SIZES
+    if block_sizes:
+        layouts = sort_by_expert_sizes(ids, E, tuple(block_sizes))
+    elif T == 1:  # one token's experts are distinct: a block per assignment, in routing order, is the sort's layout
+        layouts = [(block_m, one_row_blocks(top_k, block_m, ids.device), ids.reshape(-1))]
     else:
-        rows, block_expert = sort_by_expert(ids, E, block_m)
+        layouts = [(block_m, *sort_by_expert(ids, E, block_m))]
     num_assign = T * top_k
-    if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
-        blocks = dict(blocks, mx_upcast=mma_upcast(block_m, gluon_ok))
     stored = experts.stack
     w1, s1 = stored("w1")
-    # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
-    h = grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, experts.intermediate, block_m,
-                     up=stored("w3"), act=experts.act, out_dtype=experts.dtype, **blocks)
     w2, s2 = stored("w2")
-    # rows of h are assignments already; the routing weights scale the rows in the epilogue
-    y = grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, block_m,
-                     row_scale=weights.float().flatten().contiguous(), **blocks)
+    h = torch.empty(num_assign, experts.intermediate, dtype=experts.dtype, device=x.device)
+    y = torch.empty(num_assign, experts.out_features, dtype=torch.float32, device=x.device)
+    row_scale = weights.float().flatten().contiguous()
+    for bm, rows, block_expert in layouts:  # (each layout's rows are its own: h's rows are written, then read)
+        opts = blocks
+        if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
+            opts = dict(blocks, mx_upcast=mma_upcast(bm, gluon_ok))
+        # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
+        grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, experts.intermediate, bm,
+                     up=stored("w3"), act=experts.act, out_dtype=experts.dtype, out=h, **opts)
+        # rows of h are assignments already; the routing weights scale the rows in the epilogue
+        grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, bm,
+                     row_scale=row_scale, out=y, **opts)
     return combine_experts(y, top_k, norm, add, out_dtype)
 
 
