@@ -47,7 +47,10 @@ DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in ((64, 
 # row blocks of 8 (wgmma N = 8, 66 registers) beat 16 at 1 / 16 / 64 tokens (63 / 77 / 71 % of copy
 # against 58 / 70 / 68), 3 stages lost again (46-53 %), gate and up paired on one chain lost (removed).
 # The eighth element, where present: the Gluon kernel's options (maxnreg).
-# Fifteenth session: programs ordered row block fastest, or column tile fastest (moe_gluon.COLS_FIRST_MIN_ROWS)
+# Fifteenth session: programs ordered row block fastest, or column tile fastest (moe_gluon.COLS_FIRST_MIN_ROWS:
+# at 256 tokens, rows of 16, 4.38 ms against 4.82). Row blocks of 8 or 16 an expert (sort_by_expert_sizes,
+# one weight read an expert up to 16 rows): 4.25 ms at 256 tokens, but its torch sort costs ~0.11 ms
+# (1 token: 0.220 against 0.105), so decode keeps one size.
 DECODE_VARIANTS += [(bm, 64, True, 128, 4, 2, "gluon", {"cols_first": c}) for bm in (16, 8) for c in (False, True)]
 # (ours at prefill row blocks: 4.5x slower than tl.dot_scaled, or a Triton 3.6 pass failure; seventh session)
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
@@ -58,7 +61,7 @@ PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), 
     # row blocks of mixed sizes (moe_triton.sort_by_expert_sizes), each size at its default warps
     (sizes, 64, True, 128, None, 2, "gluon", opts) for sizes in ((32, 64, 128), (16, 32, 64, 128))
     for opts in ({"cols_first": False}, {"cols_first": True})] + [
-    (64, 64, True, 128, 8, 2, "gluon", {"cols_first": True})]
+    (64, 64, True, 128, 8, 2, "gluon", {"cols_first": True})]  # (a ring of 3 K steps: 26.3 ms against 24.3)
 BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 128, True, 128, 8, 3),
                  (16, 32, True, 128, 2, 4), (16, 128, False, 128, 8, 3), (16, 128, False, 128, 4, 4),
                  (16, 64, False, 256, 4, 3), (16, 64, False, 64, 4, 4), (16, 32, False, 256, 4, 4)]
