@@ -20,6 +20,7 @@ import json
 import os
 import random
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -233,6 +234,43 @@ def engine_match(model, rng, n_prompts) -> dict:
     return res
 
 
+def step_inputs(model, rng, batch: int, ctx: int, pool_bytes: int, new_tokens: int = 1):
+    """A pool and ``batch`` sequences of ``new_tokens`` random tokens each (after ``ctx`` cached
+    ones for decode; fresh prompts for prefill)."""
+    pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+    max_pages = -(-(ctx + new_tokens + 16) // PAGE)
+    start = ctx if new_tokens == 1 else 0
+    chunks = [SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(new_tokens)], start,
+                       pool.alloc_slot(), [pool.alloc_page() for _ in range(max_pages)])
+              for _ in range(batch)]
+    return pool, chunks
+
+
+def host_profile(model, rng, batch: int, new_tokens: int, pool_bytes: int, top: int = 30) -> str:
+    """Where an eager prefill step's host time goes (cProfile over three steps, by own and by
+    cumulative time): a short prompt's step is host-bound (kimi-linear-48b, 512 tokens: 33 ms of
+    kernels in a 120 ms step; RESULTS.md fifteenth session)."""
+    import cProfile
+    import io
+    import pstats
+
+    pool, chunks = step_inputs(model, rng, batch, 0, pool_bytes, new_tokens)
+    eager_step(model, pool, chunks)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        eager_step(model, pool, chunks)
+        torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+    del pool
+    torch.cuda.empty_cache()
+    return out.getvalue()
+
+
 def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int = 25, new_tokens: int = 1) -> dict:
     """Where a step's GPU time goes: the eager step (for decode, the same kernels a graph
     replays) under the profiler, kernels grouped by name. The sum of kernel time vs the graph
@@ -240,14 +278,15 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
     ``new_tokens`` > 1: a prefill step instead, ``batch`` fresh prompts of that many tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
-    max_pages = -(-(ctx + new_tokens + 16) // PAGE)
-    start = ctx if new_tokens == 1 else 0
-    chunks = [SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(new_tokens)], start,
-                       pool.alloc_slot(), [pool.alloc_page() for _ in range(max_pages)])
-              for _ in range(batch)]
+    pool, chunks = step_inputs(model, rng, batch, ctx, pool_bytes, new_tokens)
     eager_step(model, pool, chunks)
     torch.cuda.synchronize()
+    walls = []
+    for _ in range(3):  # the eager step's wall time: past the kernel time, host (launch) time
+        t0 = time.perf_counter()
+        eager_step(model, pool, chunks)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eager_step(model, pool, chunks)
         torch.cuda.synchronize()
@@ -265,7 +304,7 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
         fam = next((f for f, keys in FAMILIES if any(k in r["kernel"].lower() for k in keys)), "other")
         families[fam] = families.get(fam, 0.0) + r["ms"]
     return {"batch": batch, "context": ctx, "new_tokens": new_tokens, "kernels": sum(r["count"] for r in rows),
-            "kernel_ms": round(total, 3),
+            "kernel_ms": round(total, 3), "wall_ms": round(1e3 * sorted(walls)[1], 3),
             "share": {f: f"{100 * ms / total:.1f} %" for f, ms in sorted(families.items(), key=lambda x: -x[1])},
             "top": rows[:top]}
 
@@ -284,7 +323,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, engine, profile, profile_prefill, ab")
+                    help="comma-separated subset of check, timing, engine, profile, profile_prefill, host_prefill, ab")
     ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
     ap.add_argument("--ab-batches", default="1,16")
     ap.add_argument("--ab-rounds", type=int, default=1,
@@ -318,13 +357,16 @@ def main() -> None:
         print(json.dumps(res["engine"]))
     if "profile" in parts:
         res["profile"] = [kernel_profile(model, rng, b, 4096, pool_bytes, top=args.top) for b in (1, 64)]
-    if "profile_prefill" in parts:  # the engine's default 8192-token step: 4 prompts of 2048, 1 of 8192
+    if "profile_prefill" in parts:  # the engine's default 8192-token step: 4 prompts of 2048, 1 of 8192; one of 512
         res["profile"] = res.get("profile", []) + [kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
-                                                   for b, n in ((4, 2048), (1, 8192))]
+                                                   for b, n in ((1, 512), (4, 2048), (1, 8192))]
+    if "host_prefill" in parts:  # one prompt of 512 tokens: the host's share of its eager step
+        print(f"\nhost time of 3 eager prefill steps (1 x 512 tokens), cProfile:\n"
+              f"{host_profile(model, rng, 1, 512, pool_bytes, args.top)}")
     for prof in res.get("profile", []):
         print(f"\nbatch {prof['batch']} x {prof['new_tokens']} new tokens, context {prof['context']}: "
               f"{prof['kernels']} kernels, "
-              f"{prof['kernel_ms']} ms of kernel time; share: {prof['share']}\n| kernel | count | ms |\n|---|---|---|")
+              f"{prof['kernel_ms']} ms of kernel time, eager step {prof['wall_ms']} ms; share: {prof['share']}\n| kernel | count | ms |\n|---|---|---|")
         for r in prof["top"]:
             print(f"| {r['kernel']} | {r['count']} | {r['ms']} |")
     Path(args.out).mkdir(parents=True, exist_ok=True)
