@@ -146,3 +146,15 @@ def test_strided_pool_views(model):
         rest.append(model.compute_logits(model(ForwardBatch.build([SeqChunk([ids[t]], t, 0, _pages(0))], PAGE), base)))
     assert rel_err(torch.cat([first] + rest), ref) <= 1e-5
     assert shared.abs().sum() > 0  # the writes landed in the shared buffer
+
+
+def test_prefill_cu_seqlens_built_once_a_step():
+    """The non-decode sequences' token offsets (fla's ``cu_seqlens``), on the device and the host:
+    one pair a step, the same objects for every KDA layer (fla memoises its chunk indices by
+    argument identity: a fresh pair a layer cost a blocking copy, a stream sync, each time)."""
+    chunks = [SeqChunk([5], 7, 0, [0]), SeqChunk([1, 2, 3], 0, 1, [1]), SeqChunk([4] * 70, 10, 2, [2, 3])]
+    batch = ForwardBatch.build(chunks, 64, "cpu")
+    dev, host = batch.prefill_cu_seqlens
+    assert batch.num_decodes == 1 and host.tolist() == [0, 3, 73] and torch.equal(dev, host)
+    again = batch.prefill_cu_seqlens
+    assert again[0] is dev and again[1] is host

@@ -109,6 +109,16 @@ class ForwardBatch:
         return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.query_start.device),
                                        self.query_start.diff(), output_size=self.num_tokens)
 
+    @cached_property
+    def prefill_cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, host) [P+1] int64 token offsets of the non-decode sequences among their own
+        tokens: one pair a step, so fla's chunk kernels (whose index helpers are memoised by
+        argument identity) build their chunk indices once a step, not once a KDA layer; each
+        build ends in a blocking host-to-device copy, a stream sync (20 a kimi-linear prefill)."""
+        cpu = torch.zeros(self.num_seqs - self.num_decodes + 1, dtype=torch.int64)
+        cpu[1:] = torch.tensor(self.query_lens_host[self.num_decodes:], dtype=torch.int64).cumsum(0)
+        return to_device(cpu, self.query_start.device), cpu
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_host)

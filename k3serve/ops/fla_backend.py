@@ -65,16 +65,14 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     if nd < batch.num_seqs:
         slots = batch.kda_slots[nd:]
         _zero_fresh(state, batch, range(nd, batch.num_seqs))
-        qlens = batch.query_lens_host[nd:]
-        cu_cpu = torch.zeros(len(qlens) + 1, dtype=torch.long)
-        cu_cpu[1:] = torch.tensor(qlens).cumsum(0)
+        cu, cu_cpu = batch.prefill_cu_seqlens
         s = nd  # decode tokens come first, one each
         in_kernel = {} if gate is None else dict(use_gate_in_kernel=True, A_log=gate[0], dt_bias=gate[1],
                                                    lower_bound=gate[2])
         o, ht = chunk_kda(
             q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
             beta[None, s:].float(), scale=scale, initial_state=state[slots], output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=to_device(cu_cpu, q.device), cu_seqlens_cpu=cu_cpu, **in_kernel,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **in_kernel,
         )
         out[s:] = o[0]
         state[slots] = ht
