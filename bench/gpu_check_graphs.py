@@ -331,7 +331,13 @@ def main() -> None:
     ap.add_argument("--ab-pool-gib", type=float, default=4.0, help="the shared pool of --ab-rounds > 1 "
                     "(kimi-linear-48b: ~40 MB of KDA state a sequence; 64 sequences of 528 tokens fit 4 GiB)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per profile")
+    ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
+                    "(e.g. a prefill profile with k3serve.ops.moe_triton.SORT_KERNEL=True)")
     args = ap.parse_args()
+    if args.set:
+        from bench.overrides import set_constants
+
+        print("set", args.set, set_constants(args.set), flush=True)
     parts = set(args.parts.split(","))
     rng = random.Random(0)
     model = load_model(preset=args.preset, dtype="bfloat16", device="cuda", seed=0, progress=False)

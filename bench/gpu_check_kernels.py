@@ -161,6 +161,22 @@ def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
     record("route from partial sums: tokens with the same experts", f"T={T} E={E} K={K}", 1 - same, 0.05)
 
 
+def check_expert_sort(T: int, E: int, top: int, sizes: tuple, gen: torch.Generator) -> None:
+    """expert_sort's two launches (``moe_triton.SORT_KERNEL``) vs the torch form: the same blocks
+    (rows as sets), owners and padding; run twice (its counters must return to zero)."""
+    from k3serve.ops.expert_sort import sort_by_expert_kernel
+
+    ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
+    ref = moe_triton._sort_torch(ids, E, sizes)
+    bad = 0
+    for _ in range(2):
+        got = sort_by_expert_kernel(ids, E, sizes, tuple(moe_triton._sort_totals(ids.numel(), E, sizes)))
+        for (bm, rows, owners), (_, grows, gowners) in zip(ref, got):
+            bad += not (torch.equal(owners, gowners) and torch.equal(rows.view(-1, bm).sort(1).values,
+                                                                      grows.view(-1, bm).sort(1).values))
+    record("expert sort, two launches: layouts differing", f"T={T} E={E} top {top} sizes {sizes}", bad, 0)
+
+
 def check_gemv(T: int, K: int, N: int, gen: torch.Generator) -> None:
     """bf16 through the tensor cores vs float64, autotuned and every pinned tile (split-K partials
     summed by the last program of each column block; each tile run twice: tickets reset)."""
@@ -312,6 +328,8 @@ def main() -> int:
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
     for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):
         check_gemv(T, K, N, gen)
+    for T, E, top, sizes in ((8192, 896, 16, (16, 32, 64, 128)), (8192, 256, 8, (128,)), (700, 64, 8, (64,))):
+        check_expert_sort(T, E, top, sizes, gen)
     for B, T, K, N, fp32_x in ((2, 1, 128, 4096, False), (2, 4, 128, 4096, False), (32, 1, 128, 512, False),
                                (32, 3, 512, 128, True), (64, 1, 512, 128, True)):
         check_gemv_batched(B, T, K, N, fp32_x, gen)

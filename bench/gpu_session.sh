@@ -56,7 +56,7 @@ case "$1" in
   profile48)  # where kimi-linear-48b's decode (batch 1, 64) and 8K-token prefill steps spend GPU time,
               # next to the graph-replayed step's wall time (kernel time vs launch gaps)
     step profile48 "$(left "${PROFILE_UNTIL:-580}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
-      --parts "${PARTS:-timing,profile,profile_prefill}" --iters 10 --out /tmp/gpu_work
+      --parts "${PARTS:-timing,profile,profile_prefill}" --iters 10 --out /tmp/gpu_work ${PROFILE_SET:+--set "$PROFILE_SET"}
     grep -A6 "| context" "$OUT/profile48.log"; grep -A14 "kernels, " "$OUT/profile48.log" ;;
   model)  # the model vs the fp32 reference only (tiny presets, fla and every Triton kernel)
     step model "$(left 300)" python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work

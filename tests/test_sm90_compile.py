@@ -206,3 +206,26 @@ def test_route_kernel_compiles_for_sm90():
     scalars = {n: "i32" for n in ("num_parts", "stride_part", "stride_l", "E")} | {"scaling": "fp32"}
     consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, USE_PDL=True)
     assert _compile(moe_triton._route_kernel, ptrs, scalars, consts, num_warps=4).asm["cubin"]
+
+
+@pytest.mark.parametrize("sizes", [(64,), (16, 32, 64, 128)])
+def test_expert_sort_kernels_compile_for_sm90(sizes):
+    """expert_sort's two launches (prefill's sort by expert), one and four row-block sizes: PDL's
+    wait first, the last program's ticket an acquire-release atomic."""
+    from k3serve.ops import expert_sort
+
+    s = list(sizes) + [1] * (4 - len(sizes))
+    ptrs = {"IDS": "*i64", "COUNTS": "*i32", "TICKETS": "*i32", "ROWS": "*i64", "STARTS": "*i32", "FULL": "*i32",
+            "TAIL": "*i32", "BE": "*i64"}
+    scalars = {n: "i32" for n in ("num_assign", "num_experts", "rows_total", "nb0", "nb1", "nb2", "nb3", "boff1",
+                                  "boff2", "boff3")}
+    consts = dict(E_P=1024, NUM=len(sizes), S0=s[0], S1=s[1], S2=s[2], S3=s[3], BLOCK_A=1024, BLOCK_R=1024,
+                  USE_PDL=True)
+    ptx = _compile(expert_sort._count_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and "ld.global.cg" in ptx
+    ptrs = {"IDS": "*i64", "COUNTS": "*i32", "CURSOR": "*i32", "TICKETS": "*i32", "ROWS": "*i64", "STARTS": "*i32",
+            "FULL": "*i32", "TAIL": "*i32"}
+    scalars = {n: "i32" for n in ("num_assign", "num_experts", "roff1", "roff2", "roff3")}
+    consts = dict(E_P=1024, NUM=len(sizes), BLOCK_A=1024, USE_PDL=True)
+    ptx = _compile(expert_sort._place_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)

@@ -623,7 +623,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     flat = ids.flatten().contiguous()
     num_assign = flat.numel()
     if num_assign > ALIGN_KERNEL_MAX_ASSIGN:
-        return sort_by_expert_torch(ids, num_experts, block_m)
+        return sort_by_expert_sizes(ids, num_experts, (block_m,))[0][1:]
     total = _padded_rows(num_assign, num_experts, block_m)
     rows = torch.empty(total, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(total // block_m, dtype=torch.int64, device=ids.device)
@@ -654,7 +654,18 @@ def one_row_blocks(num_assign: int, block_m: int, device: torch.device) -> torch
 
 def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``sort_by_expert`` in torch ops (the reference of its layout; rows in stable order)."""
-    return sort_by_expert_sizes(ids, num_experts, (block_m,))[0][1:]
+    return _sort_torch(ids, num_experts, (block_m,))[0][1:]
+
+
+# Past ``ALIGN_KERNEL_MAX_ASSIGN`` (prefill), sort in expert_sort's two launches instead of the torch
+# ops (~20 launches for one size, ~50 for four); checked under the interpreter, not yet timed: off.
+SORT_KERNEL = False
+
+
+def _sort_totals(num_assign: int, num_experts: int, sizes: tuple) -> list[int]:
+    """Rows a size: the largest's bound as ``_padded_rows``; a tail size holds one block an expert."""
+    return [_padded_rows(num_assign, num_experts, bm) if i == len(sizes) - 1 else min(num_experts, num_assign) * bm
+            for i, bm in enumerate(sizes)]
 
 
 def sort_by_expert_sizes(ids: torch.Tensor, num_experts: int, sizes: tuple) -> list:
@@ -664,7 +675,18 @@ def sort_by_expert_sizes(ids: torch.Tensor, num_experts: int, sizes: tuple) -> l
     three of 64 (3 upcasts, 192 rows). Returns [(block_m, rows, block expert)], one layout (each
     ``sort_by_expert_torch``'s form) a size, on the device, no host sync: buffers are sized by
     bounds (a tail size holds at most one block an expert), each launch's blocks of padding only
-    exit at once. Every assignment is in exactly one layout."""
+    exit at once. Every assignment is in exactly one layout. Two launches (``expert_sort``) where
+    ``SORT_KERNEL``, else torch ops (``_sort_torch``, the reference)."""
+    if SORT_KERNEL and len(sizes) <= 4 and (ids.is_cuda or interpreted()):
+        from .expert_sort import sort_by_expert_kernel
+
+        return sort_by_expert_kernel(ids, num_experts, tuple(sizes),
+                                     tuple(_sort_totals(ids.numel(), num_experts, sizes)))
+    return _sort_torch(ids, num_experts, sizes)
+
+
+def _sort_torch(ids: torch.Tensor, num_experts: int, sizes: tuple) -> list:
+    """``sort_by_expert_sizes`` in torch ops (rows in stable order)."""
     flat = ids.flatten()
     num_assign = flat.numel()
     dev = ids.device
@@ -679,6 +701,7 @@ def sort_by_expert_sizes(ids: torch.Tensor, num_experts: int, sizes: tuple) -> l
     rank = torch.arange(num_assign, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
     in_tail = rank >= full[sorted_e]
     layouts = []
+    totals = _sort_totals(num_assign, num_experts, sizes)
     for i, bm in enumerate(sizes):
         is_big = i == len(sizes) - 1
         has_tail = (tail == i) & (counts > full)
@@ -687,7 +710,7 @@ def sort_by_expert_sizes(ids: torch.Tensor, num_experts: int, sizes: tuple) -> l
         at = rank - (0 if is_big else full[sorted_e])  # rank inside this layout's segment
         padded = (n + bm - 1) // bm * bm
         starts = torch.cumsum(padded, 0) - padded
-        total = _padded_rows(num_assign, num_experts, bm) if is_big else min(num_experts, num_assign) * bm
+        total = totals[i]
         rows = torch.full((total + 1,), num_assign, dtype=torch.int64, device=dev)  # (+1: non-members' slot)
         rows[torch.where(member, starts[sorted_e] + at, total)] = order
         block_expert = torch.searchsorted(torch.cumsum(padded, 0), torch.arange(0, total, bm, device=dev),
