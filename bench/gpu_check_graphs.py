@@ -332,7 +332,7 @@ def main() -> None:
                     "(kimi-linear-48b: ~40 MB of KDA state a sequence; 64 sequences of 528 tokens fit 4 GiB)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per profile")
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
-                    "(e.g. a prefill profile with k3serve.ops.moe_triton.SORT_KERNEL=True)")
+                    "(e.g. a prefill profile with k3serve.ops.expert_sort.SORT_KERNEL=True)")
     args = ap.parse_args()
     if args.set:
         from bench.overrides import set_constants

@@ -31,8 +31,9 @@ from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_prefill_triton import mla_prefill
 from k3serve.ops import moe_triton
-from k3serve.ops.moe_triton import (combine_experts, grouped_gemm, route_triton, router_logits, sort_by_expert,
-                                    sort_by_expert_sizes)
+from k3serve.ops import expert_sort
+from k3serve.ops.expert_sort import sort_by_expert, sort_by_expert_sizes
+from k3serve.ops.moe_triton import combine_experts, grouped_gemm, route_triton, router_logits
 from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_mma_layout
 from k3serve.ops.moe_ref import route
 from k3serve.ops.norm_triton import latent_to_cache, rms_norm_triton
@@ -162,15 +163,13 @@ def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
 
 
 def check_expert_sort(T: int, E: int, top: int, sizes: tuple, gen: torch.Generator) -> None:
-    """expert_sort's two launches (``moe_triton.SORT_KERNEL``) vs the torch form: the same blocks
+    """expert_sort's two launches (``expert_sort.SORT_KERNEL``) vs the torch form: the same blocks
     (rows as sets), owners and padding; run twice (its counters must return to zero)."""
-    from k3serve.ops.expert_sort import sort_by_expert_kernel
-
     ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
-    ref = moe_triton._sort_torch(ids, E, sizes)
+    ref = expert_sort._sort_torch(ids, E, sizes)
     bad = 0
     for _ in range(2):
-        got = sort_by_expert_kernel(ids, E, sizes, tuple(moe_triton._sort_totals(ids.numel(), E, sizes)))
+        got = expert_sort.sort_by_expert_kernel(ids, E, sizes, tuple(expert_sort._sort_totals(ids.numel(), E, sizes)))
         for (bm, rows, owners), (_, grows, gowners) in zip(ref, got):
             bad += not (torch.equal(owners, gowners) and torch.equal(rows.view(-1, bm).sort(1).values,
                                                                       grows.view(-1, bm).sort(1).values))

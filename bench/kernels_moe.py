@@ -48,7 +48,7 @@ DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in ((64, 
 # against 58 / 70 / 68), 3 stages lost again (46-53 %), gate and up paired on one chain lost (removed).
 # The eighth element, where present: the Gluon kernel's options (maxnreg).
 # Fifteenth session: programs ordered row block fastest, or column tile fastest (moe_gluon.COLS_FIRST_MIN_ROWS:
-# at 256 tokens, rows of 16, 4.38 ms against 4.82). Row blocks of 8 or 16 an expert (sort_by_expert_sizes,
+# at 256 tokens, rows of 16, 4.38 ms against 4.82). Row blocks of 8 or 16 an expert (expert_sort.sort_by_expert_sizes,
 # one weight read an expert up to 16 rows): 4.25 ms at 256 tokens, but its torch sort costs ~0.11 ms
 # (1 token: 0.220 against 0.105), so decode keeps one size.
 DECODE_VARIANTS += [(bm, 64, True, 128, 4, 2, "gluon", {"cols_first": c}) for bm in (16, 8) for c in (False, True)]
@@ -58,7 +58,7 @@ PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), 
         (64, 64, 128, 4, 2), (128, 128, 128, 8, 3))] + [
     (64, 64, True, 128, 4, st, "gluon") for st in (2, 3)] + [
     (bm, 64, True, 128, 8, 2, "gluon") for bm in (64, 128)] + [  # 8 warps: moe_gluon's STACKED form
-    # row blocks of mixed sizes (moe_triton.sort_by_expert_sizes), each size at its default warps
+    # row blocks of mixed sizes (expert_sort.sort_by_expert_sizes), each size at its default warps
     (sizes, 64, True, 128, None, 2, "gluon", opts) for sizes in ((32, 64, 128), (16, 32, 64, 128))
     for opts in ({"cols_first": False}, {"cols_first": True})] + [
     (64, 64, True, 128, 8, 2, "gluon", {"cols_first": True})]  # (a ring of 3 K steps: 26.3 ms against 24.3)

@@ -18,7 +18,8 @@ from bench.timing import gpu_ms
 from k3serve.model.layers import RMSNorm, glu_activation, rms_norm
 from k3serve.ops.glu_triton import glu_triton
 from k3serve.ops.moe_ref import route
-from k3serve.ops.moe_triton import route_triton, sort_by_expert, sort_by_expert_torch
+from k3serve.ops.expert_sort import sort_by_expert, sort_by_expert_torch
+from k3serve.ops.moe_triton import route_triton
 from k3serve.ops.norm_triton import add_rms_norm_triton, rms_norm_triton
 
 

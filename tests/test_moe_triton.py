@@ -15,7 +15,8 @@ SCRIPT = textwrap.dedent('''
     from k3serve.config import ModelConfig
     from k3serve.model.loader import load_model
     from k3serve.ops.moe_ref import experts_ref
-    from k3serve.ops.moe_triton import experts_triton, sort_by_expert
+    from k3serve.ops.expert_sort import sort_by_expert
+    from k3serve.ops.moe_triton import experts_triton
     mx = "mxfp4" in sys.argv[1]
     if sys.argv[1].startswith("bundled"):  # latent 96, expert width 64: tiles of 32 along K
         from k3serve.bundled import resolve_model
@@ -71,7 +72,7 @@ def test_grouped_gemm_bf16_matches_fp32_reference():
 ALIGN_SCRIPT = textwrap.dedent('''
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
-    from k3serve.ops.moe_triton import sort_by_expert, sort_by_expert_torch
+    from k3serve.ops.expert_sort import sort_by_expert, sort_by_expert_torch
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     for T, k, E, bm in [(1, 8, 256, 16), (5, 4, 16, 16), (37, 8, 64, 16), (300, 2, 7, 32), (3, 1, 8, 16)]:
         ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
@@ -92,7 +93,7 @@ def test_mixed_size_row_blocks_hold_each_assignment_once(sizes):
     of its expert; valid rows lead each block (the GEMMs skip a block whose first row is padding)."""
     import torch
 
-    from k3serve.ops.moe_triton import sort_by_expert_sizes
+    from k3serve.ops.expert_sort import sort_by_expert_sizes
 
     gen = torch.Generator().manual_seed(len(sizes))
     T, k, E = 300, 4, 9
@@ -121,7 +122,7 @@ def test_mixed_size_row_blocks_hold_each_assignment_once(sizes):
 SORT_KERNEL_SCRIPT = textwrap.dedent('''
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
-    from k3serve.ops import moe_triton as m
+    from k3serve.ops import expert_sort as m
     from k3serve.ops.expert_sort import sort_by_expert_kernel
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     cases = [(300, 4, 9, (16, 32, 128)), (700, 8, 64, (16, 32, 64, 128)), (40, 2, 7, (16,)), (1, 2, 5, (32, 64)),
@@ -168,7 +169,8 @@ ROUTE_SCRIPT = textwrap.dedent('''
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.ops.moe_ref import route
-    from k3serve.ops.moe_triton import route_triton, sort_by_expert
+    from k3serve.ops.expert_sort import sort_by_expert
+    from k3serve.ops.moe_triton import route_triton
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
     for T, E, K, biased, renorm, func, scaling in [(1, 256, 8, True, True, "sigmoid", 2.446), (7, 64, 6, False, True, "sigmoid", 1.0),
@@ -213,7 +215,8 @@ GEMM_SCRIPT = textwrap.dedent('''
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.model.layers import glu_activation
     from k3serve.ops.mxfp4 import dequantize_mxfp4
-    from k3serve.ops.moe_triton import grouped_gemm, sort_by_expert
+    from k3serve.ops.expert_sort import sort_by_expert
+    from k3serve.ops.moe_triton import grouped_gemm
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
     E, N, K, T, top_k = 5, 48, 256, 6, 2
@@ -396,7 +399,7 @@ def test_one_token_layout_is_a_block_per_assignment():
     distinct, so that is the sorted layout up to block order), the rest of each block padding."""
     import torch
 
-    from k3serve.ops.moe_triton import one_row_blocks
+    from k3serve.ops.expert_sort import one_row_blocks
 
     rows = one_row_blocks(3, 4, torch.device("cpu"))
     assert rows.tolist() == [0, 3, 3, 3, 1, 3, 3, 3, 2, 3, 3, 3]
@@ -409,6 +412,7 @@ MMA_SCRIPT = textwrap.dedent('''
     import torch.nn.functional as F
     from k3serve.model.loader import load_model
     from k3serve.ops import moe_triton as m
+    from k3serve.ops.expert_sort import sort_by_expert
     from k3serve.ops.moe_ref import experts_ref
     from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_mma_layout
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
@@ -423,7 +427,7 @@ MMA_SCRIPT = textwrap.dedent('''
         (gp, gs), (up, us) = stack(), stack()
         ids = torch.rand(T, E, generator=gen).topk(top, dim=-1).indices
         x = torch.randn(T, K, generator=gen).bfloat16()
-        rows, blocks = m.sort_by_expert(ids, E, bm)
+        rows, blocks = sort_by_expert(ids, E, bm)
         xa, a = x.float()[torch.arange(T * top) // top], ids.flatten()
         gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
         glu = F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(up, us)[a])

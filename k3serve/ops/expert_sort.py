@@ -1,17 +1,23 @@
-"""Assignments grouped by expert into padded row blocks, for prefill-sized batches, in two
-launches: ``moe_triton.sort_by_expert_sizes``'s layouts (one size: ``sort_by_expert_torch``'s).
-The torch form is ~20 launches for one block size and ~50 for four; a prefill step is host-bound
-where its kernels are short (kimi-linear-48b, 512 tokens: 33 ms of kernels in a 120 ms eager step,
-RESULTS.md fifteenth session), and every launch costs tens of microseconds of host time.
+"""Assignments grouped by expert into padded row blocks: the layout every grouped GEMM reads (a
+block's rows one expert's, valid rows leading, padding rows holding ``num_assign``).
 
-Launch 1, a program per chunk of assignments: a histogram of its experts added into the counts,
-its share of the rows filled with padding; the last program to finish (``tickets.last_arrival``)
-turns the counts into each size's segment starts and labels every block with its expert. Launch
-2: each assignment takes a rank in its expert by an atomic cursor, which places it (the first
-whole blocks of the largest size, the rest in the expert's tail block); its last program zeroes
-the counts and cursors, which live in the stream's ticket buffer, for the next call. Row order
-inside an expert follows the atomics: each row of the grouped GEMM is computed on its own.
-Checked against the torch form under the interpreter (tests/test_moe_triton.py)."""
+- Decode (up to ``ALIGN_KERNEL_MAX_ASSIGN`` assignments): one program, one launch
+  (``_align_by_expert_kernel``); at one token no sort at all (``one_row_blocks``).
+- Prefill: ``sort_by_expert_sizes``: each expert's rows as whole blocks of the largest size, the
+  rest in one block of the smallest size that holds it (``moe_triton.GLUON_PREFILL_SIZES``). In
+  torch ops (``_sort_torch``, the reference: ~20 launches for one size, ~50 for four) or, where
+  ``SORT_KERNEL``, in two launches (``sort_by_expert_kernel``). A prefill step is host-bound where
+  its kernels are short (kimi-linear-48b, 512 tokens: 33 ms of kernels in a 120 ms eager step,
+  RESULTS.md fifteenth session), and every launch costs tens of microseconds of host time.
+
+The two launches: a program per chunk of assignments adds a histogram of its experts into the
+counts and fills its share of the rows with padding; the last program to finish
+(``tickets.last_arrival``) turns the counts into each size's segment starts and labels every block
+with its expert. Then each assignment takes a rank in its expert from an atomic cursor, which
+places it; the last program zeroes the counts and cursors, which live in the stream's ticket
+buffer, for the next call (graph-safe). Row order inside an expert follows the atomics: each row
+of the grouped GEMM is computed on its own. Checked against the torch form under the interpreter
+(tests/test_moe_triton.py) and on the GPU (bench/gpu_check_kernels.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +26,172 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .autotune import interpreted
 from .pdl import pdl_start
 from .tickets import last_arrival, tickets
 
-BLOCK_A = 1024  # assignments a program
+BLOCK_A = 1024  # assignments a program (two-launch sort)
 BLOCK_R = 1024  # rows or blocks a store
+
+
+@triton.jit
+def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_experts, total_rows,
+                            E_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
+                            BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """One program: counting sort of the assignments into per-expert segments padded to BLOCK_M
+    rows (``sort_by_expert_torch``'s layout). Row order inside a segment follows the atomics, which
+    changes nothing: every row of the grouped GEMM is computed on its own."""
+    pdl_start(USE_PDL)
+    e = tl.arange(0, E_P)
+    counts = tl.zeros([E_P], tl.int32)
+    for a0 in range(0, num_assign, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        ids = tl.load(IDS + a, mask=a < num_assign, other=E_P - 1)  # lanes past the end: a spare bin >= E
+        ids = tl.where((ids < 0) | (ids >= num_experts), tl.where(a < num_assign, num_experts - 1, E_P - 1), ids)
+        counts += tl.histogram(ids.to(tl.int32), E_P)
+    counts = tl.where(e < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(CURSOR + e, ends - padded)  # each expert's next free row
+    for r0 in range(0, total_rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        tl.store(ROWS + r, tl.zeros([BLOCK_R], tl.int64) + num_assign, mask=r < total_rows)
+    # Block owners: each expert labels its own blocks (one pass at decode, where an expert holds
+    # one or two blocks; the former [blocks x experts] comparison took 9 reductions at batch 64).
+    # Blocks past the last segment (never holding rows) are labelled with the last expert.
+    n_blocks = total_rows // BLOCK_M
+    used_blocks = tl.sum(padded, 0) // BLOCK_M
+    for b0 in range(0, n_blocks, BLOCK_R):
+        b = b0 + tl.arange(0, BLOCK_R)
+        tl.store(BLOCK_EXPERT + b, tl.zeros([BLOCK_R], tl.int64) + (num_experts - 1),
+                 mask=(b < n_blocks) & (b >= used_blocks))
+    first_block = (ends - padded) // BLOCK_M
+    n_own = padded // BLOCK_M
+    for j in range(0, tl.max(n_own, 0)):
+        tl.store(BLOCK_EXPERT + first_block + j, e.to(tl.int64), mask=(j < n_own) & (e < num_experts))
+    tl.debug_barrier()  # the cursors and the padding are written before any row lands
+    for a0 in range(0, num_assign, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        live = a < num_assign
+        ids = tl.minimum(tl.maximum(tl.load(IDS + a, mask=live, other=0), 0), num_experts - 1)  # memory-safe
+        pos = tl.atomic_add(CURSOR + ids, 1, mask=live)
+        tl.store(ROWS + pos, a.to(tl.int64), mask=live)
+
+
+def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the padded length (every expert's last block partly empty): sizes the buffers
+    without a host sync, and keeps a decode step's shapes static for CUDA graphs. A non-empty
+    expert's segment has at most as many blocks as rows, so the segments end within num_assign
+    blocks: at batch 1 on Kimi-Linear that is 8 blocks to pad and label, not 248 (the one-program
+    sort took 13 us a layer there, RESULTS.md sixth session)."""
+    total = num_assign + num_experts * (block_m - 1)
+    return min((total + block_m - 1) // block_m, num_assign) * block_m
+
+
+# Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
+# it one program would serialise too much work and the ~20 torch launches cost nothing in comparison.
+ALIGN_KERNEL_MAX_ASSIGN = 4096
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assignments (token * top_k + slot) grouped by expert and padded to ``block_m`` rows per
+    expert, on the device. Returns (rows [padded], expert of each row block). Padding rows hold
+    ``num_assign`` and are skipped by the GEMM. Small batches take one kernel launch."""
+    flat = ids.flatten().contiguous()
+    num_assign = flat.numel()
+    if num_assign > ALIGN_KERNEL_MAX_ASSIGN:
+        return sort_by_expert_sizes(ids, num_experts, (block_m,))[0][1:]
+    total = _padded_rows(num_assign, num_experts, block_m)
+    rows = torch.empty(total, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(total // block_m, dtype=torch.int64, device=ids.device)
+    e_p = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(e_p, dtype=torch.int32, device=ids.device)
+    _align_by_expert_kernel[(1,)](flat, rows, block_expert, cursor, num_assign, num_experts, total,
+                                  E_P=e_p, BLOCK_M=block_m, BLOCK_A=512, BLOCK_R=1024, **pdl.launch(rows.device))
+    return rows, block_expert
+
+
+_ONE_ROW_BLOCKS: dict = {}
+
+
+def one_row_blocks(num_assign: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """Rows for a layout of one assignment per row block (block i: row i, then padding), with the
+    routing ids themselves as the blocks' experts: a batch-1 decode step needs no sort (the align
+    kernel was 26 launches, ~0.09 ms, of a kimi-linear batch-1 step; RESULTS.md eighth session).
+    A constant, built once per shape and kept (CUDA graphs hold its address); the ids must name
+    real experts (our routers' always do; ``sort_by_expert`` also clamps stray ones)."""
+    key = (device, num_assign, block_m)
+    rows = _ONE_ROW_BLOCKS.get(key)
+    if rows is None:
+        rows = torch.full((num_assign, block_m), num_assign, dtype=torch.int64)
+        rows[:, 0] = torch.arange(num_assign)
+        rows = _ONE_ROW_BLOCKS[key] = rows.flatten().to(device)
+    return rows
+
+
+def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sort_by_expert`` in torch ops (the reference of its layout; rows in stable order)."""
+    return _sort_torch(ids, num_experts, (block_m,))[0][1:]
+
+
+# Past ``ALIGN_KERNEL_MAX_ASSIGN`` (prefill), sort in two launches (``sort_by_expert_kernel``) instead of the torch
+# ops (~20 launches for one size, ~50 for four); checked under the interpreter, not yet timed: off.
+SORT_KERNEL = False
+
+
+def _sort_totals(num_assign: int, num_experts: int, sizes: tuple) -> list[int]:
+    """Rows a size: the largest's bound as ``_padded_rows``; a tail size holds one block an expert."""
+    return [_padded_rows(num_assign, num_experts, bm) if i == len(sizes) - 1 else min(num_experts, num_assign) * bm
+            for i, bm in enumerate(sizes)]
+
+
+def sort_by_expert_sizes(ids: torch.Tensor, num_experts: int, sizes: tuple) -> list:
+    """Each expert's assignments as row blocks of the largest of ``sizes`` (ascending) while that
+    many remain, the rest as one block of the smallest size that holds it, so a prefill expert's
+    ~150 rows take one block of 128 and one of 32 (2 weight upcasts, 160 rows computed) instead of
+    three of 64 (3 upcasts, 192 rows). Returns [(block_m, rows, block expert)], one layout (each
+    ``sort_by_expert_torch``'s form) a size, on the device, no host sync: buffers are sized by
+    bounds (a tail size holds at most one block an expert), each launch's blocks of padding only
+    exit at once. Every assignment is in exactly one layout. Two launches (``sort_by_expert_kernel``) where
+    ``SORT_KERNEL``, else torch ops (``_sort_torch``, the reference)."""
+    if SORT_KERNEL and len(sizes) <= 4 and (ids.is_cuda or interpreted()):
+        return sort_by_expert_kernel(ids, num_experts, tuple(sizes),
+                                     tuple(_sort_totals(ids.numel(), num_experts, sizes)))
+    return _sort_torch(ids, num_experts, sizes)
+
+
+def _sort_torch(ids: torch.Tensor, num_experts: int, sizes: tuple) -> list:
+    """``sort_by_expert_sizes`` in torch ops (rows in stable order)."""
+    flat = ids.flatten()
+    num_assign = flat.numel()
+    dev = ids.device
+    # scatter_add, not bincount: CUDA bincount reads the maximum back to size its output (a host
+    # sync that also breaks CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    big = sizes[-1]
+    full = counts // big * big  # rows in whole blocks of the largest size
+    tail = sum((counts - full > s).long() for s in sizes[:-1])  # the size index holding the rest (no host tensor)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(num_assign, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    in_tail = rank >= full[sorted_e]
+    layouts = []
+    totals = _sort_totals(num_assign, num_experts, sizes)
+    for i, bm in enumerate(sizes):
+        is_big = i == len(sizes) - 1
+        has_tail = (tail == i) & (counts > full)
+        n = torch.where(has_tail, counts - full, 0) + (full if is_big else 0)  # this layout's rows an expert
+        member = (in_tail & has_tail[sorted_e]) | (~in_tail if is_big else False)
+        at = rank - (0 if is_big else full[sorted_e])  # rank inside this layout's segment
+        padded = (n + bm - 1) // bm * bm
+        starts = torch.cumsum(padded, 0) - padded
+        total = totals[i]
+        rows = torch.full((total + 1,), num_assign, dtype=torch.int64, device=dev)  # (+1: non-members' slot)
+        rows[torch.where(member, starts[sorted_e] + at, total)] = order
+        block_expert = torch.searchsorted(torch.cumsum(padded, 0), torch.arange(0, total, bm, device=dev),
+                                          right=True).clamp_max(num_experts - 1)
+        layouts.append((bm, rows[:total], block_expert))
+    return layouts
 
 
 @triton.jit

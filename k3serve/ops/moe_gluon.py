@@ -25,7 +25,7 @@ Programs: (row block of BLOCK_M assignment rows, 64 weight rows), 4 warps, K ste
 
 Prefill (``moe_triton.GLUON_PREFILL``): K3's experts at 8K tokens in 24.4 ms against "mx_mma"'s
 47.1, 50 % of the bf16 matmul ceiling (RESULTS.md fifteenth session), from the 8-warp STACKED
-form, row blocks of mixed sizes (``moe_triton.sort_by_expert_sizes``: fewer upcasts, less
+form, row blocks of mixed sizes (``expert_sort.sort_by_expert_sizes``: fewer upcasts, less
 padding) and programs ordered column tile fastest (``COLS_FIRST_MIN_ROWS``). A PAIRED mode (gate and up rows on one chain, half the accumulator registers, so row
 blocks of 128 fit) checked correct but measured slower at both 64 rows (43.3 ms) and 128 (62.8),
 so it was removed.
