@@ -271,6 +271,26 @@ def host_profile(model, rng, batch: int, new_tokens: int, pool_bytes: int, top: 
     return out.getvalue()
 
 
+def prefill_ab(model, rng, variants: str, pool_bytes: int, rounds: int = 2) -> list[dict]:
+    """Eager prefill steps (1 x 512 and 1 x 8,192 tokens) under variants of module constants (as
+    ``ab_timing``'s ``variants``), in alternating rounds: kernels launched, kernel time and the
+    step's wall time (host-bound steps show their launches' host cost there)."""
+    from bench.overrides import restore, set_constants
+
+    rows = []
+    for r in range(rounds):
+        for spec in variants.split(";"):
+            name, _, assigns = spec.partition(":")
+            saved = set_constants(assigns)
+            for b, n in ((1, 512), (1, 8192)):
+                prof = kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
+                rows.append({"variant": name.strip(), "round": r, "tokens": b * n, "kernels": prof["kernels"],
+                             "kernel_ms": prof["kernel_ms"], "wall_ms": prof["wall_ms"]})
+                print(rows[-1], flush=True)
+            restore(saved)
+    return rows
+
+
 def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int = 25, new_tokens: int = 1) -> dict:
     """Where a step's GPU time goes: the eager step (for decode, the same kernels a graph
     replays) under the profiler, kernels grouped by name. The sum of kernel time vs the graph
@@ -323,7 +343,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, engine, profile, profile_prefill, host_prefill, ab")
+                    help="comma-separated subset of check, timing, engine, profile, profile_prefill, host_prefill, ab, "
+                         "prefill_ab (eager prefill steps under --ab's variants)")
     ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
     ap.add_argument("--ab-batches", default="1,16")
     ap.add_argument("--ab-rounds", type=int, default=1,
@@ -366,6 +387,11 @@ def main() -> None:
     if "profile_prefill" in parts:  # the engine's default 8192-token step: 4 prompts of 2048, 1 of 8192; one of 512
         res["profile"] = res.get("profile", []) + [kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
                                                    for b, n in ((1, 512), (4, 2048), (1, 8192))]
+    if "prefill_ab" in parts:
+        res["prefill_ab"] = prefill_ab(model, rng, args.ab, pool_bytes)
+        print("\n| variant | round | tokens | kernels | kernel ms | step wall ms |\n|---|---|---|---|---|---|")
+        for r in res["prefill_ab"]:
+            print(f"| {r['variant']} | {r['round']} | {r['tokens']} | {r['kernels']} | {r['kernel_ms']} | {r['wall_ms']} |")
     if "host_prefill" in parts:  # one prompt of 512 tokens: the host's share of its eager step
         print(f"\nhost time of 3 eager prefill steps (1 x 512 tokens), cProfile:\n"
               f"{host_profile(model, rng, 1, 512, pool_bytes, args.top)}")
