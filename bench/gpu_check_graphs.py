@@ -332,7 +332,7 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
 # Kernel name fragments by what they serve: the share of a decode step each family takes
 # ([gpu-kernels] asks the AttnRes mixers to stay under 2 % of the layer time).
 FAMILIES = (("attn_res", ("attn_res",)), ("glu", ("_glu_kernel",)),
-            ("moe", ("grouped_gemm", "_route", "align_by_expert")), ("mla", ("_mla_",)), ("kda", ("kda", "fused_recurrent", "chunk_")), ("norm", ("norm",)),
+            ("moe", ("grouped_gemm", "_route", "align_by_expert", "_expert_")), ("mla", ("_mla_",)), ("kda", ("kda", "fused_recurrent", "chunk_")), ("norm", ("norm",)),
             ("dense gemm", ("gemm", "cutlass", "sm90", "nvjet", "cublas", "gemv")))
 
 
@@ -397,8 +397,8 @@ def main() -> None:
               f"{host_profile(model, rng, 1, 512, pool_bytes, args.top)}")
     for prof in res.get("profile", []):
         print(f"\nbatch {prof['batch']} x {prof['new_tokens']} new tokens, context {prof['context']}: "
-              f"{prof['kernels']} kernels, "
-              f"{prof['kernel_ms']} ms of kernel time, eager step {prof['wall_ms']} ms; share: {prof['share']}\n| kernel | count | ms |\n|---|---|---|")
+              f"{prof['kernels']} kernels, {prof['kernel_ms']} ms of kernel time, eager step {prof['wall_ms']} ms; "
+              f"share: {prof['share']}\n| kernel | count | ms |\n|---|---|---|")
         for r in prof["top"]:
             print(f"| {r['kernel']} | {r['count']} | {r['ms']} |")
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -221,11 +221,11 @@ def test_expert_sort_kernels_compile_for_sm90(sizes):
                                   "boff2", "boff3")}
     consts = dict(E_P=1024, NUM=len(sizes), S0=s[0], S1=s[1], S2=s[2], S3=s[3], BLOCK_A=1024, BLOCK_R=1024,
                   USE_PDL=True)
-    ptx = _compile(expert_sort._count_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
+    ptx = _compile(expert_sort._expert_count_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
     assert "griddepcontrol.wait" in ptx and re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) and "ld.global.cg" in ptx
     ptrs = {"IDS": "*i64", "COUNTS": "*i32", "CURSOR": "*i32", "TICKETS": "*i32", "ROWS": "*i64", "STARTS": "*i32",
             "FULL": "*i32", "TAIL": "*i32"}
     scalars = {n: "i32" for n in ("num_assign", "num_experts", "roff1", "roff2", "roff3")}
     consts = dict(E_P=1024, NUM=len(sizes), BLOCK_A=1024, USE_PDL=True)
-    ptx = _compile(expert_sort._place_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
+    ptx = _compile(expert_sort._expert_place_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
     assert "griddepcontrol.wait" in ptx and re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)

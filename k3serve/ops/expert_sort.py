@@ -89,7 +89,7 @@ def _padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
 
 
 # Up to this many assignments (512 tokens x top-8: every decode step) one program sorts them; past
-# it one program would serialise too much work and the ~20 torch launches cost nothing in comparison.
+# it one program would serialise too much work: the torch ops (or ``SORT_KERNEL``'s two launches).
 ALIGN_KERNEL_MAX_ASSIGN = 4096
 
 
@@ -134,8 +134,8 @@ def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return _sort_torch(ids, num_experts, (block_m,))[0][1:]
 
 
-# Past ``ALIGN_KERNEL_MAX_ASSIGN`` (prefill), sort in two launches (``sort_by_expert_kernel``) instead of the torch
-# ops (~20 launches for one size, ~50 for four); checked under the interpreter, not yet timed: off.
+# Past ``ALIGN_KERNEL_MAX_ASSIGN`` (prefill), sort in two launches (``sort_by_expert_kernel``) instead
+# of the torch ops (~20 launches for one size, ~50 for four): checked, not yet timed, so off.
 SORT_KERNEL = False
 
 
@@ -152,8 +152,9 @@ def sort_by_expert_sizes(ids: torch.Tensor, num_experts: int, sizes: tuple) -> l
     three of 64 (3 upcasts, 192 rows). Returns [(block_m, rows, block expert)], one layout (each
     ``sort_by_expert_torch``'s form) a size, on the device, no host sync: buffers are sized by
     bounds (a tail size holds at most one block an expert), each launch's blocks of padding only
-    exit at once. Every assignment is in exactly one layout. Two launches (``sort_by_expert_kernel``) where
-    ``SORT_KERNEL``, else torch ops (``_sort_torch``, the reference)."""
+    exit at once. Every assignment is in exactly one layout. Two launches
+    (``sort_by_expert_kernel``) where ``SORT_KERNEL``, else torch ops (``_sort_torch``, the
+    reference)."""
     if SORT_KERNEL and len(sizes) <= 4 and (ids.is_cuda or interpreted()):
         return sort_by_expert_kernel(ids, num_experts, tuple(sizes),
                                      tuple(_sort_totals(ids.numel(), num_experts, sizes)))
@@ -224,10 +225,10 @@ def _size_tables(cnt, full, rem, tail, c: tl.constexpr, S: tl.constexpr, IS_BIG:
 
 
 @triton.jit
-def _count_kernel(IDS, COUNTS, TICKETS, ROWS, STARTS, FULL, TAIL, BE, num_assign, num_experts, rows_total,
-                  nb0, nb1, nb2, nb3, boff1, boff2, boff3, E_P: tl.constexpr, NUM: tl.constexpr,
-                  S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
-                  BLOCK_A: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _expert_count_kernel(IDS, COUNTS, TICKETS, ROWS, STARTS, FULL, TAIL, BE, num_assign, num_experts, rows_total,
+                         nb0, nb1, nb2, nb3, boff1, boff2, boff3, E_P: tl.constexpr, NUM: tl.constexpr,
+                         S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
+                         BLOCK_A: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
@@ -263,9 +264,9 @@ def _count_kernel(IDS, COUNTS, TICKETS, ROWS, STARTS, FULL, TAIL, BE, num_assign
 
 
 @triton.jit
-def _place_kernel(IDS, COUNTS, CURSOR, TICKETS, ROWS, STARTS, FULL, TAIL, num_assign, num_experts,
-                  roff1, roff2, roff3, E_P: tl.constexpr, NUM: tl.constexpr, BLOCK_A: tl.constexpr,
-                  USE_PDL: tl.constexpr = False):
+def _expert_place_kernel(IDS, COUNTS, CURSOR, TICKETS, ROWS, STARTS, FULL, TAIL, num_assign, num_experts,
+                         roff1, roff2, roff3, E_P: tl.constexpr, NUM: tl.constexpr, BLOCK_A: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)
     pid = tl.program_id(0)
     a = pid * BLOCK_A + tl.arange(0, BLOCK_A)
@@ -306,10 +307,10 @@ def sort_by_expert_kernel(ids: torch.Tensor, num_experts: int, sizes: tuple, tot
     counts, cursor = tk[2:2 + e_p], tk[2 + e_p:2 + 2 * e_p]
     progs = max(triton.cdiv(num_assign, BLOCK_A), 1)
     s = pad4(sizes)
-    _count_kernel[(progs,)](flat, counts, tk, rows, starts, full, tail, block_expert, num_assign, num_experts,
-                            rows.numel(), *pad4(nb), *pad4(boff)[1:], E_P=e_p, NUM=len(sizes), S0=s[0],
-                            S1=s[1] or 1, S2=s[2] or 1, S3=s[3] or 1, BLOCK_A=BLOCK_A, BLOCK_R=BLOCK_R,
-                            **pdl.launch(dev))
-    _place_kernel[(progs,)](flat, counts, cursor, tk, rows, starts, full, tail, num_assign, num_experts,
-                            *pad4(roff)[1:], E_P=e_p, NUM=len(sizes), BLOCK_A=BLOCK_A, **pdl.launch(dev))
+    _expert_count_kernel[(progs,)](flat, counts, tk, rows, starts, full, tail, block_expert, num_assign, num_experts,
+                                   rows.numel(), *pad4(nb), *pad4(boff)[1:], E_P=e_p, NUM=len(sizes), S0=s[0],
+                                   S1=s[1] or 1, S2=s[2] or 1, S3=s[3] or 1, BLOCK_A=BLOCK_A, BLOCK_R=BLOCK_R,
+                                   **pdl.launch(dev))
+    _expert_place_kernel[(progs,)](flat, counts, cursor, tk, rows, starts, full, tail, num_assign, num_experts,
+                                   *pad4(roff)[1:], E_P=e_p, NUM=len(sizes), BLOCK_A=BLOCK_A, **pdl.launch(dev))
     return [(size, rows[r:r + t], block_expert[b:b + n]) for size, r, t, b, n in zip(sizes, roff, totals, boff, nb)]

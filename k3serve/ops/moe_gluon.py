@@ -26,9 +26,10 @@ Programs: (row block of BLOCK_M assignment rows, 64 weight rows), 4 warps, K ste
 Prefill (``moe_triton.GLUON_PREFILL``): K3's experts at 8K tokens in 24.4 ms against "mx_mma"'s
 47.1, 50 % of the bf16 matmul ceiling (RESULTS.md fifteenth session), from the 8-warp STACKED
 form, row blocks of mixed sizes (``expert_sort.sort_by_expert_sizes``: fewer upcasts, less
-padding) and programs ordered column tile fastest (``COLS_FIRST_MIN_ROWS``). A PAIRED mode (gate and up rows on one chain, half the accumulator registers, so row
-blocks of 128 fit) checked correct but measured slower at both 64 rows (43.3 ms) and 128 (62.8),
-so it was removed.
+padding) and programs ordered column tile fastest (``COLS_FIRST_MIN_ROWS``). (The fourteenth
+session's 4-warp kernel at rows of 64: 36.6 ms.) A PAIRED mode (gate and up rows on one chain,
+half the accumulator registers, so row blocks of 128 fit) checked correct but measured slower at
+both 64 rows (43.3 ms) and 128 (62.8), so it was removed.
 
 STACKED (``warps=8``; serves prefill row blocks of 64 and 128, fifteenth session): one
 accumulator chain of 128 weight rows over two warpgroups, each warp upcasting 16 rows of one

@@ -299,7 +299,7 @@ def _grouped_gemm_kernel(
     tiles). (A K split over programs for one- and two-token steps, and the combine with the
     residual add + norm as this kernel's tail, both lost on the H200: RESULTS.md ninth session.)"""
     pdl_start(USE_PDL)
-    pid_m = tl.program_id(1 if COLS_FIRST else 0)  # (COLS_FIRST: ``moe_gluon.COLS_FIRST_MIN_ROWS``)
+    pid_m = tl.program_id(1 if COLS_FIRST else 0)  # (COLS_FIRST: ``TRITON_COLS_FIRST_MIN_ROWS``)
     pid_n = tl.program_id(0 if COLS_FIRST else 1)
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
     rows = tl.load(ROWS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -584,15 +584,18 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
                  row_scale: torch.Tensor | None = None, mx_upcast: str | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
-    ``out_dtype``, into ``out`` where given (only the rows of ``rows`` are written). ``weight``: bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale``
-    [E, N, K/32]. ``up`` = (weight, scale) of the up projection fuses the GLU ``act`` into the
-    epilogue; ``row_scale`` [num_assign] fp32 multiplies each output row (the routing weights).
-    ``tiles`` (BLOCK_N, SWAP_AB, num_warps, num_stages) None: autotuned for this shape. MXFP4 with
-    bf16 activations goes through tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight
-    row); fp32 activations take the exact hand-decoded path. ``mx_upcast``: "asm" for our PTX upcast
-    ("mx_asm") instead, "dot_scaled", or None: ``MX_UPCAST`` where it was measured to win (decode
-    row blocks from ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere; for weights in the MMA
-    layout "mma" (``_mx_tile_mma``) or "gluon" (``moe_gluon``, E8M0 bytes <= 128)."""
+    ``out_dtype``, into ``out`` where given (only the rows of ``rows`` are written). ``weight``:
+    bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale`` [E, N, K/32]. ``up`` = (weight,
+    scale) of the up projection fuses the GLU ``act`` into the epilogue; ``row_scale`` [num_assign]
+    fp32 multiplies each output row (the routing weights). ``tiles`` (BLOCK_N, SWAP_AB, num_warps,
+    num_stages) None: autotuned for this shape. MXFP4 with bf16 activations goes through
+    tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight row); fp32 activations take
+    the exact hand-decoded path. ``mx_upcast``: "asm" for our PTX upcast ("mx_asm") instead,
+    "dot_scaled", or None: ``MX_UPCAST`` where it was measured to win (decode row blocks from
+    ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere; for weights in the MMA layout "mma"
+    (``_mx_tile_mma``) or "gluon" (``moe_gluon``, E8M0 bytes <= 128). ``tiles["cols_first"]``:
+    programs column tile fastest (by default from row blocks of ``TRITON_COLS_FIRST_MIN_ROWS``, the
+    Gluon kernel's ``moe_gluon.COLS_FIRST_MIN_ROWS``)."""
     mx = scale is not None
     K = x.shape[1]
     if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon)
