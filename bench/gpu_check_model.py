@@ -39,12 +39,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int) -> None:
+def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_prefill: bool = False) -> None:
+    """fla's kda_core (decay passed, and computed in its chunk kernel) vs the torch reference: a
+    mixed step (decodes, one of them fresh, then prefill chunks with and without context), or with
+    ``fresh_prefill`` new prompts alone (fla from zero states, its output returned as is)."""
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(seed)
-    qlens = [1, 1, 1, 37, 300, 64]  # 3 decodes (one of them fresh), then prefill chunks
-    ctx = [5, 0, 90, 0, 130, 64]
-    slots = [7, 2, 4, 0, 5, 9]
+    if fresh_prefill:
+        qlens, ctx, slots = [37, 300, 64], [0, 0, 0], [3, 0, 9]
+    else:
+        qlens = [1, 1, 1, 37, 300, 64]  # 3 decodes (one of them fresh), then prefill chunks
+        ctx = [5, 0, 90, 0, 130, 64]
+        slots = [7, 2, 4, 0, 5, 9]
     T = sum(qlens)
     chunks = [SeqChunk([0] * q, c, s, list(range(8))) for q, c, s in zip(qlens, ctx, slots)]
     batch = ForwardBatch.build(chunks, page_size=64, device=dev)
@@ -68,7 +74,8 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int) -> None
     untouched = [i for i in range(12) if i not in slots]
     for name in ("fla", "fla_gate"):
         o_fla, s_fla = outs[name]
-        ROWS.append(dict(check=f"kda_core {name} vs torch ref", shape=f"H={H} D={D} T={T} lb={lower_bound}",
+        ROWS.append(dict(check=f"kda_core {name} vs torch ref" + (", new prompts only" if fresh_prefill else ""),
+                         shape=f"H={H} D={D} T={T} lb={lower_bound}",
                          rel_err_out=rel(o_fla, o_ref), rel_err_state=rel(s_fla[slots], s_ref[slots]),
                          untouched_slots_equal=bool(torch.equal(s_fla[untouched], pool[untouched]))))
 
@@ -211,8 +218,9 @@ def main() -> None:
     for H, D, lb, seed in ((4, 32, -5.0, 0), (32, 128, None, 1), (96, 128, -5.0, 2)):
         if args.skip_kda:
             break
-        check_kda_core(H, D, lb, seed)
-        print(ROWS[-1], flush=True)
+        for fresh in (False, True):
+            check_kda_core(H, D, lb, seed, fresh)
+            print(ROWS[-2], ROWS[-1], sep="\n", flush=True)
 
     def with_backend(model_fn, device, dtype, backend):
         """backend: torch (reference), auto (fla for KDA), or triton (every opt-in Triton kernel)."""
