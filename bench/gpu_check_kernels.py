@@ -29,7 +29,7 @@ from k3serve.ops.kda import kda_core
 from k3serve.ops.kda_decode_triton import kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
-from k3serve.ops.mla_prefill_triton import mla_prefill
+from k3serve.ops.mla_prefill_triton import mla_prefill, mla_prefill_varlen
 from k3serve.ops import moe_triton
 from k3serve.ops import expert_sort
 from k3serve.ops.expert_sort import sort_by_expert, sort_by_expert_sizes
@@ -100,6 +100,21 @@ def check_mla_prefill(Ha: int, ctx: int, Tq: int, gen: torch.Generator) -> None:
     out = mla_prefill(q, latent, w, ctx, rkv, dn, scale)
     ref = mla_ref.mla_expanded_ref(q.float(), latent.float(), w.float(), ctx, rkv, dn, scale)
     record("MLA flash prefill (autotuned)", f"Ha={Ha} ctx={ctx} Tq={Tq}", rel(out, ref), 2e-2)
+
+
+def check_mla_prefill_varlen(Ha: int, layout: list[tuple[int, int]], gen: torch.Generator) -> None:
+    """Many prompts (context, new tokens) in one launch vs the fp32 reference on each alone."""
+    dn, dr, dv, rkv = 128, 64, 128, 512
+    w = (torch.randn(Ha * (dn + dv), rkv, generator=gen, device=DEV) / rkv ** 0.5).bfloat16()
+    qs = [torch.randn(t, Ha, dn + dr, generator=gen, device=DEV).bfloat16() for _, t in layout]
+    lats = [torch.randn(c + t, rkv + dr, generator=gen, device=DEV).bfloat16() for c, t in layout]
+    starts = [(sum(t for _, t in layout[:i]), sum(c + t for c, t in layout[:i])) for i in range(len(layout))]
+    seqs = torch.tensor([[q0, k0, c, t] for (q0, k0), (c, t) in zip(starts, layout)], dtype=torch.int32, device=DEV)
+    scale = (dn + dr) ** -0.5
+    out = mla_prefill_varlen(torch.cat(qs), torch.cat(lats), w, seqs, max(t for _, t in layout), rkv, dn, scale)
+    ref = torch.cat([mla_ref.mla_expanded_ref(q.float(), lat.float(), w.float(), c, rkv, dn, scale)
+                     for q, lat, (c, _) in zip(qs, lats, layout)])
+    record("MLA flash prefill, prompts in one launch", f"Ha={Ha} (ctx, new)={layout}", rel(out, ref), 2e-2)
 
 
 def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluon: bool = False) -> None:
@@ -321,6 +336,7 @@ def main() -> int:
     check_mla_prefill(32, 0, 2048, gen)
     check_mla_prefill(32, 700, 300, gen)
     check_mla_prefill(96, 0, 37, gen)
+    check_mla_prefill_varlen(32, [(0, 512), (700, 300), (0, 1), (64, 2048), (5, 37)], gen)
     check_mla_decode(1, 32, [4096], gen)
     for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16)):
         check_router(T, E, D, K, gen)

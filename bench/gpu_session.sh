@@ -143,13 +143,15 @@ case "$1" in
       --ab-rounds "${AB_ROUNDS:-1}" --top 70 --iters 20 \
       --out /tmp/gpu_work
     grep -A30 "| variant" "$OUT/ab.log"; grep -A75 "kernels, " "$OUT/ab.log" ;;
-  hostprefill)  # the fifteenth session's untimed code: the expert-sort rows and fla with one cu_seqlens pair
-                # a step (kda_core checks), then kimi-linear-48b's eager prefill steps with expert_sort's
-                # two-launch sort off and on, and a 512-token step's host time by function (cProfile)
+  hostprefill)  # the fifteenth session's untimed code: the expert-sort and varlen MLA prefill rows, fla with
+                # one cu_seqlens pair a step and zero states for new prompts (kda_core checks), then
+                # kimi-linear-48b's eager prefill steps with expert_sort's two-launch sort and the
+                # one-launch MLA prefill off and on, and a 512-token step's host time by function (cProfile)
     step kernels_check 150 python3 bench/gpu_check_kernels.py --no-gluon
     step kda 150 python3 bench/gpu_check_model.py --skip-tiny --skip-slice
     step prefill "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_ab,host_prefill \
-      --ab "base:;sort:k3serve.ops.expert_sort.SORT_KERNEL=True" --top 40 --out /tmp/gpu_work
+      --ab "base:;sort:k3serve.ops.expert_sort.SORT_KERNEL=True;varlen:k3serve.model.mla.VARLEN_PREFILL=True;both:k3serve.ops.expert_sort.SORT_KERNEL=True,k3serve.model.mla.VARLEN_PREFILL=True" \
+      --top 40 --out /tmp/gpu_work
     grep "FAIL\|expert sort\|checks passed" "$OUT/kernels_check.log"; grep "kda_core" "$OUT/kda.log"
     grep -A12 "| variant | round" "$OUT/prefill.log"; grep -A60 "host time of" "$OUT/prefill.log" | head -c 6000 ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s

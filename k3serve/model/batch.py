@@ -119,6 +119,24 @@ class ForwardBatch:
         cpu[1:] = torch.tensor(self.query_lens_host[self.num_decodes:], dtype=torch.int64).cumsum(0)
         return to_device(cpu, self.query_start.device), cpu
 
+    @cached_property
+    def prefill_latents(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The non-decode sequences' latent rows (cached + new) back to back, for every MLA layer's
+        one-launch prefill (``mla_prefill_varlen``): (page [sum S], offset in page [sum S],
+        sequences [P, 4] int32 (first query row, first latent row, context, new tokens), the
+        longest new-token count). Built once a step from the host lengths (no device sync)."""
+        nd = self.num_decodes
+        new = torch.tensor(self.query_lens_host[nd:], dtype=torch.int64)
+        ctx = torch.tensor(self.context_lens_host[nd:], dtype=torch.int64)
+        keys = ctx + new
+        seq = torch.repeat_interleave(torch.arange(nd, self.num_seqs), keys)
+        pos = torch.arange(int(keys.sum())) - torch.repeat_interleave(keys.cumsum(0) - keys, keys)
+        seqs = torch.stack([new.cumsum(0) - new, keys.cumsum(0) - keys, ctx, new], 1).to(torch.int32)
+        dev = self.block_table.device
+        seq, pos = to_device(seq, dev), to_device(pos, dev)
+        page = self.block_table[seq, pos // self.page_size]
+        return page, pos % self.page_size, to_device(seqs, dev), int(new.max())
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_host)

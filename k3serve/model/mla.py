@@ -15,6 +15,10 @@ from ..ops.backend import triton_enabled
 from .batch import ForwardBatch, MLALayerCache
 from .layers import Linear, LinearGroup, RMSNorm, batched_linear, glu_activation, norm_kernel_on
 
+# The prefill of a step's prompts in one launch (``mla_prefill_varlen``) instead of a gather, a key
+# expansion, copies and a launch each (~7 launches a prompt a layer): checked, not yet timed, so off.
+VARLEN_PREFILL = False
+
 
 class MLAMixer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
@@ -114,6 +118,13 @@ class MLAMixer(nn.Module):
             q_abs = mla_ref.absorb_query(q[:nd], w_dec, self.rkv, self.nope)
             o_lat = mla_ref.mla_absorbed_ref(q_abs[:, None], lat, mask[:, None], self.rkv, self.scale)
             out[:nd] = mla_ref.unabsorb_output(o_lat[:, 0], w_dec, self.rkv, self.nope)
+        if VARLEN_PREFILL and nd < batch.num_seqs and triton_enabled("MLA", q.device):
+            from ..ops.mla_prefill_triton import mla_prefill_varlen  # every prompt in one launch
+
+            page, offset, seqs, max_new = batch.prefill_latents
+            out[nd:] = mla_prefill_varlen(q[nd:], latent_pages[page, offset], w, seqs, max_new, self.rkv, self.nope,
+                                          self.scale)  # (decode tokens lead, one each)
+            return out
         for i in range(nd, batch.num_seqs):
             s, e = batch.token_range(i)
             ctx = batch.context_lens_host[i]

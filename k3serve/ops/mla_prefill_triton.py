@@ -18,15 +18,28 @@ from .autotune import autotuned
 
 @triton.jit
 def _mla_prefill_kernel(
-    Q, KN, KP, V, O, context_len, Tq, S, scale, TQ_BUCKET,
+    Q, KN, KP, V, O, SEQS, context_len, Tq, S, scale, TQ_BUCKET,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot, stride_oh,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     DN_P: tl.constexpr, DR_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     # Head widths are padded to powers of two >= 16 (tl.arange and tl.dot need them); the padding
     # lanes load zeros, so they add nothing to the scores and are not stored.
     mb = tl.program_id(0)
     h = tl.program_id(1)
+    if VARLEN:  # sequence program_id(2) of many back to back: SEQS[n] = (first query row, first key row, context, new)
+        n = tl.program_id(2)
+        q0 = tl.load(SEQS + 4 * n).to(tl.int64)
+        k0 = tl.load(SEQS + 4 * n + 1).to(tl.int64)
+        context_len = tl.load(SEQS + 4 * n + 2)
+        Tq = tl.load(SEQS + 4 * n + 3)
+        S = context_len + Tq
+        Q += q0 * stride_qt
+        O += q0 * stride_ot
+        KN += k0 * stride_kt
+        KP += k0 * stride_pt
+        V += k0 * stride_vt
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < Tq
     dn = tl.arange(0, DN_P)
@@ -42,6 +55,7 @@ def _mla_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
     hi = tl.minimum(S, context_len + (mb + 1) * BLOCK_M)  # causal: later keys are never visible
+    hi = tl.where(mb * BLOCK_M < Tq, hi, 0)  # (a shorter sequence's spare query blocks: no work)
     for n0 in range(0, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < S
@@ -59,7 +73,7 @@ def _mla_prefill_kernel(
                     mask=cmask[:, None] & vmask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (0 only in a shorter sequence's spare blocks)
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out, mask=rmask[:, None] & vmask[None, :])
 
 
@@ -86,27 +100,47 @@ _mla_prefill_tuned = autotuned(
     key=["DN", "DR", "DV", "TQ_BUCKET"], prune=_blocks_that_fit)
 
 
+def _expanded(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, kv_lora_rank: int, nope_dim: int):
+    """Per-head keys and values from the latents (O(S * Ha), never T x S): (q, k_nope, k_pe, v) in
+    the weight's dtype, the shared rope part of the keys contiguous."""
+    S = latent.shape[0]
+    c, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
+    kv = (c.to(w_kv_b.dtype) @ w_kv_b.t()).view(S, q.shape[1], -1)
+    dt = kv.dtype
+    return q.to(dt).contiguous(), kv[..., :nope_dim], k_pe.to(dt).contiguous(), kv[..., nope_dim:]
+
+
+def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, seqs, context_len, S, max_tq):
+    q, k_nope, k_pe, v = _expanded(q, latent, w_kv_b, kv_lora_rank, nope_dim)
+    Tq, Ha, _ = q.shape
+    dv, dr = v.shape[-1], q.shape[-1] - nope_dim
+    out = torch.empty(Tq, Ha, dv, dtype=torch.float32, device=q.device)
+    kernel, tiles = (_mla_prefill_tuned, {}) if tiles is None else (_mla_prefill_kernel, tiles)
+    kernel[lambda meta: (triton.cdiv(max_tq, meta["BLOCK_M"]), Ha, grid_seqs)](
+        q, k_nope, k_pe, v, out, seqs if seqs is not None else out, context_len, Tq, S, scale,
+        min(triton.next_power_of_2(max_tq), 8192),
+        q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        DN=nope_dim, DR=dr, DV=dv, DN_P=_padded(nope_dim), DR_P=_padded(dr), DV_P=_padded(dv),
+        VARLEN=seqs is not None, **tiles,
+    )
+    return out
+
+
 def mla_prefill(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, context_len: int, kv_lora_rank: int,
                 nope_dim: int, scale: float, tiles: dict | None = None) -> torch.Tensor:
     """Same contract as ``mla_ref.mla_expanded_ref``: q [Tq, Ha, dn+dr]; latent [S, rkv+dr] with
     S = context_len + Tq; w_kv_b [Ha*(dn+dv), rkv]. Returns o [Tq, Ha, dv] fp32. ``tiles``
     (BLOCK_M, BLOCK_N, num_warps, num_stages) None: autotuned."""
-    Tq, Ha, _ = q.shape
-    S = latent.shape[0]
-    c, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
-    kv = (c.to(w_kv_b.dtype) @ w_kv_b.t()).view(S, Ha, -1)  # expanded keys / values: O(S * Ha), no T x S
-    dv = kv.shape[-1] - nope_dim
-    k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
-    dt = kv.dtype
-    q = q.to(dt).contiguous()
-    k_pe = k_pe.to(dt).contiguous()
-    dr = q.shape[-1] - nope_dim
-    out = torch.empty(Tq, Ha, dv, dtype=torch.float32, device=q.device)
-    kernel, tiles = (_mla_prefill_tuned, {}) if tiles is None else (_mla_prefill_kernel, tiles)
-    kernel[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), Ha)](
-        q, k_nope, k_pe, v, out, context_len, Tq, S, scale, min(triton.next_power_of_2(Tq), 8192),
-        q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        DN=nope_dim, DR=dr, DV=dv, DN_P=_padded(nope_dim), DR_P=_padded(dr), DV_P=_padded(dv), **tiles,
-    )
-    return out
+    return _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, 1, None, context_len, latent.shape[0],
+                   q.shape[0])
+
+
+def mla_prefill_varlen(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, seqs: torch.Tensor, max_tq: int,
+                       kv_lora_rank: int, nope_dim: int, scale: float, tiles: dict | None = None) -> torch.Tensor:
+    """``mla_prefill`` of many sequences in one launch (and one key expansion): q [sum Tq, Ha,
+    dn+dr] their new tokens back to back, latent [sum S, rkv+dr] their cached + new latents back to
+    back, ``seqs`` [N, 4] int32 on the device: (first query row, first latent row, context, new
+    tokens) a sequence; ``max_tq`` the longest one's new tokens (host). A chunked-prefill step of
+    many prompts took ~7 launches a prompt a layer the other way."""
+    return _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, seqs.shape[0], seqs, 0, 0, max_tq)
