@@ -250,7 +250,13 @@ def main() -> None:
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--engine-batches", default="1,16,64")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
+                    "(e.g. k3serve.model.mla.VARLEN_PREFILL=True: the engine's TTFT with an opt-in path)")
     args = ap.parse_args()
+    if args.set:
+        from bench.overrides import set_constants
+
+        print("set", args.set, set_constants(args.set), flush=True)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parts = set(args.parts.split(","))
     res = {"device": torch.cuda.get_device_name(), "copy_TBps": copy_tbs(), "matmul_TFLOPs": matmul_tflops(),

@@ -272,9 +272,9 @@ def host_profile(model, rng, batch: int, new_tokens: int, pool_bytes: int, top: 
 
 
 def prefill_ab(model, rng, variants: str, pool_bytes: int, rounds: int = 2) -> list[dict]:
-    """Eager prefill steps (1 x 512 and 1 x 8,192 tokens) under variants of module constants (as
-    ``ab_timing``'s ``variants``), in alternating rounds: kernels launched, kernel time and the
-    step's wall time (host-bound steps show their launches' host cost there)."""
+    """Eager prefill steps (1 x 512, 16 x 512 and 1 x 8,192 tokens) under variants of module
+    constants (as ``ab_timing``'s ``variants``), in alternating rounds: kernels launched, kernel
+    time and the step's wall time (host-bound steps show their launches' host cost there)."""
     from bench.overrides import restore, set_constants
 
     rows = []
@@ -282,9 +282,9 @@ def prefill_ab(model, rng, variants: str, pool_bytes: int, rounds: int = 2) -> l
         for spec in variants.split(";"):
             name, _, assigns = spec.partition(":")
             saved = set_constants(assigns)
-            for b, n in ((1, 512), (1, 8192)):
+            for b, n in ((1, 512), (16, 512), (1, 8192)):
                 prof = kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
-                rows.append({"variant": name.strip(), "round": r, "tokens": b * n, "kernels": prof["kernels"],
+                rows.append({"variant": name.strip(), "round": r, "tokens": f"{b} x {n}", "kernels": prof["kernels"],
                              "kernel_ms": prof["kernel_ms"], "wall_ms": prof["wall_ms"]})
                 print(rows[-1], flush=True)
             restore(saved)

@@ -153,7 +153,7 @@ case "$1" in
       --ab "base:;sort:k3serve.ops.expert_sort.SORT_KERNEL=True;varlen:k3serve.model.mla.VARLEN_PREFILL=True;both:k3serve.ops.expert_sort.SORT_KERNEL=True,k3serve.model.mla.VARLEN_PREFILL=True" \
       --top 40 --out /tmp/gpu_work
     grep "FAIL\|expert sort\|checks passed" "$OUT/kernels_check.log"; grep "kda_core" "$OUT/kda.log"
-    grep -A12 "| variant | round" "$OUT/prefill.log"; grep -A60 "host time of" "$OUT/prefill.log" | head -c 6000 ;;
+    grep -A26 "| variant | round" "$OUT/prefill.log"; grep -A60 "host time of" "$OUT/prefill.log" | head -c 6000 ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
