@@ -643,7 +643,8 @@ def row_block(assignments: int, num_experts: int, mma: bool, gluon_ok: bool) -> 
     8 rows reads its weights twice); of 64 once they see dozens and 128 past a hundred (prefill),
     so each upcast weight tile serves that many rows (8K tokens on K3: 128 rows 13 % faster than 64
     on the H200, checkpoint layout). MMA-layout experts keep 64 ("mx_mma" at 8K tokens on K3: 46.9
-    ms with 64, 55.6 with 128; the Gluon kernel's gate and up chains do not fit 128 rows)."""
+    ms with 64, 55.6 with 128); where the Gluon kernel takes them, ``experts_triton`` turns 64 into
+    blocks of ``GLUON_PREFILL_SIZES`` (whole blocks of 128 and one tail block an expert)."""
     if assignments < 16 * num_experts:
         return GLUON_DECODE_ROWS if gluon_ok and GLUON_DECODE and assignments < 2 * num_experts else 16
     if assignments < 128 * num_experts or mma:
