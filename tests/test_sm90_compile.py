@@ -211,7 +211,7 @@ def test_route_kernel_compiles_for_sm90():
 @pytest.mark.parametrize("sizes", [(64,), (16, 32, 64, 128)])
 def test_expert_sort_kernels_compile_for_sm90(sizes):
     """expert_sort's two launches (prefill's sort by expert), one and four row-block sizes: PDL's
-    wait first, the last program's ticket an acquire-release atomic."""
+    wait first, the last program's ticket an acquire-release atomic; and decode's one-program sort."""
     from k3serve.ops import expert_sort
 
     s = list(sizes) + [1] * (4 - len(sizes))
@@ -229,6 +229,11 @@ def test_expert_sort_kernels_compile_for_sm90(sizes):
     consts = dict(E_P=1024, NUM=len(sizes), BLOCK_A=1024, USE_PDL=True)
     ptx = _compile(expert_sort._expert_place_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
     assert "griddepcontrol.wait" in ptx and re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)
+    ptrs = {"IDS": "*i64", "ROWS": "*i64", "BLOCK_EXPERT": "*i64", "CURSOR": "*i32"}  # decode's one-program sort
+    scalars = {n: "i32" for n in ("num_assign", "num_experts", "total_rows")}
+    consts = dict(E_P=1024, BLOCK_M=sizes[0], BLOCK_A=512, BLOCK_R=1024, USE_PDL=True)
+    assert "griddepcontrol.wait" in _compile(expert_sort._align_by_expert_kernel, ptrs, scalars, consts,
+                                             num_warps=4).asm["ptx"]
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -126,12 +126,13 @@ class ForwardBatch:
         sequences [P, 4] int32 (first query row, first latent row, context, new tokens), the
         longest new-token count). Built once a step from the host lengths (no device sync)."""
         nd = self.num_decodes
-        new = torch.tensor(self.query_lens_host[nd:], dtype=torch.int64)
+        cu = self.prefill_cu_seqlens[1]
+        new = cu.diff()
         ctx = torch.tensor(self.context_lens_host[nd:], dtype=torch.int64)
         keys = ctx + new
         seq = torch.repeat_interleave(torch.arange(nd, self.num_seqs), keys)
         pos = torch.arange(int(keys.sum())) - torch.repeat_interleave(keys.cumsum(0) - keys, keys)
-        seqs = torch.stack([new.cumsum(0) - new, keys.cumsum(0) - keys, ctx, new], 1).to(torch.int32)
+        seqs = torch.stack([cu[:-1], keys.cumsum(0) - keys, ctx, new], 1).to(torch.int32)
         dev = self.block_table.device
         seq, pos = to_device(seq, dev), to_device(pos, dev)
         page = self.block_table[seq, pos // self.page_size]

@@ -35,6 +35,33 @@ BLOCK_R = 1024  # rows or blocks a store
 
 
 @triton.jit
+def _clamped_ids(IDS, a, num_assign, num_experts, SPARE: tl.constexpr):
+    """The chunk's expert ids, stray ones clamped into range (memory safety, as the one-program
+    align kernel); lanes past the end read ``SPARE``."""
+    live = a < num_assign
+    ids = tl.load(IDS + a, mask=live, other=0)
+    return tl.where(live, tl.minimum(tl.maximum(ids, 0), num_experts - 1), SPARE).to(tl.int32)
+
+
+@triton.jit
+def _segments(n, S: tl.constexpr, STARTS, BE, boff, n_blocks, e, num_experts, BLOCK_R: tl.constexpr):
+    """Each expert's ``n`` rows padded to blocks of S: its segment start stored at ``STARTS`` (and
+    returned), its blocks labelled with it, blocks past the last segment with the last expert (as
+    the torch form's clamped search). Each expert labels its own blocks: one pass at decode, where
+    an expert holds one or two (a [blocks x experts] comparison took 9 reductions at batch 64)."""
+    padded = (n + S - 1) // S * S
+    starts = tl.cumsum(padded, 0) - padded
+    tl.store(STARTS + e, starts)
+    used = tl.sum(padded, 0) // S
+    for b0 in range(0, n_blocks, BLOCK_R):
+        b = b0 + tl.arange(0, BLOCK_R)
+        tl.store(BE + boff + b, tl.zeros([BLOCK_R], tl.int64) + (num_experts - 1), mask=(b < n_blocks) & (b >= used))
+    own = padded // S
+    for j in range(0, tl.max(own, 0)):
+        tl.store(BE + boff + starts // S + j, e.to(tl.int64), mask=(j < own) & (e < num_experts))
+
+
+@triton.jit
 def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_experts, total_rows,
                             E_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr,
                             BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
@@ -44,36 +71,19 @@ def _align_by_expert_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, num_assign, num_exp
     pdl_start(USE_PDL)
     e = tl.arange(0, E_P)
     counts = tl.zeros([E_P], tl.int32)
-    for a0 in range(0, num_assign, BLOCK_A):
-        a = a0 + tl.arange(0, BLOCK_A)
-        ids = tl.load(IDS + a, mask=a < num_assign, other=E_P - 1)  # lanes past the end: a spare bin >= E
-        ids = tl.where((ids < 0) | (ids >= num_experts), tl.where(a < num_assign, num_experts - 1, E_P - 1), ids)
-        counts += tl.histogram(ids.to(tl.int32), E_P)
+    for a0 in range(0, num_assign, BLOCK_A):  # (lanes past the end: a spare bin >= E)
+        counts += tl.histogram(_clamped_ids(IDS, a0 + tl.arange(0, BLOCK_A), num_assign, num_experts, E_P - 1), E_P)
     counts = tl.where(e < num_experts, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    tl.store(CURSOR + e, ends - padded)  # each expert's next free row
     for r0 in range(0, total_rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         tl.store(ROWS + r, tl.zeros([BLOCK_R], tl.int64) + num_assign, mask=r < total_rows)
-    # Block owners: each expert labels its own blocks (one pass at decode, where an expert holds
-    # one or two blocks; the former [blocks x experts] comparison took 9 reductions at batch 64).
-    # Blocks past the last segment (never holding rows) are labelled with the last expert.
-    n_blocks = total_rows // BLOCK_M
-    used_blocks = tl.sum(padded, 0) // BLOCK_M
-    for b0 in range(0, n_blocks, BLOCK_R):
-        b = b0 + tl.arange(0, BLOCK_R)
-        tl.store(BLOCK_EXPERT + b, tl.zeros([BLOCK_R], tl.int64) + (num_experts - 1),
-                 mask=(b < n_blocks) & (b >= used_blocks))
-    first_block = (ends - padded) // BLOCK_M
-    n_own = padded // BLOCK_M
-    for j in range(0, tl.max(n_own, 0)):
-        tl.store(BLOCK_EXPERT + first_block + j, e.to(tl.int64), mask=(j < n_own) & (e < num_experts))
+    # each expert's cursor starts at its segment's first row
+    _segments(counts, BLOCK_M, CURSOR, BLOCK_EXPERT, 0, total_rows // BLOCK_M, e, num_experts, BLOCK_R)
     tl.debug_barrier()  # the cursors and the padding are written before any row lands
     for a0 in range(0, num_assign, BLOCK_A):
         a = a0 + tl.arange(0, BLOCK_A)
         live = a < num_assign
-        ids = tl.minimum(tl.maximum(tl.load(IDS + a, mask=live, other=0), 0), num_experts - 1)  # memory-safe
+        ids = _clamped_ids(IDS, a, num_assign, num_experts, 0)  # (stray ids where they were counted)
         pos = tl.atomic_add(CURSOR + ids, 1, mask=live)
         tl.store(ROWS + pos, a.to(tl.int64), mask=live)
 
@@ -196,32 +206,14 @@ def _sort_torch(ids: torch.Tensor, num_experts: int, sizes: tuple) -> list:
 
 
 @triton.jit
-def _clamped_ids(IDS, a, num_assign, num_experts, SPARE: tl.constexpr):
-    """The chunk's expert ids, stray ones clamped into range (memory safety, as the one-program
-    align kernel); lanes past the end read ``SPARE``."""
-    live = a < num_assign
-    ids = tl.load(IDS + a, mask=live, other=0)
-    return tl.where(live, tl.minimum(tl.maximum(ids, 0), num_experts - 1), SPARE).to(tl.int32)
-
-
-@triton.jit
-def _size_tables(cnt, full, rem, tail, c: tl.constexpr, S: tl.constexpr, IS_BIG: tl.constexpr, STARTS, BE,
+def _size_tables(full, rem, tail, c: tl.constexpr, S: tl.constexpr, IS_BIG: tl.constexpr, STARTS, BE,
                  boff, n_blocks, e, num_experts, E_P: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Size ``c`` (rows S): each expert's segment start, and its blocks' expert labels (blocks
-    past the last segment: the last expert, as the torch form's clamped search)."""
+    """Size ``c`` (rows S): each expert's rows of that size (its tail, and for the largest its
+    whole blocks too), as ``_segments``."""
     n = tl.where((tail == c) & (rem > 0), rem, 0)
     if IS_BIG:
         n += full
-    padded = (n + S - 1) // S * S
-    starts = tl.cumsum(padded, 0) - padded
-    tl.store(STARTS + c * E_P + e, starts)
-    used = tl.sum(padded, 0) // S
-    for b0 in range(0, n_blocks, BLOCK_R):
-        b = b0 + tl.arange(0, BLOCK_R)
-        tl.store(BE + boff + b, tl.zeros([BLOCK_R], tl.int64) + (num_experts - 1), mask=(b < n_blocks) & (b >= used))
-    own = padded // S
-    for j in range(0, tl.max(own, 0)):
-        tl.store(BE + boff + starts // S + j, e.to(tl.int64), mask=(j < own) & (e < num_experts))
+    _segments(n, S, STARTS + c * E_P, BE, boff, n_blocks, e, num_experts, BLOCK_R)
 
 
 @triton.jit
@@ -254,13 +246,13 @@ def _expert_count_kernel(IDS, COUNTS, TICKETS, ROWS, STARTS, FULL, TAIL, BE, num
             tail = tl.where(rem <= S0, 0, tail)
         tl.store(FULL + e, full)
         tl.store(TAIL + e, tail)
-        _size_tables(cnt, full, rem, tail, 0, S0, NUM == 1, STARTS, BE, 0, nb0, e, num_experts, E_P, BLOCK_R)
+        _size_tables(full, rem, tail, 0, S0, NUM == 1, STARTS, BE, 0, nb0, e, num_experts, E_P, BLOCK_R)
         if NUM > 1:
-            _size_tables(cnt, full, rem, tail, 1, S1, NUM == 2, STARTS, BE, boff1, nb1, e, num_experts, E_P, BLOCK_R)
+            _size_tables(full, rem, tail, 1, S1, NUM == 2, STARTS, BE, boff1, nb1, e, num_experts, E_P, BLOCK_R)
         if NUM > 2:
-            _size_tables(cnt, full, rem, tail, 2, S2, NUM == 3, STARTS, BE, boff2, nb2, e, num_experts, E_P, BLOCK_R)
+            _size_tables(full, rem, tail, 2, S2, NUM == 3, STARTS, BE, boff2, nb2, e, num_experts, E_P, BLOCK_R)
         if NUM > 3:
-            _size_tables(cnt, full, rem, tail, 3, S3, True, STARTS, BE, boff3, nb3, e, num_experts, E_P, BLOCK_R)
+            _size_tables(full, rem, tail, 3, S3, True, STARTS, BE, boff3, nb3, e, num_experts, E_P, BLOCK_R)
 
 
 @triton.jit
