@@ -145,8 +145,9 @@ def sort_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 # Past ``ALIGN_KERNEL_MAX_ASSIGN`` (prefill), sort in two launches (``sort_by_expert_kernel``) instead
-# of the torch ops (~20 launches for one size, ~50 for four): checked, not yet timed, so off.
-SORT_KERNEL = False
+# of the torch ops (~20 launches for one size, ~50 for four): kimi-linear-48b's eager prefill step,
+# 1 x 8,192 tokens, 2,675 -> 1,037 kernels, 202 -> 186 ms (RESULTS.md, sixteenth session).
+SORT_KERNEL = True
 
 
 def _sort_totals(num_assign: int, num_experts: int, sizes: tuple) -> list[int]:
@@ -169,6 +170,34 @@ def sort_by_expert_sizes(ids: torch.Tensor, num_experts: int, sizes: tuple) -> l
         return sort_by_expert_kernel(ids, num_experts, tuple(sizes),
                                      tuple(_sort_totals(ids.numel(), num_experts, sizes)))
     return _sort_torch(ids, num_experts, sizes)
+
+
+def layout_mismatches(ids: torch.Tensor, ref: list, got: list) -> list[str]:
+    """What differs between two ``sort_by_expert_sizes`` results, blind to the order of rows inside
+    an expert (the two-launch sort's follows its atomics, so a row may sit in another of its
+    expert's blocks, or in its other size's layout): the same block owners and padding a block,
+    valid rows leading, every valid row its block's expert's, every assignment exactly once."""
+    flat = ids.flatten()
+    n = flat.numel()
+    problems, seen = [], []
+    if [r[0] for r in ref] != [g[0] for g in got]:
+        return [f"sizes {[r[0] for r in ref]} vs {[g[0] for g in got]}"]
+    for (bm, rows, owners), (_, grows, gowners) in zip(ref, got):
+        if rows.shape != grows.shape or not torch.equal(owners, gowners):
+            problems.append(f"size {bm}: block owners or row count differ")
+            continue
+        blocks, gblocks = rows.view(-1, bm), grows.view(-1, bm)
+        valid = gblocks < n
+        if not torch.equal(valid.sum(1), (blocks < n).sum(1)):
+            problems.append(f"size {bm}: valid rows a block differ")
+        if not torch.equal(valid, torch.arange(bm, device=valid.device) < valid.sum(1, keepdim=True)):
+            problems.append(f"size {bm}: padding before valid rows")
+        if not torch.equal(flat[gblocks.clamp_max(n - 1)][valid], gowners[:, None].expand_as(gblocks)[valid]):
+            problems.append(f"size {bm}: a row in another expert's block")
+        seen.append(gblocks[valid])
+    if not problems and not torch.equal(torch.cat(seen).sort().values, torch.arange(n, device=flat.device)):
+        problems.append("assignments missing or repeated")
+    return problems
 
 
 def _sort_torch(ids: torch.Tensor, num_experts: int, sizes: tuple) -> list:
