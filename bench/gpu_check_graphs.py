@@ -271,6 +271,32 @@ def host_profile(model, rng, batch: int, new_tokens: int, pool_bytes: int, top: 
     return out.getvalue()
 
 
+def op_sources(model, rng, batch: int, new_tokens: int, pool_bytes: int, top: int = 30) -> list[dict]:
+    """Which line of ours launches the torch ops of an eager prefill step: the profiler's aten ops
+    (with Python stacks) grouped by name and innermost k3serve frame, their own GPU time and count.
+    The kernel table names copy / index / fill kernels, not who asked for them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool, chunks = step_inputs(model, rng, batch, 0, pool_bytes, new_tokens)
+    eager_step(model, pool, chunks)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        eager_step(model, pool, chunks)
+        torch.cuda.synchronize()
+    groups: dict[tuple, list] = {}
+    for e in prof.events():
+        if not e.name.startswith("aten::") or e.self_device_time_total <= 0:
+            continue
+        frame = next((f for f in (e.stack or []) if "k3serve/" in f), "(no k3serve frame)")
+        g = groups.setdefault((e.name, frame.split("k3serve/")[-1]), [0, 0.0])
+        g[0] += 1
+        g[1] += e.self_device_time_total / 1e3
+    del pool
+    torch.cuda.empty_cache()
+    rows = [{"op": op, "source": src, "count": n, "ms": round(ms, 3)} for (op, src), (n, ms) in groups.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def prefill_ab(model, rng, variants: str, pool_bytes: int, rounds: int = 2) -> list[dict]:
     """Eager prefill steps (1 x 512, 16 x 512 and 1 x 8,192 tokens) under variants of module
     constants (as ``ab_timing``'s ``variants``), in alternating rounds: kernels launched, kernel
@@ -343,7 +369,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, engine, profile, profile_prefill, host_prefill, ab, "
+                    help="comma-separated subset of check, timing, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
                          "prefill_ab (eager prefill steps under --ab's variants)")
     ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
     ap.add_argument("--ab-batches", default="1,16")
@@ -392,6 +418,11 @@ def main() -> None:
         print("\n| variant | round | tokens | kernels | kernel ms | step wall ms |\n|---|---|---|---|---|---|")
         for r in res["prefill_ab"]:
             print(f"| {r['variant']} | {r['round']} | {r['tokens']} | {r['kernels']} | {r['kernel_ms']} | {r['wall_ms']} |")
+    if "op_sources" in parts:  # the torch ops (copies, indexing, fills) of the 8K-token prefill step by source line
+        res["op_sources"] = op_sources(model, rng, 1, 8192, pool_bytes, args.top)
+        print("\n1 x 8192 prefill, aten ops with GPU time by source\n| op | source | count | ms |\n|---|---|---|---|")
+        for r in res["op_sources"]:
+            print(f"| {r['op']} | {r['source']} | {r['count']} | {r['ms']} |")
     if "host_prefill" in parts:  # one prompt of 512 tokens: the host's share of its eager step
         print(f"\nhost time of 3 eager prefill steps (1 x 512 tokens), cProfile:\n"
               f"{host_profile(model, rng, 1, 512, pool_bytes, args.top)}")

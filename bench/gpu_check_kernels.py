@@ -340,7 +340,8 @@ def main() -> int:
     check_mla_prefill(96, 0, 37, gen)
     check_mla_prefill_varlen(32, [(0, 512), (700, 300), (0, 1), (64, 2048), (5, 37)], gen)
     check_mla_decode(1, 32, [4096], gen)
-    for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16)):
+    for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16),
+                       (8192, 256, 2304, 8), (2048, 896, 7168, 16)):  # (prefill sizes: cuBLAS, bf16 in, fp32 out)
         check_router(T, E, D, K, gen)
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
     for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):

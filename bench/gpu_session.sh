@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon: see each case below)
+#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -163,6 +163,15 @@ case "$1" in
     step kda "$(left 590)" python3 bench/gpu_check_model.py --skip-tiny --skip-slice
     grep "FAIL\|expert sort\|checks passed" "$OUT/kernels_check.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log"
     grep "kda_core" "$OUT/kda.log"; grep -A"$(( ${TOP:-60} + 2 ))" "new tokens" "$OUT/prof.log" | head -c 7000 ;;
+  prefillsmall)  # prefill's memory-bound kernels: every kernel check, the tile sweeps of bench/kernels_prefill.py
+                 # (short conv, gated norm, router GEMM), then kimi-linear-48b's prefill torch ops by source line
+                 # and its prefill steps by kernel
+    step kernels_check 150 python3 bench/gpu_check_kernels.py --no-gluon
+    step small "$(left 280)" python3 -m bench.kernels_prefill
+    step prof "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts op_sources,profile_prefill \
+      --top "${TOP:-40}" --out /tmp/gpu_work
+    grep "FAIL\|router\|gated\|short conv\|checks passed" "$OUT/kernels_check.log"; grep "^|" "$OUT/small.log"
+    grep -A"$(( ${TOP:-40} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"; grep -A28 "new tokens" "$OUT/prof.log" | head -c 6000 ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;

@@ -248,3 +248,13 @@ def test_mla_prefill_compiles_for_sm90(varlen):
     consts = dict(DN=128, DR=64, DV=128, DN_P=128, DR_P=64, DV_P=128, BLOCK_M=128, BLOCK_N=64, VARLEN=varlen)
     assert _compile(mla_prefill_triton._mla_prefill_kernel, ptrs, scalars, consts, num_warps=8,
                     num_stages=3).asm["cubin"]
+
+
+def test_multi_row_gated_norm_compiles_for_sm90():
+    """KDA's gated output norm, 16 rows of 128 a program (prefill), as the GPU compiles it; its
+    vector loads follow from 16-aligned rows."""
+    kernel = _compile(norm_triton._rms_norm_kernel, {"X": "*bf16", "W": "*fp32", "GATE": "*bf16", "Y": "*bf16"},
+                      {n: "i32" for n in ("n_rows", "stride_x", "stride_y", "stride_g", "heads", "D")} | {"eps": "fp32"},
+                      dict(HAS_WEIGHT=True, HAS_GATE=True, ROWS=16, BLOCK=128, USE_PDL=True),
+                      ("X", "W", "GATE", "Y", "stride_x", "stride_y", "stride_g", "D"), num_warps=4)
+    assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])

@@ -459,9 +459,21 @@ def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, B
 
 
 # Up to this many tokens the router's logits come from one Triton launch that reads x and the
-# weight in the model dtype (a decode step); past it, cuBLAS's fp32 GEMM reads the weight once for
-# the whole batch.
+# weight in the model dtype (a decode step); past it, one cuBLAS GEMM for the whole batch.
 ROUTER_KERNEL_MAX_TOKENS = 64
+
+
+def _logits_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x W^T. bf16 / fp16 operands on the GPU: their products are exact in fp32, so the
+    tensor cores with fp32 accumulation and output (``mm``'s ``out_dtype``, torch >= 2.8) give the
+    fp32 GEMM of the upcasts up to summation order, without upcasting x (8K tokens: 75 MB written
+    and read again) or running fp32 FFMA (kimi-linear-48b, 8,192 tokens: 0.23 ms a layer)."""
+    if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except TypeError:  # torch < 2.8: no out_dtype
+            pass
+    return F.linear(x.float(), weight.float())
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) -> torch.Tensor:
@@ -473,7 +485,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     T, D = x.shape
     E = weight.shape[0]
     if T > ROUTER_KERNEL_MAX_TOKENS or x.stride(-1) != 1 or not weight.is_contiguous():
-        logits = F.linear(x.float(), weight.float())
+        logits = _logits_gemm(x, weight)
         return logits[None] if split else logits
     block_d = 128 if D <= 4096 else 256
     parts = triton.cdiv(D, block_d)

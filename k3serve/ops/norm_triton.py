@@ -16,20 +16,31 @@ from .pdl import pdl_start
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, GATE, Y, stride_x, stride_y, stride_g, heads, D, eps, HAS_WEIGHT: tl.constexpr,
-                     HAS_GATE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _rms_norm_kernel(X, W, GATE, Y, n_rows, stride_x, stride_y, stride_g, heads, D, eps, HAS_WEIGHT: tl.constexpr,
+                     HAS_GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    mask = (row < n_rows)[:, None] & (cols < D)[None, :]
+    x = tl.load(X + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, 1) / D + eps)[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if HAS_GATE:  # row = token * heads + head; the gate row of a token holds every head's D values
-        g = tl.load(GATE + (row // heads) * stride_g + (row % heads) * D + cols, mask=mask, other=0.0)
+        g = tl.load(GATE + ((row // heads) * stride_g + (row % heads) * D)[:, None] + cols[None, :], mask=mask, other=0.0)
         y = y * tl.sigmoid(g.to(tl.float32))
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+# Rows a program where rows are many and short: one 128-wide row a program (KDA's gated output norm,
+# T x H rows) left each thread one element, 0.29 ms a layer at 8K tokens on kimi-linear-48b (6x its
+# bytes' copy time, RESULTS.md sixteenth session). A program takes NORM_TILE // width rows.
+NORM_TILE = 2048
+NORM_MANY_ROWS = 1024  # below this many rows (decode), one row a program keeps every SM busy
+
+
+def _rows_per_program(n_rows: int, block: int) -> int:
+    return max(1, NORM_TILE // block) if n_rows >= NORM_MANY_ROWS else 1
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype=None,
@@ -43,12 +54,15 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, ou
     heads = x.shape[-2] if gate is not None else 1
     if gate is not None and (x.dim() != 3 or gate.shape != (x.shape[0], heads * D) or gate.stride(-1) != 1):
         raise ValueError(f"gate {tuple(gate.shape)} must be [T, H*D] with dense rows for x {tuple(x.shape)}")
-    if rows.shape[0]:
+    n = rows.shape[0]
+    if n:
         w = weight if weight is not None else rows  # unused without a weight
         g = gate if gate is not None else rows
-        _rms_norm_kernel[(rows.shape[0],)](rows, w, g, out, rows.stride(0), out.stride(0), g.stride(0), heads, D,
-                                           eps, HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None,
-                                           BLOCK=triton.next_power_of_2(D), **pdl.launch(out.device))
+        block = triton.next_power_of_2(D)
+        per = _rows_per_program(n, block)
+        _rms_norm_kernel[(triton.cdiv(n, per),)](rows, w, g, out, n, rows.stride(0), out.stride(0), g.stride(0), heads,
+                                                 D, eps, HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None,
+                                                 ROWS=per, BLOCK=block, **pdl.launch(out.device))
     return out.view(x.shape)
 
 

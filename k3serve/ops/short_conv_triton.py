@@ -72,6 +72,10 @@ def _short_conv_state_kernel(X, STATE, QSTART, SLOTS, HAS_CTX, C, stride_xt, str
     tl.store(STATE + slot * stride_ss + c[None, :] * stride_sc + j[:, None] * stride_sw, new, mask=live)
 
 
+# The conv's [tokens x channels] tile and warps (bench/kernels_prefill.py sweeps them at prefill sizes).
+CONV_BLOCK_T, CONV_BLOCK_C, CONV_WARPS = 32, 64, 4
+
+
 def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch,
                       silu: bool = True, plane: int | None = None) -> torch.Tensor:
     """``short_conv_ref`` (then SiLU when ``silu``) for x [T, C] (rows may be strided), weight
@@ -86,11 +90,10 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
     if T:
         w = weight.float().contiguous()
         st = conv_state
-        block_c = 64
-        _short_conv_kernel[(triton.cdiv(T, 32), triton.cdiv(C, block_c))](
+        _short_conv_kernel[(triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, CONV_BLOCK_C))](
             x, w, st, planes, batch.token_seq, batch.query_start, batch.kda_slots, batch.has_context, T, C, plane,
             x.stride(0), st.stride(0), st.stride(1), st.stride(2), planes.stride(0), planes.stride(1),
-            W=W, SILU=silu, BLOCK_T=32, BLOCK_C=block_c)
+            W=W, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C, num_warps=CONV_WARPS)
         _short_conv_state_kernel[(batch.num_seqs, triton.cdiv(C, 256))](
             x, st, batch.query_start, batch.kda_slots, batch.has_context, C,
             x.stride(0), st.stride(0), st.stride(1), st.stride(2),

@@ -1,0 +1,122 @@
+"""The memory-bound kernels of a prefill step at prefill sizes, on the GPU ([gpu-kernels]; not a CI
+test): KDA's short conv + SiLU and its gated output norm under variants of their tiles, and the
+router's logits GEMM (fp32 upcasts vs bf16 tensor cores with fp32 output). Each variant is
+checked against its torch reference on fresh random inputs before it is timed; the table gives
+time and the fraction of the copy (or matmul) ceiling measured in the same run.
+
+The kimi-linear-48b 8K-token prefill profile (RESULTS.md, sixteenth session) showed the short conv
+at ~0.45 ms a layer (~21 % of copy on its bytes) and the gated norm at ~0.29 ms (~16 %).
+
+Usage: python -m bench.kernels_prefill [--tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+
+from bench.ceilings import copy_tbs, matmul_tflops
+from bench.timing import gpu_ms
+from k3serve.model.batch import ForwardBatch, SeqChunk
+from k3serve.model.layers import rms_norm
+from k3serve.ops import moe_triton, norm_triton, short_conv_triton
+from k3serve.ops.short_conv import short_conv_ref
+
+DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--tokens 64)
+CONV_TILES = ((32, 64, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (128, 64, 4),
+              (64, 256, 8))
+NORM_TILES = (0, 1024, 2048, 4096)  # rows a program = tile // 128; 0: one row a program (the old kernel)
+
+
+def _ms(fn) -> float:
+    return gpu_ms(fn) if DEV == "cuda" else (fn(), float("nan"))[1]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:
+    """Four prompts of T/4 tokens, two of them on cached context (the state path taken)."""
+    q = T // 4
+    chunks = [SeqChunk([0] * q, ctx, slot, list(range(-(-(q + ctx) // 64)))) for slot, ctx in enumerate((0, 100, 0, 3))]
+    batch = ForwardBatch.build(chunks, 64, DEV)
+    x = torch.randn(T, C + 336, device=DEV, generator=g).bfloat16()[:, :C]  # a split of the fused in_proj
+    w = torch.randn(C, 4, device=DEV, generator=g) * 0.5
+    state0 = torch.randn(6, C, 3, device=DEV, generator=g).bfloat16()
+    ref_state = state0.clone()
+    ref = F.silu(short_conv_ref(x, w, ref_state, batch).float())
+    out = []
+    saved = (short_conv_triton.CONV_BLOCK_T, short_conv_triton.CONV_BLOCK_C, short_conv_triton.CONV_WARPS)
+    for bt, bc, warps in CONV_TILES:
+        short_conv_triton.CONV_BLOCK_T, short_conv_triton.CONV_BLOCK_C, short_conv_triton.CONV_WARPS = bt, bc, warps
+        state = state0.clone()
+        planes = short_conv_triton.short_conv_triton(x, w, state, batch, plane=C // 3)
+        err = rel(planes.transpose(0, 1).reshape(T, C).float(), ref)
+        ok = err < 2e-2 and torch.equal(state, ref_state)
+        ms = _ms(lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3))
+        gb = 2 * T * C * 2 / 1e9  # read x once, write the planes once
+        out.append(f"| short conv + SiLU | T={T} C={C} | {bt}x{bc}, {warps} warps | {ms:.4f} | "
+                   f"{100 * gb / ms / copy:.0f} % | {'ok' if ok else f'FAIL rel {err:.1e}'} |")
+    short_conv_triton.CONV_BLOCK_T, short_conv_triton.CONV_BLOCK_C, short_conv_triton.CONV_WARPS = saved
+    return out
+
+
+def norm_rows(T: int, H: int, D: int, copy: float, g: torch.Generator) -> list[str]:
+    x = torch.randn(T, H, D, device=DEV, generator=g).bfloat16()
+    w = torch.rand(D, device=DEV, generator=g) + 0.5
+    gate = torch.randn(T, H * D + 256, device=DEV, generator=g).bfloat16()[:, 128:128 + H * D]
+    ref = rms_norm(x.float(), w, 1e-6, torch.float32) * torch.sigmoid(gate.float().view(T, H, D))
+    out = []
+    saved = (norm_triton.NORM_TILE, norm_triton.NORM_MANY_ROWS)
+    for tile in NORM_TILES:
+        norm_triton.NORM_TILE, norm_triton.NORM_MANY_ROWS = (tile, 1) if tile else (1, 1 << 62)
+        err = rel(norm_triton.rms_norm_triton(x, w, 1e-6, torch.bfloat16, gate=gate).float(), ref)
+        ms = _ms(lambda: norm_triton.rms_norm_triton(x, w, 1e-6, torch.bfloat16, gate=gate))
+        gb = 3 * x.numel() * 2 / 1e9
+        rows = max(1, tile // triton_block(D)) if tile else 1
+        out.append(f"| gated RMSNorm | T={T} H={H} D={D} | {rows} rows a program | {ms:.4f} | "
+                   f"{100 * gb / ms / copy:.0f} % | {'ok' if err < 1e-2 else f'FAIL rel {err:.1e}'} |")
+    norm_triton.NORM_TILE, norm_triton.NORM_MANY_ROWS = saved
+    return out
+
+
+def triton_block(D: int) -> int:
+    return 1 << (D - 1).bit_length()
+
+
+def router_rows(T: int, E: int, D: int, mm: float, g: torch.Generator) -> list[str]:
+    x = torch.randn(T, D, device=DEV, generator=g).bfloat16()
+    w = (torch.randn(E, D, device=DEV, generator=g) * D ** -0.5).bfloat16()
+    ref = F.linear(x.double(), w.double())
+    tf = 2 * T * E * D / 1e12
+    out = []
+    for name, fn in (("fp32 upcasts (old)", lambda: F.linear(x.float(), w.float())),
+                     ("bf16 MMA, fp32 out", lambda: moe_triton.router_logits(x, w))):
+        err = rel(fn(), ref)
+        ms = _ms(fn)
+        out.append(f"| router logits | T={T} E={E} D={D} | {name} | {ms:.4f} | {100 * tf / (ms / 1e3) / mm:.0f} % of "
+                   f"matmul | {'ok' if err < 1e-6 else f'FAIL rel {err:.1e}'} |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    T = ap.parse_args().tokens
+    copy, mm = (copy_tbs(), matmul_tflops()) if DEV == "cuda" else (1.0, 1.0)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}: copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s\n")
+    print("| kernel | shape | variant | ms | % of ceiling | check |\n|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        rows = (conv_rows(T, 3 * 32 * 128, copy, g) + conv_rows(T, 3 * 96 * 128, copy, g)
+                + norm_rows(T, 32, 128, copy, g) + norm_rows(T, 96, 128, copy, g)
+                + router_rows(T, 256, 2304, mm, g) + router_rows(T, 896, 7168, mm, g))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
