@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall: see each case below)
+#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -172,6 +172,14 @@ case "$1" in
       --top "${TOP:-40}" --out /tmp/gpu_work
     grep "FAIL\|router\|gated\|short conv\|checks passed" "$OUT/kernels_check.log"; grep "^|" "$OUT/small.log"
     grep -A"$(( ${TOP:-40} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"; grep -A28 "new tokens" "$OUT/prof.log" | head -c 6000 ;;
+  prefillstep)  # kimi-linear-48b's prefill steps as the engine runs them (last-token logits) by kernel and torch
+                # ops by source line, the engine, then every kernel check (the opt-in router MMA row among them)
+    step prof "$(left 150)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts op_sources,profile_prefill \
+      --top "${TOP:-30}" --out /tmp/gpu_work
+    step e2e_engine "$(left 240)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
+    step kernels_check "$(left "${CHECK_UNTIL:-380}")" python3 bench/gpu_check_kernels.py --no-gluon
+    grep "FAIL\|router\|gated\|checks passed" "$OUT/kernels_check.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log"
+    grep -A"$(( ${TOP:-30} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"; grep -A22 "new tokens" "$OUT/prof.log" | head -c 5000 ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;

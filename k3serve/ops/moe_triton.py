@@ -463,12 +463,20 @@ def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, B
 ROUTER_KERNEL_MAX_TOKENS = 64
 
 
+# Prefill's router GEMM from bf16 inputs on the tensor cores with fp32 output (``mm``'s
+# ``out_dtype``, torch >= 2.8), the form of K3's reference code (model-spec, implementation note 13),
+# instead of HF's fp32 GEMM of upcast inputs. 8,192 tokens on an H200: 0.27 -> 0.020 ms
+# (kimi-linear-48b, E 256, D 2304), 2.28 -> 0.16 ms (K3, E 896, D 7168), but 2.4e-6 / 7.9e-6 from
+# the float64 logits where the fp32 GEMM (and decode's router kernel) stays under 1e-6: the tensor
+# cores' fp32 accumulation over the full width is not IEEE fp32 summation, and expert choices can
+# differ on near-ties. Off: the spec prefers full fp32 (determinism checks); an opt-in for speed.
+ROUTER_PREFILL_MMA = False
+
+
 def _logits_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 x W^T. bf16 / fp16 operands on the GPU: their products are exact in fp32, so the
-    tensor cores with fp32 accumulation and output (``mm``'s ``out_dtype``, torch >= 2.8) give the
-    fp32 GEMM of the upcasts up to summation order, without upcasting x (8K tokens: 75 MB written
-    and read again) or running fp32 FFMA (kimi-linear-48b, 8,192 tokens: 0.23 ms a layer)."""
-    if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+    """fp32 x W^T: HF's fp32 GEMM of the upcasts, or where ``ROUTER_PREFILL_MMA`` (bf16 / fp16
+    operands on the GPU) the tensor cores' fp32-output GEMM."""
+    if ROUTER_PREFILL_MMA and x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
         try:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
         except TypeError:  # torch < 2.8: no out_dtype

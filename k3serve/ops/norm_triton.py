@@ -34,8 +34,9 @@ def _rms_norm_kernel(X, W, GATE, Y, n_rows, stride_x, stride_y, stride_g, heads,
 
 # Rows a program where rows are many and short: one 128-wide row a program (KDA's gated output norm,
 # T x H rows) left each thread one element, 0.29 ms a layer at 8K tokens on kimi-linear-48b (6x its
-# bytes' copy time, RESULTS.md sixteenth session). A program takes NORM_TILE // width rows.
-NORM_TILE = 2048
+# bytes' copy time, RESULTS.md sixteenth session). A program takes NORM_TILE // width rows: 32 of
+# 128 ran it at 84 / 91 % of copy (H = 32 / 96; 8 or 16 rows 82-88 %; one row 15 %).
+NORM_TILE = 4096
 NORM_MANY_ROWS = 1024  # below this many rows (decode), one row a program keeps every SM busy
 
 
