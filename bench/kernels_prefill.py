@@ -26,8 +26,10 @@ from k3serve.ops import moe_triton, norm_triton, short_conv_triton
 from k3serve.ops.short_conv import short_conv_ref
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--tokens 64)
-CONV_TILES = ((32, 64, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (128, 64, 4),
-              (64, 256, 8))
+# (block_t, block_c, warps, interior_fast, channels_first): the sixteenth session's sweep of the first
+# three alone kept 32 x 64 at 4 warps (23 % of copy; 16-256 wide tiles 6-21 %).
+CONV_TILES = ((32, 64, 4, False, False), (32, 64, 4, True, False), (32, 64, 4, False, True), (32, 64, 4, True, True),
+              (32, 128, 4, True, True), (64, 64, 4, True, True), (16, 128, 4, True, True), (64, 128, 8, True, True))
 NORM_TILES = (0, 1024, 2048, 4096)  # rows a program = tile // 128; 0: one row a program (the old kernel)
 
 
@@ -50,18 +52,23 @@ def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:
     ref_state = state0.clone()
     ref = F.silu(short_conv_ref(x, w, ref_state, batch).float())
     out = []
-    saved = (short_conv_triton.CONV_BLOCK_T, short_conv_triton.CONV_BLOCK_C, short_conv_triton.CONV_WARPS)
-    for bt, bc, warps in CONV_TILES:
-        short_conv_triton.CONV_BLOCK_T, short_conv_triton.CONV_BLOCK_C, short_conv_triton.CONV_WARPS = bt, bc, warps
+    names = ("CONV_BLOCK_T", "CONV_BLOCK_C", "CONV_WARPS", "CONV_INTERIOR_FAST", "CONV_CHANNELS_FIRST")
+    saved = [getattr(short_conv_triton, n) for n in names]
+    for variant in CONV_TILES:
+        for n, v in zip(names, variant):
+            setattr(short_conv_triton, n, v)
+        bt, bc, warps, fast, first = variant
         state = state0.clone()
         planes = short_conv_triton.short_conv_triton(x, w, state, batch, plane=C // 3)
         err = rel(planes.transpose(0, 1).reshape(T, C).float(), ref)
         ok = err < 2e-2 and torch.equal(state, ref_state)
         ms = _ms(lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3))
         gb = 2 * T * C * 2 / 1e9  # read x once, write the planes once
-        out.append(f"| short conv + SiLU | T={T} C={C} | {bt}x{bc}, {warps} warps | {ms:.4f} | "
+        flags = "".join(f", {f}" for f, on in (("interior fast", fast), ("channels first", first)) if on)
+        out.append(f"| short conv + SiLU | T={T} C={C} | {bt}x{bc}, {warps} warps{flags} | {ms:.4f} | "
                    f"{100 * gb / ms / copy:.0f} % | {'ok' if ok else f'FAIL rel {err:.1e}'} |")
-    short_conv_triton.CONV_BLOCK_T, short_conv_triton.CONV_BLOCK_C, short_conv_triton.CONV_WARPS = saved
+    for n, v in zip(names, saved):
+        setattr(short_conv_triton, n, v)
     return out
 
 

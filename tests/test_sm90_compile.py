@@ -14,7 +14,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton build without the NVIDIA backend
     pytest.skip("Triton's NVIDIA backend is not installed", allow_module_level=True)
 
-from k3serve.ops import kda_decode_triton, moe_triton, norm_triton  # noqa: E402
+from k3serve.ops import kda_decode_triton, moe_triton, norm_triton, short_conv_triton  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -257,4 +257,19 @@ def test_multi_row_gated_norm_compiles_for_sm90():
                       {n: "i32" for n in ("n_rows", "stride_x", "stride_y", "stride_g", "heads", "D")} | {"eps": "fp32"},
                       dict(HAS_WEIGHT=True, HAS_GATE=True, ROWS=16, BLOCK=128, USE_PDL=True),
                       ("X", "W", "GATE", "Y", "stride_x", "stride_y", "stride_g", "D"), num_warps=4)
+    assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])
+
+
+@pytest.mark.parametrize("interior_fast, channels_first", [(False, False), (True, True)])
+def test_short_conv_compiles_for_sm90(interior_fast, channels_first):
+    """The prefill short conv, with the state-free interior-tile branch (a branch on a reduction of
+    the tile's positions) and channel-block-first program order; x's rows are 16-aligned (the fused
+    in_proj's), so its loads are vectors."""
+    ptrs = {n: "*bf16" for n in ("X", "STATE", "OUT")} | {"WEIGHT": "*fp32"} | {n: "*i64" for n in ("TOKEN_SEQ", "QSTART", "SLOTS")}
+    ptrs["HAS_CTX"] = "*i32"
+    ints = {n: "i32" for n in ("T", "C", "PLANE", "stride_xt", "stride_ss", "stride_sc", "stride_sw", "stride_op",
+                               "stride_ot")}
+    consts = dict(W=4, SILU=True, BLOCK_T=32, BLOCK_C=64, INTERIOR_FAST=interior_fast, CHANNELS_FIRST=channels_first)
+    kernel = _compile(short_conv_triton._short_conv_kernel, ptrs, ints, consts,
+                      ("X", "OUT", "C", "PLANE", "stride_xt", "stride_op", "stride_ot"), num_warps=4)
     assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])

@@ -25,24 +25,39 @@ from ..model.batch import ForwardBatch
 @triton.jit
 def _short_conv_kernel(X, WEIGHT, STATE, OUT, TOKEN_SEQ, QSTART, SLOTS, HAS_CTX, T, C, PLANE,
                        stride_xt, stride_ss, stride_sc, stride_sw, stride_op, stride_ot,
-                       W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+                       W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                       INTERIOR_FAST: tl.constexpr = False, CHANNELS_FIRST: tl.constexpr = False):
+    if CHANNELS_FIRST:  # neighbouring programs take neighbouring channels of the same tokens
+        n_cb = tl.cdiv(C, BLOCK_C)
+        pid_t, pid_c = tl.program_id(0) // n_cb, tl.program_id(0) % n_cb
+    else:
+        pid_t, pid_c = tl.program_id(0), tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     tmask, cmask = t < T, c < C
     seq = tl.load(TOKEN_SEQ + t, mask=tmask, other=0)
     pos = t - tl.load(QSTART + seq)  # position among the sequence's new tokens
-    slot = tl.load(SLOTS + seq).to(tl.int64)
-    has_ctx = tl.load(HAS_CTX + seq) != 0
     live = tmask[:, None] & cmask[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-    for w in tl.static_range(W):
-        src = pos - (W - 1) + w  # < 0: an input from before this step, held in the conv state
-        in_batch = (src >= 0)[:, None]
-        xv = tl.load(X + (t - (W - 1) + w).to(tl.int64)[:, None] * stride_xt + c[None, :],
-                     mask=live & in_batch, other=0.0).to(tl.float32)
-        sv = tl.load(STATE + slot[:, None] * stride_ss + c[None, :] * stride_sc + (W - 1 + src)[:, None] * stride_sw,
-                     mask=live & ~in_batch & has_ctx[:, None], other=0.0).to(tl.float32)
-        acc += (xv + sv) * tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0)[None, :]
+    # Interior tiles (every token with W-1 inputs before it in this step: all but a sequence's first
+    # tile) read no conv state: the state path's per-element gathers (channel stride W-1, no vector
+    # loads) cost instructions in every tile even when masked off.
+    if INTERIOR_FAST and tl.min(tl.where(tmask, pos, W), 0) >= W - 1:
+        for w in tl.static_range(W):
+            xv = tl.load(X + (t - (W - 1) + w).to(tl.int64)[:, None] * stride_xt + c[None, :], mask=live,
+                         other=0.0).to(tl.float32)
+            acc += xv * tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0)[None, :]
+    else:
+        slot = tl.load(SLOTS + seq).to(tl.int64)
+        has_ctx = tl.load(HAS_CTX + seq) != 0
+        for w in tl.static_range(W):
+            src = pos - (W - 1) + w  # < 0: an input from before this step, held in the conv state
+            in_batch = (src >= 0)[:, None]
+            xv = tl.load(X + (t - (W - 1) + w).to(tl.int64)[:, None] * stride_xt + c[None, :],
+                         mask=live & in_batch, other=0.0).to(tl.float32)
+            sv = tl.load(STATE + slot[:, None] * stride_ss + c[None, :] * stride_sc + (W - 1 + src)[:, None] * stride_sw,
+                         mask=live & ~in_batch & has_ctx[:, None], other=0.0).to(tl.float32)
+            acc += (xv + sv) * tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     out = OUT + (c // PLANE)[None, :] * stride_op + t.to(tl.int64)[:, None] * stride_ot + (c % PLANE)[None, :]
@@ -72,8 +87,13 @@ def _short_conv_state_kernel(X, STATE, QSTART, SLOTS, HAS_CTX, C, stride_xt, str
     tl.store(STATE + slot * stride_ss + c[None, :] * stride_sc + j[:, None] * stride_sw, new, mask=live)
 
 
-# The conv's [tokens x channels] tile and warps (bench/kernels_prefill.py sweeps them at prefill sizes).
+# The conv's [tokens x channels] tile and warps (bench/kernels_prefill.py sweeps them at prefill sizes:
+# 32 x 64 at 4 warps the best of eight, 23 % of copy at 8K tokens, RESULTS.md sixteenth session).
 CONV_BLOCK_T, CONV_BLOCK_C, CONV_WARPS = 32, 64, 4
+# Interior tiles without the conv-state path, and programs in channel-block-first order: checked
+# (interpreter), not yet timed, so off.
+CONV_INTERIOR_FAST = False
+CONV_CHANNELS_FIRST = False
 
 
 def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch,
@@ -90,10 +110,12 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
     if T:
         w = weight.float().contiguous()
         st = conv_state
-        _short_conv_kernel[(triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, CONV_BLOCK_C))](
+        n_t, n_c = triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, CONV_BLOCK_C)
+        _short_conv_kernel[(n_t * n_c,) if CONV_CHANNELS_FIRST else (n_t, n_c)](
             x, w, st, planes, batch.token_seq, batch.query_start, batch.kda_slots, batch.has_context, T, C, plane,
             x.stride(0), st.stride(0), st.stride(1), st.stride(2), planes.stride(0), planes.stride(1),
-            W=W, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C, num_warps=CONV_WARPS)
+            W=W, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C, INTERIOR_FAST=CONV_INTERIOR_FAST,
+            CHANNELS_FIRST=CONV_CHANNELS_FIRST, num_warps=CONV_WARPS)
         _short_conv_state_kernel[(batch.num_seqs, triton.cdiv(C, 256))](
             x, st, batch.query_start, batch.kda_slots, batch.has_context, C,
             x.stride(0), st.stride(0), st.stride(1), st.stride(2),
