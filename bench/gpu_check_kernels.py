@@ -27,7 +27,7 @@ from k3serve.ops.attn_res_triton import attn_res_mix
 from k3serve.ops.gemv_triton import GEMV_CONFIGS, gemv
 from k3serve.ops.kda import kda_core
 from k3serve.ops.kda_decode_triton import kda_decode_fused
-from k3serve.ops.kda_ref import kda_gate
+from k3serve.ops.kda_ref import kda_gate, l2norm
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_prefill_triton import mla_prefill, mla_prefill_varlen
 from k3serve.ops import moe_triton
@@ -61,12 +61,17 @@ def check_short_conv(C: int, layout: list[tuple[int, int]], gen: torch.Generator
     x = torch.randn(T, C + 64, generator=gen, device=DEV).bfloat16()[:, 32:32 + C]
     w = torch.randn(C, 4, generator=gen, device=DEV) * 0.5
     state = torch.randn(len(layout) + 2, C, 3, generator=gen, device=DEV).bfloat16()
-    ref_state = state.clone()
+    ref_state, state0 = state.clone(), state.clone()
     ref = F.silu(short_conv_ref(x, w, ref_state, batch).float())
     planes = short_conv_triton(x, w, state, batch, plane=C // 3)
     out = planes.transpose(0, 1).reshape(T, C).float()
     record("short conv + SiLU", f"C={C}, (new, ctx)={layout}", rel(out, ref), 2e-2)
     record("short conv state", f"C={C}", float(not torch.equal(state, ref_state)), 0.0)
+    # q and k (the first two planes) L2-normalised per head of 128 in the kernel (kda.CONV_NORMS_QK)
+    normed = short_conv_triton(x, w, state0, batch, plane=C // 3, norm=(2 * C // 3, 128))
+    heads = ref[:, :2 * C // 3].unflatten(1, (-1, 128))
+    ref_n = torch.cat([l2norm(heads).flatten(1), ref[:, 2 * C // 3:]], 1)
+    record("short conv + SiLU + q/k L2 norm", f"C={C}", rel(normed.transpose(0, 1).reshape(T, C).float(), ref_n), 2e-2)
 
 
 def check_gated_norm(T: int, H: int, D: int, gen: torch.Generator) -> None:

@@ -29,7 +29,7 @@ from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk
 from k3serve.model.loader import load_model
 from k3serve.ops import backend as kernel_backend
 from k3serve.ops import kda as kda_ops
-from k3serve.ops.kda_ref import kda_gate
+from k3serve.ops.kda_ref import kda_gate, l2norm
 
 ROWS: list[dict] = []
 
@@ -63,16 +63,20 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_p
     pool = r(12, H, D, D) * 0.1
     outs = {}
     # fla twice: with the decay passed, and computed from f inside its chunk kernel (the model's call)
-    for name, backend, in_kernel in (("torch", "torch", False), ("fla", "fla", False), ("fla_gate", "fla", True)):
+    # fla_prenorm: q and k normalised before (as kda.CONV_NORMS_QK's conv does), fla told so
+    for name, backend, in_kernel, pre in (("torch", "torch", False, False), ("fla", "fla", False, False),
+                                          ("fla_gate", "fla", True, False), ("fla_prenorm", "fla", True, True)):
         st = pool.clone()
         inp = [x.float() if backend == "torch" else x for x in (q, k, v)]
+        if pre:
+            inp[:2] = [l2norm(x).bfloat16() for x in inp[:2]]
         torch.cuda.synchronize()
         o = kda_ops.kda_core(*inp, f if in_kernel else g, beta, D ** -0.5, st, batch, backend=backend,
-                             gate=gate if in_kernel else None)
+                             gate=gate if in_kernel else None, qk_normalized=pre)
         outs[name] = (o.float(), st)
     o_ref, s_ref = outs["torch"]
     untouched = [i for i in range(12) if i not in slots]
-    for name in ("fla", "fla_gate"):
+    for name in ("fla", "fla_gate", "fla_prenorm"):
         o_fla, s_fla = outs[name]
         ROWS.append(dict(check=f"kda_core {name} vs torch ref" + (", new prompts only" if fresh_prefill else ""),
                          shape=f"H={H} D={D} T={T} lb={lower_bound}",
@@ -220,7 +224,7 @@ def main() -> None:
             break
         for fresh in (False, True):
             check_kda_core(H, D, lb, seed, fresh)
-            print(ROWS[-2], ROWS[-1], sep="\n", flush=True)
+            print(*ROWS[-3:], sep="\n", flush=True)
 
     def with_backend(model_fn, device, dtype, backend):
         """backend: torch (reference), auto (fla for KDA), or triton (every opt-in Triton kernel)."""

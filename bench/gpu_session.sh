@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep: see each case below)
+#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -163,15 +163,25 @@ case "$1" in
     step kda "$(left 590)" python3 bench/gpu_check_model.py --skip-tiny --skip-slice
     grep "FAIL\|expert sort\|checks passed" "$OUT/kernels_check.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log"
     grep "kda_core" "$OUT/kda.log"; grep -A"$(( ${TOP:-60} + 2 ))" "new tokens" "$OUT/prof.log" | head -c 7000 ;;
-  prefillsmall)  # prefill's memory-bound kernels: every kernel check, the tile sweeps of bench/kernels_prefill.py
-                 # (short conv, gated norm, router GEMM), then kimi-linear-48b's prefill torch ops by source line
-                 # and its prefill steps by kernel
+  prefillsmall)  # prefill's memory-bound kernels: every kernel check, the sweeps of bench/kernels_prefill.py (short
+                 # conv tiles / interior branch / channel order / q-k norm, gated norm, router GEMM), fla's kda_core
+                 # rows (also with q and k normalised before: kda.CONV_NORMS_QK), then kimi-linear-48b's prefill torch
+                 # ops by source line and its prefill steps by kernel (PROF=0 skips those)
     step kernels_check 150 python3 bench/gpu_check_kernels.py --no-gluon
     step small "$(left 280)" python3 -m bench.kernels_prefill
-    step prof "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts op_sources,profile_prefill \
-      --top "${TOP:-40}" --out /tmp/gpu_work
+    step kda "$(left "${KDA_UNTIL:-500}")" python3 bench/gpu_check_model.py --skip-tiny --skip-slice
+    [ "${PROF:-1}" = 0 ] || step prof "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts op_sources,profile_prefill --top "${TOP:-40}" --out /tmp/gpu_work
     grep "FAIL\|router\|gated\|short conv\|checks passed" "$OUT/kernels_check.log"; grep "^|" "$OUT/small.log"
-    grep -A"$(( ${TOP:-40} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"; grep -A28 "new tokens" "$OUT/prof.log" | head -c 6000 ;;
+    grep "kda_core" "$OUT/kda.log" | grep -v "^|"
+    [ "${PROF:-1}" = 0 ] || { grep -A"$(( ${TOP:-40} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"
+      grep -A28 "new tokens" "$OUT/prof.log" | head -c 6000; } ;;
+  prefillab)  # kimi-linear-48b's eager prefill steps (1 x 512, 16 x 512, 1 x 8192) with the short conv's untimed
+              # options off and on (alternating rounds), then the torch ops of an 8K step by source line
+    step ab "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_ab,op_sources \
+      --ab "base:;conv:k3serve.ops.short_conv_triton.CONV_INTERIOR_FAST=True,k3serve.ops.short_conv_triton.CONV_CHANNELS_FIRST=True;qknorm:k3serve.model.kda.CONV_NORMS_QK=True;all:k3serve.ops.short_conv_triton.CONV_INTERIOR_FAST=True,k3serve.ops.short_conv_triton.CONV_CHANNELS_FIRST=True,k3serve.model.kda.CONV_NORMS_QK=True" \
+      --top 40 --out /tmp/gpu_work
+    grep -A26 "| variant | round" "$OUT/ab.log"; grep -A43 "aten ops with GPU time" "$OUT/ab.log" ;;
   prefillstep)  # kimi-linear-48b's prefill steps as the engine runs them (last-token logits) by kernel and torch
                 # ops by source line, the engine, then every kernel check (the opt-in router MMA row among them)
     step prof "$(left 150)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts op_sources,profile_prefill \

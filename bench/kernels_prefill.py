@@ -23,6 +23,7 @@ from bench.timing import gpu_ms
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import rms_norm
 from k3serve.ops import moe_triton, norm_triton, short_conv_triton
+from k3serve.ops.kda_ref import l2norm
 from k3serve.ops.short_conv import short_conv_ref
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--tokens 64)
@@ -67,6 +68,29 @@ def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:
         flags = "".join(f", {f}" for f, on in (("interior fast", fast), ("channels first", first)) if on)
         out.append(f"| short conv + SiLU | T={T} C={C} | {bt}x{bc}, {warps} warps{flags} | {ms:.4f} | "
                    f"{100 * gb / ms / copy:.0f} % | {'ok' if ok else f'FAIL rel {err:.1e}'} |")
+    # q and k L2-normalised in the conv (kda.CONV_NORMS_QK: tiles one head of 128 wide) vs fla's two
+    # l2norm launches on the conv's q and k planes (what chunk_kda runs otherwise)
+    heads = ref[:, :2 * C // 3].unflatten(1, (-1, 128))
+    ref_n = torch.cat([l2norm(heads).flatten(1), ref[:, 2 * C // 3:]], 1)
+    for fast, first in ((False, False), (True, True)):
+        short_conv_triton.CONV_INTERIOR_FAST, short_conv_triton.CONV_CHANNELS_FIRST = fast, first
+        conv = lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3,  # noqa: E731
+                                                           norm=(2 * C // 3, 128))
+        err = rel(conv().transpose(0, 1).reshape(T, C).float(), ref_n)
+        ms = _ms(conv)
+        gb = 2 * T * C * 2 / 1e9
+        out.append(f"| short conv + SiLU + q/k L2 norm | T={T} C={C} | 32x128, 4 warps{', interior fast, channels first' if fast else ''} "
+                   f"| {ms:.4f} | {100 * gb / ms / copy:.0f} % | {'ok' if err < 2e-2 else f'FAIL rel {err:.1e}'} |")
+    try:
+        from fla.modules.norm.l2norm import l2norm_fwd
+
+        planes = short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3)
+        q, k = (p.view(T, -1, 128) for p in planes[:2])
+        ms = _ms(lambda: (l2norm_fwd(q), l2norm_fwd(k)))
+        out.append(f"| fla l2norm_fwd on q and k | T={T} C={2 * C // 3} | two launches | {ms:.4f} | "
+                   f"{100 * 2 * T * 2 * C // 3 * 2 / 1e9 / ms / copy:.0f} % | - |")
+    except ImportError:
+        pass
     for n, v in zip(names, saved):
         setattr(short_conv_triton, n, v)
     return out

@@ -158,3 +158,19 @@ def test_prefill_cu_seqlens_built_once_a_step():
     assert batch.num_decodes == 1 and host.tolist() == [0, 3, 73] and torch.equal(dev, host)
     again = batch.prefill_cu_seqlens
     assert again[0] is dev and again[1] is host
+
+
+def test_conv_normalising_q_and_k_gives_the_same_model(model, monkeypatch):
+    """``kda.CONV_NORMS_QK``: q and k L2-normalised by the short conv instead of inside kda_core:
+    the same logits over a mixed schedule (prefill chunks on cached context, decodes)."""
+    from k3serve.model import kda
+
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 1700, (n,), generator=gen).tolist() for n in (30, 21)]
+    schedule = [[(0, 12)], [(0, 1), (1, 15)], [(0, 9), (1, 1)], [(0, 1), (1, 1)]]
+    ref = _run_schedule(model, seqs, schedule)
+    monkeypatch.setattr(kda, "CONV_NORMS_QK", True)
+    got = _run_schedule(model, seqs, schedule)
+    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got, ref))
+    monkeypatch.setattr(kda, "CONV_NORMS_QK", False)
+    assert all(torch.equal(a, b) for a, b in zip(_run_schedule(model, seqs, schedule), ref))

@@ -15,6 +15,7 @@ SCRIPT = textwrap.dedent('''
     import torch.nn.functional as F
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.model.batch import ForwardBatch, SeqChunk
+    from k3serve.ops.kda_ref import l2norm
     from k3serve.ops.short_conv import short_conv_ref
     from k3serve.ops import short_conv_triton as m
     from k3serve.ops.short_conv_triton import short_conv_triton
@@ -35,7 +36,7 @@ SCRIPT = textwrap.dedent('''
         weight = torch.randn(C, W, generator=gen)
         pool = torch.randn(slots, C + 2, W + 1, generator=gen).to(dtype)
         state = pool[:, 1:1 + C, 1:W]  # a strided per-layer view, as the unified pool hands out
-        state_ref = state.clone()
+        state_ref, state_before = state.clone(), state.clone()
         ref = F.silu(short_conv_ref(x, weight, state_ref, batch).float())
         planes = short_conv_triton(x, weight, state, batch, silu=True, plane=plane)
         p = plane or C
@@ -46,6 +47,12 @@ SCRIPT = textwrap.dedent('''
         assert torch.equal(state, state_ref), "conv states differ"  # copies of inputs: exact
         untouched = [s for s in range(slots) if s not in perm[: len(shape)]]
         assert torch.equal(pool[untouched, 1:1 + C, 1:W], state_ref[untouched])
+        if plane:  # q and k (the first two planes) L2-normalised per head of 16, as KDA's conv may
+            normed = short_conv_triton(x, weight, state_before, batch, silu=True, plane=plane, norm=(2 * plane, 16))
+            heads = ref[:, :2 * plane].unflatten(1, (-1, 16))
+            ref_n = torch.cat([l2norm(heads).flatten(1), ref[:, 2 * plane:]], 1)
+            out_n = normed.transpose(0, 1).reshape(T, C).float()
+            worst = max(worst, ((out_n - ref_n).norm() / ref_n.norm()).item() / tol)
     print(worst)
 ''')
 

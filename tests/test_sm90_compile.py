@@ -260,16 +260,19 @@ def test_multi_row_gated_norm_compiles_for_sm90():
     assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])
 
 
-@pytest.mark.parametrize("interior_fast, channels_first", [(False, False), (True, True)])
-def test_short_conv_compiles_for_sm90(interior_fast, channels_first):
+@pytest.mark.parametrize("interior_fast, channels_first, norm", [(False, False, False), (True, True, False),
+                                                                  (True, True, True)])
+def test_short_conv_compiles_for_sm90(interior_fast, channels_first, norm):
     """The prefill short conv, with the state-free interior-tile branch (a branch on a reduction of
-    the tile's positions) and channel-block-first program order; x's rows are 16-aligned (the fused
-    in_proj's), so its loads are vectors."""
+    the tile's positions), channel-block-first program order and q/k L2 norm (tiles a head wide);
+    x's rows are 16-aligned (the fused in_proj's), so its loads are vectors."""
     ptrs = {n: "*bf16" for n in ("X", "STATE", "OUT")} | {"WEIGHT": "*fp32"} | {n: "*i64" for n in ("TOKEN_SEQ", "QSTART", "SLOTS")}
     ptrs["HAS_CTX"] = "*i32"
     ints = {n: "i32" for n in ("T", "C", "PLANE", "stride_xt", "stride_ss", "stride_sc", "stride_sw", "stride_op",
                                "stride_ot")}
-    consts = dict(W=4, SILU=True, BLOCK_T=32, BLOCK_C=64, INTERIOR_FAST=interior_fast, CHANNELS_FIRST=channels_first)
+    ints.update(NORM_C="i32", NORM_EPS="fp32")
+    consts = dict(W=4, SILU=True, BLOCK_T=32, BLOCK_C=128 if norm else 64, INTERIOR_FAST=interior_fast,
+                  CHANNELS_FIRST=channels_first, NORM_HEADS=norm)
     kernel = _compile(short_conv_triton._short_conv_kernel, ptrs, ints, consts,
                       ("X", "OUT", "C", "PLANE", "stride_xt", "stride_op", "stride_ot"), num_warps=4)
     assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])

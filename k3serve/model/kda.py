@@ -13,6 +13,12 @@ from .batch import ForwardBatch, KDALayerCache
 from .layers import Linear, LinearGroup, batched_linear, fuse_as_views, gated_rms_norm
 
 
+# q and k L2-normalised by the short conv's kernel (fp32, one rounding; tiles one head wide) instead
+# of by fla's l2norm launches inside chunk_kda (two a layer, each with its autotune lookup): checked
+# against the reference, not yet timed on the GPU, so off.
+CONV_NORMS_QK = False
+
+
 class KDAMixer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device=None):
         super().__init__()
@@ -83,10 +89,11 @@ class KDAMixer(nn.Module):
                                  gate, self.o_norm, self.eps, self.lower_bound, cache.recurrent, batch.kda_slots, H,
                                  out_dtype=x.dtype)
             return self.o_proj(y)
-        q, k, v = (t.view(T, H, D) for t in short_conv_silu(qkv, conv_w, cache.conv, batch, plane=P))
+        norm = (2 * P, D) if CONV_NORMS_QK else None  # q and k L2-normalised in the conv, not in kda_core
+        q, k, v = (t.view(T, H, D) for t in short_conv_silu(qkv, conv_w, cache.conv, batch, plane=P, norm=norm))
         # Gates and beta come from the layer input x, not from the conv output; the decay is
         # computed from f inside kda_core (fla's chunk kernel on CUDA).
         beta = torch.sigmoid(b.float())
         o = kda_core(q, k, v, f.view(T, H, D), beta, D ** -0.5, cache.recurrent, batch,
-                     gate=(self.A_log, self.dt_bias, self.lower_bound))
+                     gate=(self.A_log, self.dt_bias, self.lower_bound), qk_normalized=norm is not None)
         return self.o_proj(gated_rms_norm(o, self.o_norm, gate, self.eps, x.dtype).view(T, P))

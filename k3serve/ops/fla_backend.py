@@ -44,8 +44,10 @@ def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
 
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             scale: float, state: torch.Tensor, batch: ForwardBatch, gate: tuple | None = None) -> torch.Tensor:
-    """Same contract as ``ops.kda.kda_core``; q and k are L2-normalised inside the kernels."""
+             scale: float, state: torch.Tensor, batch: ForwardBatch, gate: tuple | None = None,
+             qk_normalized: bool = False) -> torch.Tensor:
+    """Same contract as ``ops.kda.kda_core``; q and k are L2-normalised inside fla's kernels unless
+    ``qk_normalized`` (two launches a layer fewer: fla's l2norm on q and on k)."""
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -59,7 +61,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             q=q[:nd, None].contiguous(), k=k[:nd, None].contiguous(), v=v[:nd, None].contiguous(),
             g=g_dec[:, None].float().contiguous(), beta=beta[:nd, None].float().contiguous(),
             initial_state=state, scale=scale, inplace_final_state=True,
-            ssm_state_indices=batch.kda_slots[:nd], use_qk_l2norm_in_kernel=True,
+            ssm_state_indices=batch.kda_slots[:nd], use_qk_l2norm_in_kernel=not qk_normalized,
         )
         out[:nd] = o[:, 0]
     if nd < batch.num_seqs:
@@ -76,7 +78,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         o, ht = chunk_kda(
             q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
             beta[None, s:].float(), scale=scale, initial_state=None if fresh else state[slots],
-            output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **in_kernel,
+            output_final_state=True, use_qk_l2norm_in_kernel=not qk_normalized, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **in_kernel,
         )
         state[slots] = ht
         if nd == 0 and o.dtype == out.dtype:  # a prefill-only step: fla's output is the whole output

@@ -23,8 +23,9 @@ REF_CHUNK_SIZE = 64
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              scale: float, state: torch.Tensor, batch: ForwardBatch, backend: str | None = None,
-             gate: tuple | None = None) -> torch.Tensor:
-    """q, k (post conv, L2-normalised here), g (log decay), all [T, H, K]; v [T, H, V]; beta [T, H].
+             gate: tuple | None = None, qk_normalized: bool = False) -> torch.Tensor:
+    """q, k (post conv, L2-normalised here unless ``qk_normalized``: the conv did it), g (log
+    decay), all [T, H, K]; v [T, H, V]; beta [T, H].
     ``gate`` = (A_log, dt_bias, lower_bound): g is the gate's pre-activation f instead and the
     decay ``kda_gate(f, ...)`` is computed here (inside fla's chunk kernel for prefill: no fp32
     [T, H, K] decay tensor in memory). ``state`` [num_slots, H, K, V] is updated in place at
@@ -33,14 +34,15 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     if backend in ("auto", "triton"):  # "triton" fuses decode-only steps in the mixer; the rest is auto
         backend = "fla" if q.is_cuda and fla_backend.available() else "torch"
     if backend == "fla":
-        return fla_backend.kda_core(q, k, v, g, beta, scale, state, batch, gate)
+        return fla_backend.kda_core(q, k, v, g, beta, scale, state, batch, gate, qk_normalized)
     with torch.autocast(q.device.type, enabled=False):  # the reference is fp32, also inside a bf16 trainer
-        return _kda_core_ref(q, k, v, kda_gate(g, *gate) if gate is not None else g, beta, scale, state, batch)
+        return _kda_core_ref(q, k, v, kda_gate(g, *gate) if gate is not None else g, beta, scale, state, batch,
+                             qk_normalized)
 
 
 def _kda_core_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  scale: float, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    q, k = l2norm(q), l2norm(k)
+                  scale: float, state: torch.Tensor, batch: ForwardBatch, qk_normalized: bool = False) -> torch.Tensor:
+    q, k = (q.float(), k.float()) if qk_normalized else (l2norm(q), l2norm(k))
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     nd = batch.num_decodes
     has_ctx = batch.context_lens > 0

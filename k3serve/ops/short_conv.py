@@ -11,21 +11,27 @@ import torch.nn.functional as F
 
 from ..model.batch import ForwardBatch
 from .backend import triton_enabled
+from .kda_ref import l2norm
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch,
-                    plane: int | None = None) -> torch.Tensor:
+                    plane: int | None = None, norm: tuple[int, int] | None = None) -> torch.Tensor:
     """SiLU(short conv) in x's dtype as planes [C/P, T, P] (``plane`` P; None: C): q, k and v of a
     KDA layer come out as separate [T, P] planes. The Triton kernel (KDA backend on CUDA) stores
-    them contiguous and rounds once; the reference rounds the conv output, then the SiLU."""
+    them contiguous and rounds once; the reference rounds the conv output, then the SiLU.
+    ``norm`` = (N, D): the first N channels also L2-normalised per head of D (``kda_ref.l2norm``,
+    KDA's q and k), in the kernel before its one rounding."""
     T, C = x.shape
     plane = plane or C
     if triton_enabled("KDA", x.device):
         from .short_conv_triton import short_conv_triton
 
-        return short_conv_triton(x, weight, conv_state, batch, silu=True, plane=plane)
-    y = F.silu(short_conv_ref(x, weight, conv_state, batch).float()).to(x.dtype)
-    return y.view(T, C // plane, plane).transpose(0, 1)
+        return short_conv_triton(x, weight, conv_state, batch, silu=True, plane=plane, norm=norm)
+    y = F.silu(short_conv_ref(x, weight, conv_state, batch).float())
+    if norm is not None:
+        n, d = norm
+        y = torch.cat([l2norm(y[:, :n].unflatten(1, (-1, d))).flatten(1), y[:, n:]], 1)
+    return y.to(x.dtype).view(T, C // plane, plane).transpose(0, 1)
 
 
 def short_conv_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

@@ -26,7 +26,8 @@ from ..model.batch import ForwardBatch
 def _short_conv_kernel(X, WEIGHT, STATE, OUT, TOKEN_SEQ, QSTART, SLOTS, HAS_CTX, T, C, PLANE,
                        stride_xt, stride_ss, stride_sc, stride_sw, stride_op, stride_ot,
                        W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                       INTERIOR_FAST: tl.constexpr = False, CHANNELS_FIRST: tl.constexpr = False):
+                       INTERIOR_FAST: tl.constexpr = False, CHANNELS_FIRST: tl.constexpr = False,
+                       NORM_C=0, NORM_EPS=1e-6, NORM_HEADS: tl.constexpr = False):
     if CHANNELS_FIRST:  # neighbouring programs take neighbouring channels of the same tokens
         n_cb = tl.cdiv(C, BLOCK_C)
         pid_t, pid_c = tl.program_id(0) // n_cb, tl.program_id(0) % n_cb
@@ -60,6 +61,9 @@ def _short_conv_kernel(X, WEIGHT, STATE, OUT, TOKEN_SEQ, QSTART, SLOTS, HAS_CTX,
             acc += (xv + sv) * tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
+    if NORM_HEADS:  # a tile is one head wide (BLOCK_C = head dim): L2-normalise the first NORM_C channels' heads
+        if pid_c * BLOCK_C < NORM_C:
+            acc = acc / tl.sqrt(tl.sum(acc * acc, 1) + NORM_EPS)[:, None]
     out = OUT + (c // PLANE)[None, :] * stride_op + t.to(tl.int64)[:, None] * stride_ot + (c % PLANE)[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=live)
 
@@ -97,25 +101,34 @@ CONV_CHANNELS_FIRST = False
 
 
 def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch,
-                      silu: bool = True, plane: int | None = None) -> torch.Tensor:
+                      silu: bool = True, plane: int | None = None, norm: tuple[int, int] | None = None,
+                      eps: float = 1e-6) -> torch.Tensor:
     """``short_conv_ref`` (then SiLU when ``silu``) for x [T, C] (rows may be strided), weight
     [C, W] fp32, conv_state [num_slots, C, W-1] (any strides; updated in place). Returns the
-    [T, C] result in x's dtype as C/P contiguous planes [C/P, T, P] (``plane`` P divides C; None: C)."""
+    [T, C] result in x's dtype as C/P contiguous planes [C/P, T, P] (``plane`` P divides C; None: C).
+    ``norm`` = (channels N, head dim D): the first N channels L2-normalised per head of D
+    (x / sqrt(sum x^2 + eps), KDA's q and k) before the one rounding; tiles are then D wide."""
     T, C = x.shape
     W = weight.shape[-1]
     plane = plane or C
     if C % plane or x.stride(-1) != 1:
         raise ValueError(f"plane {plane} must divide {C} channels, and x's channels must be dense")
+    block_c = CONV_BLOCK_C
+    if norm is not None:
+        block_c = norm[1]
+        if block_c & (block_c - 1) or norm[0] % block_c or plane % block_c:
+            raise ValueError(f"norm heads of {block_c} (a power of two) must tile {norm[0]} channels and planes of {plane}")
     planes = torch.empty(C // plane, T, plane, dtype=x.dtype, device=x.device)
     if T:
         w = weight.float().contiguous()
         st = conv_state
-        n_t, n_c = triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, CONV_BLOCK_C)
+        n_t, n_c = triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, block_c)
         _short_conv_kernel[(n_t * n_c,) if CONV_CHANNELS_FIRST else (n_t, n_c)](
             x, w, st, planes, batch.token_seq, batch.query_start, batch.kda_slots, batch.has_context, T, C, plane,
             x.stride(0), st.stride(0), st.stride(1), st.stride(2), planes.stride(0), planes.stride(1),
-            W=W, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C, INTERIOR_FAST=CONV_INTERIOR_FAST,
-            CHANNELS_FIRST=CONV_CHANNELS_FIRST, num_warps=CONV_WARPS)
+            W=W, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=block_c, INTERIOR_FAST=CONV_INTERIOR_FAST,
+            CHANNELS_FIRST=CONV_CHANNELS_FIRST, NORM_C=norm[0] if norm else 0, NORM_EPS=eps,
+            NORM_HEADS=norm is not None, num_warps=CONV_WARPS)
         _short_conv_state_kernel[(batch.num_seqs, triton.cdiv(C, 256))](
             x, st, batch.query_start, batch.kda_slots, batch.has_context, C,
             x.stride(0), st.stride(0), st.stride(1), st.stride(2),
