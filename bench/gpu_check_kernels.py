@@ -182,20 +182,19 @@ def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
     record("route from partial sums: tokens with the same experts", f"T={T} E={E} K={K}", 1 - same, 0.05)
 
 
-def check_router_prefill_mma(T: int, E: int, D: int, gen: torch.Generator) -> None:
-    """The opt-in ``moe_triton.ROUTER_PREFILL_MMA`` (K3's reference form: bf16 inputs, fp32-output
-    GEMM) vs float64, at that form's own precision (the tensor cores' accumulation over D: 2.4e-6
-    at D 2304 and 7.9e-6 at 7168 measured, sixteenth session); the default path is held to 1e-6
-    by check_router."""
-    x = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+def check_router_prefill(T: int, E: int, D: int, flag: str, tol: float, gen: torch.Generator) -> None:
+    """A prefill router GEMM behind ``moe_triton.<flag>`` vs float64: ``ROUTER_PREFILL_MMA`` (K3's
+    reference form, cuBLAS bf16 in / fp32 out) at that form's own precision (2.4e-6 at D 2304 and
+    7.9e-6 at 7168 measured, sixteenth session); ``ROUTER_PREFILL_KERNEL`` (ours: MMA per chunk of
+    D, chunk sums in fp32 registers) at the default path's fp32 tolerance (check_router)."""
+    x = torch.randn(T, D + 64, generator=gen, device=DEV).bfloat16()[:, 32:32 + D]  # strided rows
     w = (torch.randn(E, D, generator=gen, device=DEV) * D ** -0.5).bfloat16()
-    moe_triton.ROUTER_PREFILL_MMA = True
+    setattr(moe_triton, flag, True)
     try:
         got = router_logits(x, w)
     finally:
-        moe_triton.ROUTER_PREFILL_MMA = False
-    record("router logits, opt-in bf16 MMA (fp32 out)", f"T={T} E={E} D={D}", rel(got, F.linear(x.double(), w.double())),
-           3e-5)
+        setattr(moe_triton, flag, False)
+    record(f"router logits, {flag} (opt-in)", f"T={T} E={E} D={D}", rel(got, F.linear(x.double(), w.double())), tol)
 
 
 def check_expert_sort(T: int, E: int, top: int, sizes: tuple, gen: torch.Generator) -> None:
@@ -364,8 +363,9 @@ def main() -> int:
     for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16),
                        (8192, 256, 2304, 8), (2048, 896, 7168, 16)):  # (prefill sizes: cuBLAS's fp32 GEMM)
         check_router(T, E, D, K, gen)
-    check_router_prefill_mma(8192, 256, 2304, gen)
-    check_router_prefill_mma(2048, 896, 7168, gen)
+    for flag, tol in (("ROUTER_PREFILL_MMA", 3e-5), ("ROUTER_PREFILL_KERNEL", 1e-6)):
+        check_router_prefill(8192, 256, 2304, flag, tol, gen)
+        check_router_prefill(2048, 896, 7168, flag, tol, gen)
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
     for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):
         check_gemv(T, K, N, gen)

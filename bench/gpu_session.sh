@@ -58,8 +58,9 @@ case "$1" in
     step profile48 "$(left "${PROFILE_UNTIL:-580}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts "${PARTS:-timing,profile,profile_prefill}" --iters 10 --out /tmp/gpu_work ${PROFILE_SET:+--set "$PROFILE_SET"}
     grep -A6 "| context" "$OUT/profile48.log"; grep -A14 "kernels, " "$OUT/profile48.log" ;;
-  model)  # the model vs the fp32 reference only (tiny presets, fla and every Triton kernel)
-    step model "$(left 300)" python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
+  model)  # the model vs the fp32 reference only (tiny presets, fla and every Triton kernel; with the kda_core
+          # rows ~450 s)
+    step model "$(left "${MODEL_UNTIL:-300}")" python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
     tail -c 5000 "$OUT/model.log" ;;
   debugtiny)  # the kernels at model sizes; the tiny model with every Triton kernel, stacks printed
               # every 60 s (where the time goes: compiles?); then the graph-replay check on kimi-linear-48b
@@ -165,23 +166,23 @@ case "$1" in
     grep "kda_core" "$OUT/kda.log"; grep -A"$(( ${TOP:-60} + 2 ))" "new tokens" "$OUT/prof.log" | head -c 7000 ;;
   prefillsmall)  # prefill's memory-bound kernels: every kernel check, the sweeps of bench/kernels_prefill.py (short
                  # conv tiles / interior branch / channel order / q-k norm, gated norm, router GEMM), fla's kda_core
-                 # rows (also with q and k normalised before: kda.CONV_NORMS_QK), then kimi-linear-48b's prefill torch
-                 # ops by source line and its prefill steps by kernel (PROF=0 skips those)
+                 # rows (also with q and k normalised before: kda.CONV_NORMS_QK; KDA=0 skips them), then kimi-linear-48b's
+                 # prefill torch ops by source line and its prefill steps by kernel (PROF=0 skips those)
     step kernels_check 150 python3 bench/gpu_check_kernels.py --no-gluon
     step small "$(left 280)" python3 -m bench.kernels_prefill
-    step kda "$(left "${KDA_UNTIL:-500}")" python3 bench/gpu_check_model.py --skip-tiny --skip-slice
+    [ "${KDA:-1}" = 0 ] || step kda "$(left "${KDA_UNTIL:-500}")" python3 bench/gpu_check_model.py --skip-tiny --skip-slice
     [ "${PROF:-1}" = 0 ] || step prof "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts op_sources,profile_prefill --top "${TOP:-40}" --out /tmp/gpu_work
     grep "FAIL\|router\|gated\|short conv\|checks passed" "$OUT/kernels_check.log"; grep "^|" "$OUT/small.log"
-    grep "kda_core" "$OUT/kda.log" | grep -v "^|"
+    [ "${KDA:-1}" = 0 ] || grep "kda_core" "$OUT/kda.log" | grep -v "^|"
     [ "${PROF:-1}" = 0 ] || { grep -A"$(( ${TOP:-40} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"
       grep -A28 "new tokens" "$OUT/prof.log" | head -c 6000; } ;;
-  prefillab)  # kimi-linear-48b's eager prefill steps (1 x 512, 16 x 512, 1 x 8192) with the short conv's untimed
-              # options off and on (alternating rounds), then the torch ops of an 8K step by source line
+  prefillab)  # kimi-linear-48b's eager prefill steps (1 x 512, 16 x 512, 1 x 8192) with the short conv's and the
+              # router GEMM's untimed options off and on (alternating rounds), then an 8K step's torch ops by source line
     step ab "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_ab,op_sources \
-      --ab "base:;conv:k3serve.ops.short_conv_triton.CONV_INTERIOR_FAST=True,k3serve.ops.short_conv_triton.CONV_CHANNELS_FIRST=True;qknorm:k3serve.model.kda.CONV_NORMS_QK=True;all:k3serve.ops.short_conv_triton.CONV_INTERIOR_FAST=True,k3serve.ops.short_conv_triton.CONV_CHANNELS_FIRST=True,k3serve.model.kda.CONV_NORMS_QK=True" \
+      --ab "base:;conv:k3serve.ops.short_conv_triton.CONV_INTERIOR_FAST=True,k3serve.ops.short_conv_triton.CONV_CHANNELS_FIRST=True;qknorm:k3serve.model.kda.CONV_NORMS_QK=True;router:k3serve.ops.moe_triton.ROUTER_PREFILL_KERNEL=True;all:k3serve.ops.short_conv_triton.CONV_INTERIOR_FAST=True,k3serve.ops.short_conv_triton.CONV_CHANNELS_FIRST=True,k3serve.model.kda.CONV_NORMS_QK=True,k3serve.ops.moe_triton.ROUTER_PREFILL_KERNEL=True" \
       --top 40 --out /tmp/gpu_work
-    grep -A26 "| variant | round" "$OUT/ab.log"; grep -A43 "aten ops with GPU time" "$OUT/ab.log" ;;
+    grep -A32 "| variant | round" "$OUT/ab.log"; grep -A43 "aten ops with GPU time" "$OUT/ab.log" ;;
   prefillstep)  # kimi-linear-48b's prefill steps as the engine runs them (last-token logits) by kernel and torch
                 # ops by source line, the engine, then every kernel check (the opt-in router MMA row among them)
     step prof "$(left 150)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts op_sources,profile_prefill \

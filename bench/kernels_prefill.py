@@ -125,14 +125,17 @@ def router_rows(T: int, E: int, D: int, mm: float, g: torch.Generator) -> list[s
     ref = F.linear(x.double(), w.double())
     tf = 2 * T * E * D / 1e12
     out = []
-    for name, mma, tol in (("fp32 GEMM of upcasts (default)", False, 1e-6),
-                           ("bf16 MMA, fp32 out (ROUTER_PREFILL_MMA)", True, 3e-5)):
-        moe_triton.ROUTER_PREFILL_MMA = mma
+    for name, flag, tol in (("fp32 GEMM of upcasts (default)", None, 1e-6),
+                            ("cuBLAS bf16 MMA, fp32 out (ROUTER_PREFILL_MMA)", "ROUTER_PREFILL_MMA", 3e-5),
+                            ("ours: MMA per chunk, fp32 sums (ROUTER_PREFILL_KERNEL)", "ROUTER_PREFILL_KERNEL", 1e-6)):
+        if flag:
+            setattr(moe_triton, flag, True)
         err = rel(moe_triton.router_logits(x, w), ref)
         ms = _ms(lambda: moe_triton.router_logits(x, w))
         out.append(f"| router logits | T={T} E={E} D={D} | {name} | {ms:.4f} | {100 * tf / (ms / 1e3) / mm:.0f} % of "
                    f"matmul | {'ok' if err < tol else 'FAIL'} rel {err:.1e} |")
-    moe_triton.ROUTER_PREFILL_MMA = False
+        if flag:
+            setattr(moe_triton, flag, False)
     return out
 
 

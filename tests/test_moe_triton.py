@@ -366,6 +366,17 @@ LOGITS_SCRIPT = textwrap.dedent('''
         assert parts.shape == (-(-D // 128), T, E)
         ref = F.linear(x.double(), w.to(dtype).double())
         worst = max(worst, ((parts.double().sum(0) - ref).norm() / ref.norm()).item())
+    # prefill sizes (past ROUTER_KERNEL_MAX_TOKENS) through the GEMM kernel (ROUTER_PREFILL_KERNEL):
+    # several token and expert blocks, D past one chunk and not a multiple of it
+    from k3serve.ops import moe_triton
+    moe_triton.ROUTER_PREFILL_KERNEL = True
+    for T, E, D, dtype in [(70, 9, 100, torch.float32), (130, 40, 300, torch.bfloat16)]:
+        x = torch.randn(T, D + 9, generator=gen).to(dtype)[:, 4:4 + D]
+        w = (torch.randn(E, D, generator=gen) * D ** -0.5).to(dtype)
+        out = router_logits(x, w)
+        ref = F.linear(x.double(), w.double())
+        assert out.dtype == torch.float32 and out.shape == (T, E)
+        worst = max(worst, ((out.double() - ref).norm() / ref.norm()).item())
     print(worst)
 ''')
 
@@ -373,7 +384,8 @@ LOGITS_SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("seed", [0, 1])
 def test_router_logits_kernel_is_fp32_exact(seed):
     """Decode-size router logits in one launch from x and the weight in the model dtype: fp32
-    products and sums (no TF32), against float64; whole or as partial sums over chunks of D."""
+    products and sums (no TF32), against float64; whole or as partial sums over chunks of D; and
+    prefill-size logits from the router GEMM kernel (``ROUTER_PREFILL_KERNEL``)."""
     assert worst_error(LOGITS_SCRIPT, str(seed)) < 1e-6
 
 

@@ -276,3 +276,18 @@ def test_short_conv_compiles_for_sm90(interior_fast, channels_first, norm):
     kernel = _compile(short_conv_triton._short_conv_kernel, ptrs, ints, consts,
                       ("X", "OUT", "C", "PLANE", "stride_xt", "stride_op", "stride_ot"), num_warps=4)
     assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])
+
+
+def test_router_gemm_keeps_chunk_sums_out_of_the_mma_accumulator():
+    """The prefill router GEMM (``moe_triton.ROUTER_PREFILL_KERNEL``) on Hopper: bf16 wgmma per
+    chunk of D, and the chunks summed outside it (the runtime ``one`` multiplies each chunk's MMA
+    result before the fp32 add: ``fma`` on every accumulator element), not chained through the MMA
+    accumulator as a plain K loop would."""
+    ptrs = {"X": "*bf16", "W": "*bf16", "OUT": "*fp32"}
+    ints = {n: "i32" for n in ("T", "E", "D", "stride_x")} | {"one": "fp32"}
+    kernel = _compile(moe_triton._router_gemm_kernel, ptrs, ints,
+                      dict(BLOCK_T=128, BLOCK_E=128, BLOCK_D=64, BF16_MMA=True), tuple(ptrs) + ("D", "stride_x"),
+                      num_warps=8, num_stages=3)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and kernel.asm["cubin"]
+    assert len(re.findall(r"\bfma\.rn\.f32", ptx)) >= 128 * 128 // 256  # each thread's accumulator elements

@@ -458,9 +458,61 @@ def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, B
     tl.store(OUT + (chunk * T + t.to(tl.int64))[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
 
 
+@triton.jit
+def _router_gemm_kernel(X, W, OUT, T, E, D, stride_x, one, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BF16_MMA: tl.constexpr):
+    """Program (expert block, token block): OUT[t, e] = x[t] . W[e] in fp32 over all of D, each
+    BLOCK_D chunk's product from the tensor cores with a fresh accumulator and the chunks summed in
+    fp32 registers, as decode's partial sums are: a chunk's bf16 products are exact in fp32 and its
+    MMA sums 128 of them (decode's rows: 1-3e-7 from float64), where one MMA accumulator over the
+    whole width (cuBLAS's fp32-output GEMM) drifted to 2.4e-6 at D 2304. ``one`` (1.0, a runtime
+    value) keeps the compiler from folding the chunk sums back into the MMA accumulator."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # expert blocks fastest: they share x's rows in L2
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask, emask = t < T, e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k in range(0, D, BLOCK_D):
+        d = k + tl.arange(0, BLOCK_D)
+        x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + d[None, :], mask=tmask[:, None] & (d < D)[None, :],
+                    other=0.0)
+        w = tl.load(W + e.to(tl.int64)[:, None] * D + d[None, :], mask=emask[:, None] & (d < D)[None, :], other=0.0)
+        if BF16_MMA:
+            part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        else:
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        acc += part * one
+    tl.store(OUT + t.to(tl.int64)[:, None] * E + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+
+
+ROUTER_GEMM_CONFIGS = [triton.Config({"BLOCK_T": bt, "BLOCK_E": be, "BLOCK_D": bd}, num_warps=w, num_stages=st)
+                       for bt, be, bd, w, st in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 128, 4, 3),
+                                                 (64, 64, 128, 4, 3), (128, 128, 128, 8, 2))]
+# Keyed on the router's shape only: a prefill's token count changes every step.
+_router_gemm_tuned = autotuned(_router_gemm_kernel, ROUTER_GEMM_CONFIGS,
+                               triton.Config({"BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_D": 32}), key=["E", "D"])
+
+
+def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits x W^T [T, E] for x [T, D] (rows may be strided, dense last dim) and a dense
+    router weight [E, D], in one launch (``_router_gemm_kernel``)."""
+    T, D = x.shape
+    E = weight.shape[0]
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T:
+        bf16 = x.dtype == weight.dtype == torch.bfloat16 and not interpreted()
+        grid = lambda meta: (triton.cdiv(E, meta["BLOCK_E"]), triton.cdiv(T, meta["BLOCK_T"]))  # noqa: E731
+        _router_gemm_tuned[grid](x, weight, out, T, E, D, x.stride(0), 1.0, BF16_MMA=bf16)
+    return out
+
+
 # Up to this many tokens the router's logits come from one Triton launch that reads x and the
-# weight in the model dtype (a decode step); past it, one cuBLAS GEMM for the whole batch.
+# weight in the model dtype (a decode step); past it, one GEMM for the whole batch.
 ROUTER_KERNEL_MAX_TOKENS = 64
+# That GEMM from ``router_gemm`` (bf16 tensor cores, chunk sums in fp32 registers: fp32 precision
+# without upcasting x or running fp32 FFMA, which took 5.6 ms of an 8K-token kimi-linear-48b
+# prefill step) instead of cuBLAS's fp32 GEMM of the upcasts: checked under the interpreter, not
+# yet on the GPU (its precision there is the question), so off.
+ROUTER_PREFILL_KERNEL = False
 
 
 # Prefill's router GEMM from bf16 inputs on the tensor cores with fp32 output (``mm``'s
@@ -475,12 +527,14 @@ ROUTER_PREFILL_MMA = False
 
 def _logits_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 x W^T: HF's fp32 GEMM of the upcasts, or where ``ROUTER_PREFILL_MMA`` (bf16 / fp16
-    operands on the GPU) the tensor cores' fp32-output GEMM."""
+    operands on the GPU) cuBLAS's fp32-output GEMM, or where ``ROUTER_PREFILL_KERNEL`` ours."""
     if ROUTER_PREFILL_MMA and x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
         try:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
         except TypeError:  # torch < 2.8: no out_dtype
             pass
+    if ROUTER_PREFILL_KERNEL and (x.is_cuda or interpreted()) and x.stride(-1) == 1 and weight.is_contiguous():
+        return router_gemm(x, weight)
     return F.linear(x.float(), weight.float())
 
 
