@@ -27,7 +27,7 @@ from k3serve.ops.attn_res_triton import attn_res_mix
 from k3serve.ops.gemv_triton import GEMV_CONFIGS, gemv
 from k3serve.ops.kda import kda_core
 from k3serve.ops.kda_decode_triton import kda_decode_fused
-from k3serve.ops.kda_ref import kda_gate, l2norm
+from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
 from k3serve.ops.mla_prefill_triton import mla_prefill, mla_prefill_varlen
 from k3serve.ops import moe_triton
@@ -37,7 +37,7 @@ from k3serve.ops.moe_triton import combine_experts, grouped_gemm, route_triton, 
 from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_mma_layout
 from k3serve.ops.moe_ref import route
 from k3serve.ops.norm_triton import latent_to_cache, rms_norm_triton
-from k3serve.ops.short_conv import short_conv_ref
+from k3serve.ops.short_conv import l2norm_heads, short_conv_ref
 from k3serve.ops.short_conv_triton import short_conv_triton
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter
@@ -69,8 +69,7 @@ def check_short_conv(C: int, layout: list[tuple[int, int]], gen: torch.Generator
     record("short conv state", f"C={C}", float(not torch.equal(state, ref_state)), 0.0)
     # q and k (the first two planes) L2-normalised per head of 128 in the kernel (kda.CONV_NORMS_QK)
     normed = short_conv_triton(x, w, state0, batch, plane=C // 3, norm=(2 * C // 3, 128))
-    heads = ref[:, :2 * C // 3].unflatten(1, (-1, 128))
-    ref_n = torch.cat([l2norm(heads).flatten(1), ref[:, 2 * C // 3:]], 1)
+    ref_n = l2norm_heads(ref, 2 * C // 3, 128)
     record("short conv + SiLU + q/k L2 norm", f"C={C}", rel(normed.transpose(0, 1).reshape(T, C).float(), ref_n), 2e-2)
 
 

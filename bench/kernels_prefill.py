@@ -17,14 +17,15 @@ import os
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from bench.ceilings import copy_tbs, matmul_tflops
+from bench.overrides import restore, set_constants
 from bench.timing import gpu_ms
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import rms_norm
 from k3serve.ops import moe_triton, norm_triton, short_conv_triton
-from k3serve.ops.kda_ref import l2norm
-from k3serve.ops.short_conv import short_conv_ref
+from k3serve.ops.short_conv import l2norm_heads, short_conv_ref
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--tokens 64)
 # (block_t, block_c, warps, interior_fast, channels_first): the sixteenth session's sweep of the first
@@ -53,31 +54,30 @@ def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:
     ref_state = state0.clone()
     ref = F.silu(short_conv_ref(x, w, ref_state, batch).float())
     out = []
-    names = ("CONV_BLOCK_T", "CONV_BLOCK_C", "CONV_WARPS", "CONV_INTERIOR_FAST", "CONV_CHANNELS_FIRST")
-    saved = [getattr(short_conv_triton, n) for n in names]
-    for variant in CONV_TILES:
-        for n, v in zip(names, variant):
-            setattr(short_conv_triton, n, v)
-        bt, bc, warps, fast, first = variant
+    conv = "k3serve.ops.short_conv_triton."
+    for bt, bc, warps, fast, first in CONV_TILES:
+        saved = set_constants(f"{conv}CONV_BLOCK_T={bt},{conv}CONV_BLOCK_C={bc},{conv}CONV_WARPS={warps},"
+                              f"{conv}CONV_INTERIOR_FAST={fast},{conv}CONV_CHANNELS_FIRST={first}")
         state = state0.clone()
         planes = short_conv_triton.short_conv_triton(x, w, state, batch, plane=C // 3)
         err = rel(planes.transpose(0, 1).reshape(T, C).float(), ref)
         ok = err < 2e-2 and torch.equal(state, ref_state)
         ms = _ms(lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3))
+        restore(saved)
         gb = 2 * T * C * 2 / 1e9  # read x once, write the planes once
         flags = "".join(f", {f}" for f, on in (("interior fast", fast), ("channels first", first)) if on)
         out.append(f"| short conv + SiLU | T={T} C={C} | {bt}x{bc}, {warps} warps{flags} | {ms:.4f} | "
                    f"{100 * gb / ms / copy:.0f} % | {'ok' if ok else f'FAIL rel {err:.1e}'} |")
     # q and k L2-normalised in the conv (kda.CONV_NORMS_QK: tiles one head of 128 wide) vs fla's two
     # l2norm launches on the conv's q and k planes (what chunk_kda runs otherwise)
-    heads = ref[:, :2 * C // 3].unflatten(1, (-1, 128))
-    ref_n = torch.cat([l2norm(heads).flatten(1), ref[:, 2 * C // 3:]], 1)
-    for fast, first in ((False, False), (True, True)):
-        short_conv_triton.CONV_INTERIOR_FAST, short_conv_triton.CONV_CHANNELS_FIRST = fast, first
-        conv = lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3,  # noqa: E731
-                                                           norm=(2 * C // 3, 128))
-        err = rel(conv().transpose(0, 1).reshape(T, C).float(), ref_n)
-        ms = _ms(conv)
+    ref_n = l2norm_heads(ref, 2 * C // 3, 128)
+    for fast in (False, True):
+        saved = set_constants(f"{conv}CONV_INTERIOR_FAST={fast},{conv}CONV_CHANNELS_FIRST={fast}")
+        normed = lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3,  # noqa: E731
+                                                             norm=(2 * C // 3, 128))
+        err = rel(normed().transpose(0, 1).reshape(T, C).float(), ref_n)
+        ms = _ms(normed)
+        restore(saved)
         gb = 2 * T * C * 2 / 1e9
         out.append(f"| short conv + SiLU + q/k L2 norm | T={T} C={C} | 32x128, 4 warps{', interior fast, channels first' if fast else ''} "
                    f"| {ms:.4f} | {100 * gb / ms / copy:.0f} % | {'ok' if err < 2e-2 else f'FAIL rel {err:.1e}'} |")
@@ -91,8 +91,6 @@ def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:
                    f"{100 * 2 * T * 2 * C // 3 * 2 / 1e9 / ms / copy:.0f} % | - |")
     except ImportError:
         pass
-    for n, v in zip(names, saved):
-        setattr(short_conv_triton, n, v)
     return out
 
 
@@ -102,21 +100,17 @@ def norm_rows(T: int, H: int, D: int, copy: float, g: torch.Generator) -> list[s
     gate = torch.randn(T, H * D + 256, device=DEV, generator=g).bfloat16()[:, 128:128 + H * D]
     ref = rms_norm(x.float(), w, 1e-6, torch.float32) * torch.sigmoid(gate.float().view(T, H, D))
     out = []
-    saved = (norm_triton.NORM_TILE, norm_triton.NORM_MANY_ROWS)
     for tile in NORM_TILES:
-        norm_triton.NORM_TILE, norm_triton.NORM_MANY_ROWS = (tile, 1) if tile else (1, 1 << 62)
+        many = 1 if tile else 1 << 62
+        saved = set_constants(f"k3serve.ops.norm_triton.NORM_TILE={tile or 1},k3serve.ops.norm_triton.NORM_MANY_ROWS={many}")
         err = rel(norm_triton.rms_norm_triton(x, w, 1e-6, torch.bfloat16, gate=gate).float(), ref)
         ms = _ms(lambda: norm_triton.rms_norm_triton(x, w, 1e-6, torch.bfloat16, gate=gate))
+        rows = norm_triton._rows_per_program(T * H, triton.next_power_of_2(D))
+        restore(saved)
         gb = 3 * x.numel() * 2 / 1e9
-        rows = max(1, tile // triton_block(D)) if tile else 1
         out.append(f"| gated RMSNorm | T={T} H={H} D={D} | {rows} rows a program | {ms:.4f} | "
                    f"{100 * gb / ms / copy:.0f} % | {'ok' if err < 1e-2 else f'FAIL rel {err:.1e}'} |")
-    norm_triton.NORM_TILE, norm_triton.NORM_MANY_ROWS = saved
     return out
-
-
-def triton_block(D: int) -> int:
-    return 1 << (D - 1).bit_length()
 
 
 def router_rows(T: int, E: int, D: int, mm: float, g: torch.Generator) -> list[str]:
@@ -128,14 +122,12 @@ def router_rows(T: int, E: int, D: int, mm: float, g: torch.Generator) -> list[s
     for name, flag, tol in (("fp32 GEMM of upcasts (default)", None, 1e-6),
                             ("cuBLAS bf16 MMA, fp32 out (ROUTER_PREFILL_MMA)", "ROUTER_PREFILL_MMA", 3e-5),
                             ("ours: MMA per chunk, fp32 sums (ROUTER_PREFILL_KERNEL)", "ROUTER_PREFILL_KERNEL", 1e-6)):
-        if flag:
-            setattr(moe_triton, flag, True)
+        saved = set_constants(f"k3serve.ops.moe_triton.{flag}=True" if flag else "")
         err = rel(moe_triton.router_logits(x, w), ref)
         ms = _ms(lambda: moe_triton.router_logits(x, w))
+        restore(saved)
         out.append(f"| router logits | T={T} E={E} D={D} | {name} | {ms:.4f} | {100 * tf / (ms / 1e3) / mm:.0f} % of "
                    f"matmul | {'ok' if err < tol else 'FAIL'} rel {err:.1e} |")
-        if flag:
-            setattr(moe_triton, flag, False)
     return out
 
 

@@ -29,9 +29,14 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Ten
         return short_conv_triton(x, weight, conv_state, batch, silu=True, plane=plane, norm=norm)
     y = F.silu(short_conv_ref(x, weight, conv_state, batch).float())
     if norm is not None:
-        n, d = norm
-        y = torch.cat([l2norm(y[:, :n].unflatten(1, (-1, d))).flatten(1), y[:, n:]], 1)
+        y = l2norm_heads(y, *norm)
     return y.to(x.dtype).view(T, C // plane, plane).transpose(0, 1)
+
+
+def l2norm_heads(y: torch.Tensor, channels: int, head_dim: int) -> torch.Tensor:
+    """y [T, C] fp32 with its first ``channels`` L2-normalised per head of ``head_dim``
+    (``kda_ref.l2norm``): what ``short_conv_silu``'s ``norm`` does to q and k."""
+    return torch.cat([l2norm(y[:, :channels].unflatten(1, (-1, head_dim))).flatten(1), y[:, channels:]], 1)
 
 
 def short_conv_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
