@@ -168,6 +168,7 @@ def test_conv_normalising_q_and_k_gives_the_same_model(model, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 1700, (n,), generator=gen).tolist() for n in (30, 21)]
     schedule = [[(0, 12)], [(0, 1), (1, 15)], [(0, 9), (1, 1)], [(0, 1), (1, 1)]]
+    monkeypatch.setattr(kda, "CONV_NORMS_QK", False)
     ref = _run_schedule(model, seqs, schedule)
     monkeypatch.setattr(kda, "CONV_NORMS_QK", True)
     got = _run_schedule(model, seqs, schedule)

@@ -509,10 +509,10 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # weight in the model dtype (a decode step); past it, one GEMM for the whole batch.
 ROUTER_KERNEL_MAX_TOKENS = 64
 # That GEMM from ``router_gemm`` (bf16 tensor cores, chunk sums in fp32 registers: fp32 precision
-# without upcasting x or running fp32 FFMA, which took 5.6 ms of an 8K-token kimi-linear-48b
-# prefill step) instead of cuBLAS's fp32 GEMM of the upcasts: checked under the interpreter, not
-# yet on the GPU (its precision there is the question), so off.
-ROUTER_PREFILL_KERNEL = False
+# without upcasting x or running fp32 FFMA) instead of cuBLAS's fp32 GEMM of the upcasts: 8,192
+# tokens on the H200 0.267 -> 0.030 ms (kimi-linear-48b), 2.28 -> 0.29 ms (K3), 1.3e-7 / 2.0e-7 from
+# the float64 logits (the fp32 GEMM 2.7e-7 / 2.4e-7; RESULTS.md seventeenth session).
+ROUTER_PREFILL_KERNEL = True
 
 
 # Prefill's router GEMM from bf16 inputs on the tensor cores with fp32 output (``mm``'s

@@ -91,13 +91,13 @@ def _short_conv_state_kernel(X, STATE, QSTART, SLOTS, HAS_CTX, C, stride_xt, str
     tl.store(STATE + slot * stride_ss + c[None, :] * stride_sc + j[:, None] * stride_sw, new, mask=live)
 
 
-# The conv's [tokens x channels] tile and warps (bench/kernels_prefill.py sweeps them at prefill sizes:
-# 32 x 64 at 4 warps the best of eight, 23 % of copy at 8K tokens, RESULTS.md sixteenth session).
-CONV_BLOCK_T, CONV_BLOCK_C, CONV_WARPS = 32, 64, 4
-# Interior tiles without the conv-state path, and programs in channel-block-first order: checked
-# (interpreter), not yet timed, so off.
-CONV_INTERIOR_FAST = False
-CONV_CHANNELS_FIRST = False
+# The conv's [tokens x channels] tile and warps, interior tiles without the conv-state path
+# (INTERIOR_FAST) and programs in channel-block-first order (CHANNELS_FIRST), from
+# bench/kernels_prefill.py's sweep at 8K tokens on the H200: 32 x 128 at 4 warps with both 0.311 ms
+# (30 % of copy) against 0.416 (23 %) for the old 32 x 64 without them (RESULTS.md seventeenth session).
+CONV_BLOCK_T, CONV_BLOCK_C, CONV_WARPS = 32, 128, 4
+CONV_INTERIOR_FAST = True
+CONV_CHANNELS_FIRST = True
 
 
 def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch,
