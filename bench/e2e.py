@@ -152,12 +152,12 @@ def slice_prefill(model, lengths, mm_ceiling) -> list[dict]:
     return rows
 
 
-def engine_generate(batches, prompt_len, new_tokens) -> list[dict]:
+def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto") -> list[dict]:
     """kimi-linear-48b through LLMEngine: TTFT (all B first tokens) and decode tok/s after it."""
     eng = LLMEngine.from_pretrained(None, preset="kimi-linear-48b", dtype="bfloat16", device="cuda",
                                     load_format="dummy", config=EngineConfig(
                                         max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 64,
-                                        max_num_batched_tokens=max(8192, prompt_len)))
+                                        max_num_batched_tokens=max(8192, prompt_len), prefill_graphs=prefill_graphs))
     vocab = eng.model.config.vocab_size - 300
     rows = []
     for B in batches:
@@ -179,7 +179,8 @@ def engine_generate(batches, prompt_len, new_tokens) -> list[dict]:
         dec = (t_end - t_first) / (new_tokens - 1)
         rows.append({"batch": B, "prompt": prompt_len, "new": new_tokens, "ttft_s": round(t_first - t0, 3),
                      "decode_ms_per_step": round(dec * 1e3, 2), "decode_tok_s": round(B / dec, 1),
-                     "graph_steps": eng.runner.graph_steps, "overlapped_steps": eng.overlapped_steps})
+                     "graph_steps": eng.runner.graph_steps, "prefill_graph_steps": eng.runner.prefill_graph_steps,
+                     "overlapped_steps": eng.overlapped_steps})
         print(rows[-1], flush=True)
     del eng
     gc.collect()
@@ -249,6 +250,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--engine-batches", default="1,16,64")
+    ap.add_argument("--prefill-graphs", default="auto", help="the engine's prefill_graphs mode (auto, on, off)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
                     "(e.g. k3serve.model.mla.VARLEN_PREFILL=True: the engine's TTFT with an opt-in path)")
@@ -270,7 +272,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     if "engine" in parts:
-        res["engine_48b"] = engine_generate(ints(args.engine_batches), 512, 32)
+        res["engine_48b"] = engine_generate(ints(args.engine_batches), 512, 32, args.prefill_graphs)
     if "hf" in parts:
         res["hf_48b"] = hf_generate(ints(args.engine_batches), 512, 32)
     for key in ("slice_decode", "slice_prefill", "engine_48b", "hf_48b"):

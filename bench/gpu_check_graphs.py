@@ -82,10 +82,15 @@ def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
         pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
         seqs = prefill(model, pool, [rng.randrange(16, 300) for _ in range(n + 1)], rng)
         chunks = [SeqChunk([rng.randrange(1000)], len(t), s, p) for s, p, t in seqs[:n]]
-        twins = [UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE) for _ in range(2)]
+        twins = [UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE) for _ in range(3)]
         for twin in twins:
             twin.buffer.copy_(pool.buffer)
         eager = eager_step(model, twins[0], chunks)
+        # the flat eager step of the same shape: the prompts and a filler prompt of the padding's
+        # length on a spare slot (kernel choices follow the token count; the step's own bits then match)
+        pad = graphs.bucket_for(sum(lens)) - sum(lens)
+        filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-pad // PAGE))])
+        same_shape = eager_step(model, twins[2], chunks + [filler])[:len(chunks)]
         static_eager = DecodeGraphs(model, twins[1], max_batch, max_pages=16, capture=False).run(chunks).clone()
         graphs = DecodeGraphs(model, pool, max_batch, max_pages=16, capture=True)
         static = graphs.run(chunks).clone()
@@ -98,11 +103,67 @@ def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
                          torch.equal(pool.slot_bytes_of(c.kda_slot), twins[1].slot_bytes_of(c.kda_slot))
                          and all(torch.equal(pool.page_bytes_of(p), twins[1].page_bytes_of(p)) for p in c.pages)
                          for c in chunks),
-                     "vs_flat_eager_max_rel_err": rel(static, eager), "bystander_untouched": untouched,
+                     "vs_flat_eager_max_rel_err": rel(static, eager),
+               "vs_same_shape_flat_eager_max_rel_err": rel(static, same_shape), "bystander_untouched": untouched,
                      "argmax_equal_flat": (static.argmax(-1) == eager.argmax(-1)).float().mean().item()})
         print(rows[-1], flush=True)
         del graphs, pool, twins
         torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_graphs_check(model, rng, lens_list, pool_bytes, iters) -> list[dict]:
+    """Prefill graphs (engine/prefill_graphs.py) for steps of new prompts: the replay against the
+    same static step run eagerly (must match exactly: a mismatch is a value baked in at capture),
+    against the engine's flat eager step (numerics may differ: the padding changes tile choices),
+    the prompts' slots and pages equal to the static eager twin's, a bystander untouched; then
+    the step's time, eager (flat) against replay (inputs -> logits, CUDA events)."""
+    from k3serve.engine.prefill_graphs import PrefillGraphs
+
+    pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+    bystander = prefill(model, pool, [100], rng)[0]
+    t0 = time.perf_counter()
+    graphs = PrefillGraphs(model, pool, max_tokens=2048, max_seqs=2, capture=True)
+    capture_s = time.perf_counter() - t0
+    rows = []
+    rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()  # noqa: E731
+    for lens in lens_list:
+        chunks = []
+        for n in lens:
+            chunks.append(SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(n)], 0,
+                                   pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-n // PAGE))]))
+        twins = [UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE) for _ in range(3)]
+        for twin in twins:
+            twin.buffer.copy_(pool.buffer)
+        eager = eager_step(model, twins[0], chunks)
+        # the flat eager step of the same shape: the prompts and a filler prompt of the padding's
+        # length on a spare slot (kernel choices follow the token count; the step's own bits then match)
+        pad = graphs.bucket_for(sum(lens)) - sum(lens)
+        filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-pad // PAGE))])
+        same_shape = eager_step(model, twins[2], chunks + [filler])[:len(chunks)]
+        static_eager = PrefillGraphs(model, twins[1], max_tokens=2048, max_seqs=2, capture=False).run(chunks).clone()
+        static = graphs.run(chunks).clone()
+        slot, pages, _ = bystander
+        row = {"prompts": lens, "bucket": graphs.bucket_for(sum(lens)),
+               "vs_static_eager_max_rel_err": rel(static, static_eager),
+               "state_equal_to_static_eager": all(
+                   torch.equal(pool.slot_bytes_of(c.kda_slot), twins[1].slot_bytes_of(c.kda_slot))
+                   and all(torch.equal(pool.page_bytes_of(p), twins[1].page_bytes_of(p)) for p in c.pages)
+                   for c in chunks),
+               "vs_flat_eager_max_rel_err": rel(static, eager),
+               "vs_same_shape_flat_eager_max_rel_err": rel(static, same_shape),
+               "argmax_equal_flat": (static.argmax(-1) == eager.argmax(-1)).float().mean().item(),
+               "bystander_untouched": torch.equal(pool.slot_bytes_of(slot), twins[0].slot_bytes_of(slot)) and all(
+                   torch.equal(pool.page_bytes_of(p), twins[0].page_bytes_of(p)) for p in pages)}
+        del twins
+        row["eager_ms"] = round(timed(lambda: eager_step(model, pool, chunks), iters), 2)
+        row["graph_ms"] = round(timed(lambda: graphs.run(chunks), iters), 2)
+        row["capture_s"] = round(capture_s, 1)
+        rows.append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
+    del graphs, pool
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -211,7 +272,7 @@ def engine_match(model, rng, n_prompts) -> dict:
     for mode, graphs, overlap in (("off", "off", "auto"), ("off_again", "off", "auto"), ("on", "on", "auto"),
                                   ("on_plain", "on", "off")):
         eng = LLMEngine(model, None, EngineConfig(cache_memory="4GiB", max_model_len=1024, decode_graphs=graphs,
-                                                  max_graph_batch=32, async_scheduling=overlap))
+                                                  prefill_graphs=graphs, max_graph_batch=32, async_scheduling=overlap))
         ids = [eng.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
                for p in prompts]
         done = {}
@@ -384,7 +445,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
+                    help="comma-separated subset of check, timing, prefill_graphs, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
                          "prefill_ab (eager prefill steps under --ab's variants)")
     ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
     ap.add_argument("--ab-batches", default="1,16")
@@ -420,6 +481,16 @@ def main() -> None:
         for r in res["ab"]:
             spread = r.get("spread_ms", "-")
             print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} | {spread} |")
+    if "prefill_graphs" in parts:
+        res["prefill_graphs"] = prefill_graphs_check(model, rng, [[1], [37], [500], [1100], [2000], [300, 700]],
+                                                     2 << 30, args.iters)
+        print("\n| prompts | bucket | vs static eager | state equal | vs flat eager same shape | vs flat eager | "
+              "argmax equal | bystander untouched | eager ms | graph ms |\n|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["prefill_graphs"]:
+            print(f"| {r['prompts']} | {r['bucket']} | {r['vs_static_eager_max_rel_err']:.2e} | "
+                  f"{r['state_equal_to_static_eager']} | {r['vs_same_shape_flat_eager_max_rel_err']:.2e} | "
+                  f"{r['vs_flat_eager_max_rel_err']:.2e} | {r['argmax_equal_flat']} | "
+                  f"{r['bystander_untouched']} | {r['eager_ms']} | {r['graph_ms']} |")
     if "engine" in parts:
         res["engine"] = engine_match(model, rng, 12)
         print(json.dumps(res["engine"]))

@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: prefillgraphs, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -188,6 +188,15 @@ case "$1" in
     step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A14 "| variant | round" "$OUT/ab.log"; grep -A43 "aten ops with GPU time" "$OUT/ab.log"
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
+  prefillgraphs)  # prefill steps of new prompts as CUDA graphs (engine/prefill_graphs.py): replay vs static eager vs
+                  # flat eager and timed, the engine's greedy tokens with graphs on / off, then the engine's TTFT with
+                  # prefill graphs (auto) and without (off)
+    step pg "$(left "${PG_UNTIL:-300}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_graphs,engine \
+      --iters 10 --out /tmp/gpu_work
+    step e2e_engine "$(left 440)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --out /tmp/gpu_work
+    step e2e_engine_off "$(left 585)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --prefill-graphs off \
+      --out /tmp/gpu_work/off
+    grep -v "^  File\|^    " "$OUT/pg.log" | tail -c 5000; grep -A5 "### engine_48b" "$OUT/e2e_engine.log" "$OUT/e2e_engine_off.log" ;;
   prefillstep)  # kimi-linear-48b's prefill steps as the engine runs them (last-token logits) by kernel and torch
                 # ops by source line, the engine, then every kernel check (the opt-in router MMA row among them)
     step prof "$(left 150)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts op_sources,profile_prefill \

@@ -83,7 +83,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--kda-checkpoint-interval", type=int, default=4096,
                    help="KDA checkpoint every N tokens inside long prefills (multiple of the block size)")
     p.add_argument("--kda-fraction", type=float, default=0.5, help="KDA share of the pool with --no-unified-memory")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode or prefill steps)")
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=2048,
+                   help="prefill steps of new prompts under this many tokens replay CUDA graphs (0: none)")
     p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured as a CUDA graph")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="overlap the host's scheduling and output processing with the GPU's step "
@@ -102,6 +104,8 @@ def engine_from_args(args: argparse.Namespace):
                        tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
                        decode_context_parallel_size=args.decode_context_parallel_size,
                        decode_graphs="off" if args.enforce_eager else "auto", max_graph_batch=args.max_graph_batch,
+                       prefill_graphs="off" if args.enforce_eager or args.max_prefill_graph_tokens < 2 else "auto",
+                       max_prefill_graph_tokens=max(args.max_prefill_graph_tokens, 2),
                        async_scheduling=args.async_scheduling)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
                                      dtype=args.dtype, device=args.device, seed=args.weights_seed,

@@ -49,6 +49,68 @@ def capture_blockers(device: torch.device) -> list[str]:
     return why
 
 
+class StaticInputs:
+    """A static step's int64 inputs as named fields of one device buffer, written each step through
+    numpy views of one (pinned) host buffer and sent by one copy: a step's inputs cost one transfer,
+    not one per field. ``host()`` waits until the previous copy has left the host buffer."""
+
+    def __init__(self, device: torch.device, sizes: dict[str, int]):
+        self.device_buf = torch.empty(sum(sizes.values()), dtype=torch.int64, device=device)
+        self.host_buf = torch.empty(self.device_buf.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        host, self.dev, self._host, at = self.host_buf.numpy(), {}, {}, 0
+        for name, n in sizes.items():
+            self.dev[name], self._host[name] = self.device_buf[at:at + n], host[at:at + n]
+            at += n
+        self._copied = None  # CUDA event: the last host -> device copy is done
+
+    def host(self) -> dict[str, np.ndarray]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host
+
+    def upload(self) -> None:
+        self.device_buf.copy_(self.host_buf, non_blocking=True)
+        if self.device_buf.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+def check_ids(pool: UnifiedPool, pages: np.ndarray, slots: np.ndarray) -> None:
+    """A replayed graph dereferences page and slot ids with no bounds check: refuse a bad one here,
+    on the host, rather than read or write another sequence's (or no) memory."""
+    lay = pool.layout
+    if lay.page_bytes and pages.size and not (0 <= pages.min() and pages.max() < pool.page_capacity):
+        raise ValueError(f"page id out of range [0, {pool.page_capacity}): {pages.min()}..{pages.max()}")
+    if lay.slot_bytes and slots.size and not (0 <= slots.min() and slots.max() < pool.slot_capacity):
+        raise ValueError(f"KDA slot out of range [0, {pool.slot_capacity}): {slots.min()}..{slots.max()}")
+
+
+def capture_graphs(forwards: dict, what: str, prepare=None) -> tuple[dict, dict]:
+    """Captures ``forwards`` (key -> a no-argument step returning its output), in the given order
+    into one memory pool (largest step first, so the smaller ones reuse its memory). Each step
+    runs twice on a side stream first (Triton compiles and autotunes outside the capture), after
+    ``prepare(key)`` where given (filling the static buffers: host copies cannot be captured).
+    Returns (graphs, outputs) by key."""
+    mempool = torch.cuda.graph_pool_handle()
+    graphs, outputs = {}, {}
+    for key, forward in forwards.items():
+        if prepare is not None:
+            prepare(key)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool):
+            outputs[key] = forward()
+        graphs[key] = graph
+    torch.cuda.synchronize()
+    log.info("captured %s graphs for %s", what, list(forwards))
+    return graphs, outputs
+
+
 class DecodeGraphs:
     def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_batch: int, max_pages: int,
                  capture: bool = True, buckets: list[int] | None = None):
@@ -59,17 +121,11 @@ class DecodeGraphs:
         dev = pool.buffer.device
         B = self.buckets[-1]
         i64 = dict(dtype=torch.int64, device=dev)
-        # All per-step inputs live in one device buffer filled by one copy from one (pinned) host
-        # buffer: input ids, context lens, seq lens, KDA slots, slot mapping, then the block table.
         self._fields = ("input_ids", "context_lens", "seq_lens", "kda_slots", "slot_mapping")
-        self._device_buf = torch.empty(B * (len(self._fields) + max_pages), **i64)
-        self._host_buf = torch.empty(self._device_buf.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        for i, name in enumerate(self._fields):
-            setattr(self, name, self._device_buf[i * B:(i + 1) * B])
-        self.block_table = self._device_buf[len(self._fields) * B:].view(B, max_pages)
-        host = self._host_buf.numpy()  # numpy views of the (pinned) host buffer, filled each step
-        self._host_np = [host[i * B:(i + 1) * B] for i in range(len(self._fields))]
-        self._host_table_np = host[len(self._fields) * B:].reshape(B, max_pages)
+        self.inputs = StaticInputs(dev, {**{f: B for f in self._fields}, "block_table": B * max_pages})
+        for name in self._fields:
+            setattr(self, name, self.inputs.dev[name])
+        self.block_table = self.inputs.dev["block_table"].view(B, max_pages)
         self.input_ids.zero_()
         self.context_lens.zero_()
         self.seq_lens.fill_(1)
@@ -81,7 +137,6 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(B, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._copied = None  # CUDA event: the last host -> device copy of the input buffer is done
         if capture:
             self._capture_all()
 
@@ -98,8 +153,9 @@ class DecodeGraphs:
         token per sequence, so no ForwardBatch is built (its ~20 small torch ops cost ~0.2 ms at
         batch 1 and ~1 ms at 256 on the host). Returns the context lengths."""
         n, ps = len(chunks), self.page_size
-        ids, ctx, seq, slots, mapping = self._host_np
-        table = self._host_table_np
+        host = self.inputs.host()
+        ids, ctx, seq, slots, mapping = (host[f] for f in self._fields)
+        table = host["block_table"].reshape(-1, self.max_pages)
         ctx_list = [c.context_len for c in chunks]
         npages = np.fromiter((len(c.pages) for c in chunks), np.int64, n)
         ids[:n] = [c.token_ids[0] for c in chunks]
@@ -113,13 +169,7 @@ class DecodeGraphs:
         table[:b] = -1
         rows = np.repeat(np.arange(n), npages)
         pages = np.fromiter(chain.from_iterable(c.pages for c in chunks), np.int64, rows.size)
-        # A replayed graph dereferences these ids with no bounds check: refuse a bad one here,
-        # on the host, rather than read or write another sequence's (or no) memory.
-        lay = self.pool.layout
-        if lay.page_bytes and rows.size and not (0 <= pages.min() and pages.max() < self.pool.page_capacity):
-            raise ValueError(f"page id out of range [0, {self.pool.page_capacity}): {pages.min()}..{pages.max()}")
-        if lay.slot_bytes and not (0 <= slots[:n].min() and slots[:n].max() < self.pool.slot_capacity):
-            raise ValueError(f"KDA slot out of range [0, {self.pool.slot_capacity}): {slots[:n].min()}..{slots[:n].max()}")
+        check_ids(self.pool, pages, slots[:n])
         table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
         mapping[:n] = table[np.arange(n), ctx[:n] // ps] * ps + ctx[:n] % ps
         # padding rows: no context, scratch slot and page (nothing live is touched)
@@ -133,14 +183,8 @@ class DecodeGraphs:
         (rows, source rows, tokens on the device): input ids still on the device (overlap)."""
         n = len(chunks)
         b = self.bucket_for(n)
-        if self._copied is not None:  # the host buffer is rewritten below: its last copy must be done
-            self._copied.synchronize()
         context_lens = self._fill_host(chunks, b)
-        # One copy; rows past b are stale and never read by bucket b.
-        self._device_buf.copy_(self._host_buf, non_blocking=True)
-        if self._device_buf.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self.inputs.upload()  # rows past b are stale and never read by bucket b
         fill_pending_tokens(self.input_ids, fixup)
         if b in self.graphs:
             self.graphs[b].replay()
@@ -161,22 +205,10 @@ class DecodeGraphs:
             return self.model.compute_logits(self.model(batch, self.pool.handles))
 
     def _capture_all(self) -> None:
-        """Largest bucket first so the smaller graphs reuse its memory pool. Buffers hold padding
-        (scratch slot and page) while capturing, so warm-up runs touch no live state."""
-        mempool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compiles / autotunes outside the capture
-                for _ in range(2):
-                    self._forward(self._static_batch(b, [1] * b))
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # A batch object of its own: one used in the warm-up would carry per-step tensors it
-            # cached there (ForwardBatch.has_context), and the graph would replay those stale values
-            # instead of recomputing them from the static buffers.
-            with torch.cuda.graph(graph, pool=mempool):
-                self.outputs[b] = self._forward(self._static_batch(b, [1] * b))  # no "fresh" rows baked in
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
-        log.info("captured decode graphs for batch sizes %s", self.buckets)
+        """Buffers hold padding (scratch slot and page) while capturing, so warm-up runs touch no
+        live state. Each step builds a batch object of its own: one used in the warm-up would carry
+        per-step tensors it cached there (ForwardBatch.has_context), and the graph would replay
+        those stale values instead of recomputing them from the static buffers."""
+        self.graphs, self.outputs = capture_graphs(
+            {b: (lambda b=b: self._forward(self._static_batch(b, [1] * b))) for b in reversed(self.buckets)},
+            "decode")  # [1] * b: no "fresh" rows baked in

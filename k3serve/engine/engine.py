@@ -17,6 +17,7 @@ from ..cache.prefix import PrefixCache
 from ..model.k3 import K3ForCausalLM
 from ..model.loader import load_model
 from .decode_graphs import DecodeGraphs, capture_blockers
+from .prefill_graphs import PrefillGraphs, prefill_blockers
 from .request import Request, Sequence, Status, new_request
 from .runner import ModelRunner
 from .sampler import Sampler, SamplingRow
@@ -48,6 +49,13 @@ class EngineConfig:
     # (on CPU it runs the same padded static steps eagerly, which the tests use).
     decode_graphs: str = "auto"
     max_graph_batch: int = 256
+    # Prefill steps of new prompts (no cached context) as CUDA graphs per token bucket
+    # (engine/prefill_graphs.py): a short prompt's eager step is host-bound (launches), so its
+    # time to first token halves. Same modes as decode_graphs; steps of up to
+    # max_prefill_graph_seqs prompts and fewer than max_prefill_graph_tokens tokens.
+    prefill_graphs: str = "auto"
+    max_prefill_graph_tokens: int = 2048
+    max_prefill_graph_seqs: int = 1
     # Overlapped scheduling (SGLang's overlap scheduler, vLLM's --async-scheduling): step k+1 is
     # scheduled and launched before step k's tokens are read back, so host work hides behind the
     # GPU's. "auto": on CUDA; outputs then arrive one step later. Falls back to plain steps while
@@ -127,7 +135,7 @@ class LLMEngine:
                        if cfg.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len,
                                    self.prefix, owners)
-        self.runner = ModelRunner(model, self.pool, self._decode_graphs())
+        self.runner = ModelRunner(model, self.pool, self._decode_graphs(), self._prefill_graphs())
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -192,7 +200,11 @@ class LLMEngine:
         del scratch, batch
         torch.cuda.empty_cache()
         used_by_others = total - free  # weights (and anything else resident) before profiling
-        budget = int(cfg.gpu_memory_utilization * total) - used_by_others - activation_peak
+        # Captured prefill graphs keep their activations in a pool of their own: about the peak
+        # scaled to their largest bucket (activations grow with the tokens).
+        graphs = (activation_peak * min(1.0, cfg.max_prefill_graph_tokens / tokens)
+                  if self._graph_mode(cfg.prefill_graphs, "prefill_graphs", prefill_blockers) != "off" else 0)
+        budget = int(cfg.gpu_memory_utilization * total - used_by_others - activation_peak - graphs)
         if budget <= 0:
             raise RuntimeError(f"no memory left for the cache pool: {cfg.gpu_memory_utilization:.0%} of "
                                f"{total / 2**30:.1f} GiB minus {used_by_others / 2**30:.1f} GiB in use and a "
@@ -201,26 +213,49 @@ class LLMEngine:
         log.info("cache pool %.2f GiB (activation peak %.2f GiB)", budget / 2**30, activation_peak / 2**30)
         return budget
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        mode, cuda = self.config.decode_graphs, self.device.type == "cuda"
+    def _graph_mode(self, mode: str, name: str, blockers_of) -> str:
+        """"off", or "eager" (static steps run eagerly: CPU tests, mode "on"), or "capture"."""
         if mode not in ("auto", "on", "off"):
-            raise ValueError(f"decode_graphs must be auto, on or off, got {mode!r}")
-        blockers = capture_blockers(self.device)
+            raise ValueError(f"{name} must be auto, on or off, got {mode!r}")
+        cuda = self.device.type == "cuda"
+        blockers = blockers_of(self.device)
         if mode == "off" or (mode == "auto" and blockers):
             if mode == "auto" and cuda:
-                log.info("decode steps run eagerly: %s", "; ".join(blockers))
-            return None
+                log.info("%s: steps run eagerly: %s", name, "; ".join(blockers))
+            return "off"
         if mode == "on" and cuda and blockers:
-            raise ValueError("decode graphs cannot be captured here: " + "; ".join(blockers))
-        max_pages = -(-self.max_model_len // self.config.page_size)
-        max_batch = min(self.config.max_graph_batch, self.config.max_num_seqs)
-        try:
-            return DecodeGraphs(self.model, self.pool, max_batch, max_pages, capture=cuda)
-        except RuntimeError as exc:  # an op that cannot be captured: serve eagerly rather than not at all
-            if mode == "on":
-                raise
-            log.warning("decode graph capture failed, decode steps run eagerly: %s", exc)
+            raise ValueError(f"{name}: cannot capture here: " + "; ".join(blockers))
+        return "capture" if cuda else "eager"
+
+    def _with_graphs(self, mode: str, name: str, make):
+        """``make(capture)``, or None where the mode is off or capture fails in "auto" (an op that
+        cannot be captured: serve eagerly rather than not at all)."""
+        if mode == "off":
             return None
+        try:
+            return make(mode == "capture")
+        except RuntimeError as exc:
+            if getattr(self.config, name) == "on":
+                raise
+            log.warning("%s: capture failed, those steps run eagerly: %s", name, exc)
+            return None
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        cfg = self.config
+        max_pages = -(-self.max_model_len // cfg.page_size)
+        max_batch = min(cfg.max_graph_batch, cfg.max_num_seqs)
+        return self._with_graphs(self._graph_mode(cfg.decode_graphs, "decode_graphs", capture_blockers),
+                                 "decode_graphs",
+                                 lambda capture: DecodeGraphs(self.model, self.pool, max_batch, max_pages, capture=capture))
+
+    def _prefill_graphs(self) -> PrefillGraphs | None:
+        cfg = self.config
+        tokens = min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens)
+        return self._with_graphs(self._graph_mode(cfg.prefill_graphs, "prefill_graphs", prefill_blockers),
+                                 "prefill_graphs",
+                                 lambda capture: PrefillGraphs(self.model, self.pool, tokens,
+                                                               min(cfg.max_prefill_graph_seqs, cfg.max_num_seqs),
+                                                               capture=capture))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -9,18 +9,22 @@ from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
 from .decode_graphs import DecodeGraphs
+from .prefill_graphs import PrefillGraphs
 from .transfer import fill_pending_tokens, to_device
 from .scheduler import ScheduledSeq
 
 
 class ModelRunner:
-    def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, graphs: DecodeGraphs | None = None):
+    def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, graphs: DecodeGraphs | None = None,
+                 prefill_graphs: PrefillGraphs | None = None):
         self.model = model
         self.pool = pool
         self.graphs = graphs  # shape-static decode steps (CUDA graphs), None: always eager
+        self.prefill_graphs = prefill_graphs  # the same for steps of new prompts
         self.device = next(model.parameters()).device
         self.timings = {"prepare": 0.0, "forward": 0.0}
         self.graph_steps = 0
+        self.prefill_graph_steps = 0
         # Benchmarks only: wait for the device after each forward so its time is charged to
         # "forward", not to the first host sync after it (the sampler's). Costs the overlap.
         self.sync_timings = False
@@ -43,13 +47,15 @@ class ModelRunner:
         ``fixup`` = (flat positions, rows, tokens on the device): input tokens the previous step
         sampled that the host has not read yet (overlapped scheduling), copied in on the device."""
         t0 = time.perf_counter()
-        if self.graphs is not None and all(s.samples for s in sched):
+        if (self.graphs is not None or self.prefill_graphs is not None) and all(s.samples for s in sched):
             chunks = self.chunks(sched)
-            if self.graphs.fits(chunks):
-                logits = self.graphs.run(chunks, fixup)
+            static = next((g for g in (self.graphs, self.prefill_graphs) if g is not None and g.fits(chunks)), None)
+            if static is not None:
+                logits = static.run(chunks, fixup)
                 self._forward_done()
                 self.timings["forward"] += time.perf_counter() - t0
-                self.graph_steps += 1
+                self.graph_steps += static is self.graphs
+                self.prefill_graph_steps += static is self.prefill_graphs
                 return logits
         batch = self.build_batch(sched)
         fill_pending_tokens(batch.input_ids, fixup)

@@ -75,6 +75,8 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         s = nd  # decode tokens come first, one each
         in_kernel = {} if gate is None else dict(use_gate_in_kernel=True, A_log=gate[0], dt_bias=gate[1],
                                                    lower_bound=gate[2])
+        if cu_cpu is None:  # a static step (a CUDA graph): chunk indices built on the device
+            in_kernel.update(use_graph=True, max_num_seqs=cu.shape[0] - 1)
         o, ht = chunk_kda(
             q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
             beta[None, s:].float(), scale=scale, initial_state=None if fresh else state[slots],

@@ -1,0 +1,172 @@
+"""Shape-static prefill steps of new prompts (engine/prefill_graphs.py): the padded bucket step
+computes what the eager step computes, the padding sequence writes only the pool's scratch units,
+the device-built step inputs equal the host-built ones, and an engine running new prompts through
+them generates the same tokens. On CPU the static step runs eagerly; on CUDA the same step is
+captured (checked on the device by bench/gpu_check_graphs.py --parts prefill_graphs)."""
+
+import random
+
+import pytest
+import torch
+
+from k3serve.cache.pool import UnifiedPool
+from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.prefill_graphs import PrefillGraphs, prefill_blockers, token_buckets
+from k3serve.engine.sampling_params import SamplingParams
+from k3serve.model.batch import ForwardBatch, SeqChunk
+from k3serve.model.loader import load_model
+
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(preset="tiny", dtype="float32", device="cpu", seed=5)
+
+
+def test_token_buckets_and_blockers():
+    assert token_buckets(2048) == [128, 256, 512, 1024, 2048]
+    assert token_buckets(300) == [128, 256, 300]
+    assert token_buckets(100) == [100]
+    assert prefill_blockers(torch.device("cpu")) == ["not a CUDA device"]
+
+
+def _twin(model, pool):
+    twin = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    twin.buffer.copy_(pool.buffer)
+    twin.num_slots, twin.num_pages = pool.num_slots, pool.num_pages
+    return twin
+
+
+@pytest.mark.parametrize("lens", [[2], [13], [40], [3, 29], [8, 8]])
+def test_padded_prefill_step_equals_eager_and_touches_only_scratch(model, lens):
+    rng = random.Random(sum(lens))
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    # a bystander with cached context first: its slot and pages must come out bit-identical
+    b_slot, b_pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(3)]
+    with torch.inference_mode():
+        model(ForwardBatch.build([SeqChunk([rng.randrange(1500) for _ in range(17)], 0, b_slot, b_pages)], PAGE),
+              pool.handles)
+    chunks = []
+    for n in lens:  # some prompts hold a spare page past their tokens (as the engine may give them)
+        pages = [pool.alloc_page() for _ in range(-(-n // PAGE) + rng.randrange(2))]
+        chunks.append(SeqChunk([rng.randrange(1500) for _ in range(n)], 0, pool.alloc_slot(), pages))
+    twin = _twin(model, pool)
+    with torch.inference_mode():
+        batch = ForwardBatch.build(chunks, PAGE)
+        eager = model.compute_logits(model(batch, twin.handles)[batch.logits_indices])
+    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, capture=False, buckets=[16, 32, 64])
+    assert graphs.fits(chunks) and graphs.bucket_for(sum(lens)) > sum(lens)
+    static = graphs.run(chunks)
+    assert static.shape == eager.shape
+    torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+    live = slice(0, pool.total_bytes)
+    torch.testing.assert_close(pool.buffer[live].view(torch.float32), twin.buffer[live].view(torch.float32),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool.slot_bytes_of(b_slot), twin.slot_bytes_of(b_slot))
+    for p in b_pages:
+        assert torch.equal(pool.page_bytes_of(p), twin.page_bytes_of(p))
+    # the pages the prompts hold but did not fill are untouched too
+    for c, n in zip(chunks, lens):
+        for p in c.pages[-(-n // PAGE):]:
+            assert torch.equal(pool.page_bytes_of(p), twin.page_bytes_of(p))
+
+
+def test_static_prefill_inputs_on_the_device_equal_the_host_built_ones(model):
+    """What fla and the one-launch MLA prefill read in a captured step (cu_seqlens, the latent rows
+    and sequence rows) equals ForwardBatch's host-built forms for the real prompts."""
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    lens = [5, 19]
+    chunks = [SeqChunk(list(range(1, n + 1)), 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-n // PAGE))])
+              for n in lens]
+    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, capture=False, buckets=[32, 64])
+    host_lens = graphs._fill_host(chunks, 32)
+    graphs.inputs.upload()
+    static = graphs._static_batch(2, 32, host_lens)
+    host = ForwardBatch.build(chunks, PAGE)
+    cu, cu_cpu = static.prefill_cu_seqlens
+    assert cu_cpu is None and cu.tolist() == [0, 5, 24, 32]
+    assert torch.equal(cu[:3], host.prefill_cu_seqlens[0])
+    page, offset, seqs, max_new = static.prefill_latents
+    h_page, h_offset, h_seqs, h_max = host.prefill_latents
+    assert torch.equal(page[:24], h_page) and torch.equal(offset[:24], h_offset)
+    assert torch.equal(seqs[:2], h_seqs) and seqs[2].tolist() == [24, 24, 0, 8]
+    assert max_new == 32 >= h_max
+    assert (page[24:] == pool.scratch_page).all()  # the padding's latent rows: the scratch page only
+    assert static.kda_slots[2].item() == pool.scratch_slot
+    assert torch.equal(static.input_ids[:24], host.input_ids) and torch.equal(static.logits_indices, host.logits_indices)
+    assert torch.equal(static.token_seq[:24], host.token_seq) and (static.token_seq[24:] == 2).all()
+
+
+def test_fits_only_new_prompts_under_the_largest_bucket(model):
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, capture=False, buckets=[16, 64])
+    slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(8)]
+    new = lambda n, ctx=0: SeqChunk([1] * n, ctx, slot, pages)  # noqa: E731
+    assert graphs.fits([new(15)]) and graphs.bucket_for(15) == 16 and graphs.bucket_for(16) == 64
+    assert graphs.fits([new(30), new(33)])
+    assert not graphs.fits([new(64)])  # the padding needs a token of its own
+    assert not graphs.fits([new(5, ctx=8)])  # cached context: eager
+    assert not graphs.fits([new(2)] * 3)  # more prompts than captured
+    assert not graphs.fits([new(1)]) and not graphs.fits([new(1), new(9)])  # a one-token prompt: a decode row
+
+
+def test_static_prefill_refuses_missing_pages_and_ids_outside_the_pool(model):
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    graphs = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[64])
+    slot, page = pool.alloc_slot(), pool.alloc_page()
+    with pytest.raises(ValueError, match="needs 2 pages"):
+        graphs.run([SeqChunk([7] * (PAGE + 1), 0, slot, [page])])
+    with pytest.raises(ValueError, match="page id out of range"):
+        graphs.run([SeqChunk([7, 8], 0, slot, [pool.page_capacity])])
+    with pytest.raises(ValueError, match="KDA slot out of range"):
+        graphs.run([SeqChunk([7, 8], 0, pool.slot_capacity, [page])])
+    graphs.run([SeqChunk([7, 8], 0, slot, [page])])  # in range: runs
+
+
+@pytest.mark.parametrize("system", [0, 24])
+def test_engine_with_static_prefill_generates_the_same_tokens(model, system):
+    """New prompts through static prefill steps (one or two a step), the rest eager: chunked long
+    prompts, and with a shared system prompt prefix-cache hits (cached context: eager)."""
+    def engine(mode):
+        return LLMEngine(model, None, EngineConfig(cache_memory="32MiB", page_size=PAGE, max_model_len=128,
+                                                   max_num_batched_tokens=48, max_num_seqs=6,
+                                                   prefix_block_size=8, kda_checkpoint_interval=64,
+                                                   decode_graphs="off", prefill_graphs=mode,
+                                                   max_prefill_graph_tokens=40, max_prefill_graph_seqs=2))
+
+    rng = random.Random(11 + system)
+    head = [rng.randrange(1500) for _ in range(system)]
+    prompts = [head + [rng.randrange(1500) for _ in range(n)] for n in (9, 17, 30, 70, 2, 30, 1, 9, 17)]
+    params = [SamplingParams(max_tokens=rng.randrange(2, 9), temperature=0.0, ignore_eos=True) for _ in prompts]
+    outs = {}
+    for mode in ("off", "on"):
+        eng = engine(mode)
+        finals, ids = {}, []
+
+        def step():
+            for out in eng.step():
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0].token_ids
+
+        at = 0
+        for wave in (1, 2, 1, 2, 2, 1):  # each wave's first step is new prompts only (if they fit)
+            for p, sp in zip(prompts[at:at + wave], params[at:at + wave]):
+                ids.append(eng.add_request(p, sp))
+            at += wave
+            while eng.has_unfinished_requests():
+                step()
+        outs[mode] = [finals[i] for i in ids]
+        if mode == "on":
+            # waves 1, 4 and 6 fit (9, 2 + 30 and 17 tokens; not 17 + 30 = 47 >= 40, one 70-token
+            # prompt in chunks, 1 + 9 with a one-token prompt); with the system prompt only the first
+            # wave is new (the later ones hit the prefix cache)
+            assert eng.runner.prefill_graph_steps == (1 if system else 3) and eng.runner.prefill_graphs is not None
+        else:
+            assert eng.runner.prefill_graphs is None and eng.runner.prefill_graph_steps == 0
+    assert outs["on"] == outs["off"] and all(o for o in outs["on"])
+
+
+def test_bad_prefill_graph_mode_is_refused(model):
+    with pytest.raises(ValueError, match="prefill_graphs"):
+        LLMEngine(model, None, EngineConfig(cache_memory="32MiB", prefill_graphs="sometimes"))
