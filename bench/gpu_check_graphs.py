@@ -87,10 +87,12 @@ def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
             twin.buffer.copy_(pool.buffer)
         eager = eager_step(model, twins[0], chunks)
         # the flat eager step of the same shape: the prompts and a filler prompt of the padding's
-        # length on a spare slot (kernel choices follow the token count; the step's own bits then match)
-        pad = graphs.bucket_for(sum(lens)) - sum(lens)
-        filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-pad // PAGE))])
-        same_shape = eager_step(model, twins[2], chunks + [filler])[:len(chunks)]
+        # length on a spare slot, holding as many pages as the static block table is wide (kernel
+        # choices follow the token count, MLA decode's split count the table's width; the step's
+        # own bits then match)
+        pad = graphs.bucket_for(sum(lens), decodes) - sum(lens)
+        filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(graphs.max_pages)])
+        same_shape = eager_step(model, twins[2], chunks + [filler])[:len(chunks)]  # (decode buckets: 1, 2, 4, 8, 16)
         static_eager = DecodeGraphs(model, twins[1], max_batch, max_pages=16, capture=False).run(chunks).clone()
         graphs = DecodeGraphs(model, pool, max_batch, max_pages=16, capture=True)
         static = graphs.run(chunks).clone()
@@ -112,8 +114,9 @@ def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
     return rows
 
 
-def prefill_graphs_check(model, rng, lens_list, pool_bytes, iters) -> list[dict]:
-    """Prefill graphs (engine/prefill_graphs.py) for steps of new prompts: the replay against the
+def prefill_graphs_check(model, rng, cases, pool_bytes, iters) -> list[dict]:
+    """Prefill graphs (engine/prefill_graphs.py) for steps of new prompts (``cases``: (prompt
+    lengths, decode rows before them), the decode rows on contexts of 16-300): the replay against the
     same static step run eagerly (must match exactly: a mismatch is a value baked in at capture),
     against the engine's flat eager step (numerics may differ: the padding changes tile choices),
     the prompts' slots and pages equal to the static eager twin's, a bystander untouched; then
@@ -123,12 +126,14 @@ def prefill_graphs_check(model, rng, lens_list, pool_bytes, iters) -> list[dict]
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
     bystander = prefill(model, pool, [100], rng)[0]
     t0 = time.perf_counter()
-    graphs = PrefillGraphs(model, pool, max_tokens=2048, max_seqs=2, capture=True)
+    kw = dict(max_tokens=2048, max_seqs=2, max_decodes=16, max_pages=16)
+    graphs = PrefillGraphs(model, pool, capture=True, **kw)
     capture_s = time.perf_counter() - t0
     rows = []
     rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()  # noqa: E731
-    for lens in lens_list:
-        chunks = []
+    for lens, decodes in cases:
+        chunks = [SeqChunk([rng.randrange(1000)], len(t), s, p)
+                  for s, p, t in prefill(model, pool, [rng.randrange(16, 300) for _ in range(decodes)], rng)]
         for n in lens:
             chunks.append(SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(n)], 0,
                                    pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-n // PAGE))]))
@@ -137,14 +142,16 @@ def prefill_graphs_check(model, rng, lens_list, pool_bytes, iters) -> list[dict]
             twin.buffer.copy_(pool.buffer)
         eager = eager_step(model, twins[0], chunks)
         # the flat eager step of the same shape: the prompts and a filler prompt of the padding's
-        # length on a spare slot (kernel choices follow the token count; the step's own bits then match)
-        pad = graphs.bucket_for(sum(lens)) - sum(lens)
-        filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-pad // PAGE))])
-        same_shape = eager_step(model, twins[2], chunks + [filler])[:len(chunks)]
-        static_eager = PrefillGraphs(model, twins[1], max_tokens=2048, max_seqs=2, capture=False).run(chunks).clone()
+        # length on a spare slot, holding as many pages as the static block table is wide (kernel
+        # choices follow the token count, MLA decode's split count the table's width; the step's
+        # own bits then match)
+        pad = graphs.bucket_for(sum(lens), decodes) - sum(lens)
+        filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(graphs.max_pages)])
+        same_shape = eager_step(model, twins[2], chunks + [filler])[:len(chunks)]  # (decode buckets: 1, 2, 4, 8, 16)
+        static_eager = PrefillGraphs(model, twins[1], capture=False, **kw).run(chunks).clone()
         static = graphs.run(chunks).clone()
         slot, pages, _ = bystander
-        row = {"prompts": lens, "bucket": graphs.bucket_for(sum(lens)),
+        row = {"prompts": lens, "decodes": decodes, "bucket": graphs.bucket_for(sum(lens), decodes),
                "vs_static_eager_max_rel_err": rel(static, static_eager),
                "state_equal_to_static_eager": all(
                    torch.equal(pool.slot_bytes_of(c.kda_slot), twins[1].slot_bytes_of(c.kda_slot))
@@ -482,12 +489,13 @@ def main() -> None:
             spread = r.get("spread_ms", "-")
             print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} | {spread} |")
     if "prefill_graphs" in parts:
-        res["prefill_graphs"] = prefill_graphs_check(model, rng, [[1], [37], [500], [1100], [2000], [300, 700]],
-                                                     2 << 30, args.iters)
-        print("\n| prompts | bucket | vs static eager | state equal | vs flat eager same shape | vs flat eager | "
-              "argmax equal | bystander untouched | eager ms | graph ms |\n|---|---|---|---|---|---|---|---|---|---|")
+        res["prefill_graphs"] = prefill_graphs_check(
+            model, rng, [([37], 0), ([500], 0), ([1100], 0), ([300, 700], 0), ([37], 4), ([200], 1), ([500], 16),
+                         ([100, 200], 8)][-int(os.environ.get("PG_CASES", 8)):], 4 << 30, args.iters)
+        print("\n| prompts | decodes | bucket | vs static eager | state equal | vs flat eager same shape | vs flat eager | "
+              "argmax equal | bystander untouched | eager ms | graph ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["prefill_graphs"]:
-            print(f"| {r['prompts']} | {r['bucket']} | {r['vs_static_eager_max_rel_err']:.2e} | "
+            print(f"| {r['prompts']} | {r['decodes']} | {r['bucket']} | {r['vs_static_eager_max_rel_err']:.2e} | "
                   f"{r['state_equal_to_static_eager']} | {r['vs_same_shape_flat_eager_max_rel_err']:.2e} | "
                   f"{r['vs_flat_eager_max_rel_err']:.2e} | {r['argmax_equal_flat']} | "
                   f"{r['bystander_untouched']} | {r['eager_ms']} | {r['graph_ms']} |")

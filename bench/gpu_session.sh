@@ -191,9 +191,9 @@ case "$1" in
   prefillgraphs)  # prefill steps of new prompts as CUDA graphs (engine/prefill_graphs.py): replay vs static eager vs
                   # flat eager and timed, the engine's greedy tokens with graphs on / off, then the engine's TTFT with
                   # prefill graphs (auto) and without (off)
-    step pg "$(left "${PG_UNTIL:-300}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_graphs,engine \
+    step pg "$(left "${PG_UNTIL:-380}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_graphs,engine \
       --iters 10 --out /tmp/gpu_work
-    step e2e_engine "$(left 440)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --out /tmp/gpu_work
+    step e2e_engine "$(left 480)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --out /tmp/gpu_work
     step e2e_engine_off "$(left 585)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --prefill-graphs off \
       --out /tmp/gpu_work/off
     grep -v "^  File\|^    " "$OUT/pg.log" | tail -c 5000; grep -A5 "### engine_48b" "$OUT/e2e_engine.log" "$OUT/e2e_engine_off.log" ;;

@@ -86,6 +86,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode or prefill steps)")
     p.add_argument("--max-prefill-graph-tokens", type=int, default=2048,
                    help="prefill steps of new prompts under this many tokens replay CUDA graphs (0: none)")
+    p.add_argument("--max-prefill-graph-decodes", type=int, default=16,
+                   help="decode rows such a step may lead with (0: new prompts only)")
     p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured as a CUDA graph")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="overlap the host's scheduling and output processing with the GPU's step "
@@ -106,6 +108,7 @@ def engine_from_args(args: argparse.Namespace):
                        decode_graphs="off" if args.enforce_eager else "auto", max_graph_batch=args.max_graph_batch,
                        prefill_graphs="off" if args.enforce_eager or args.max_prefill_graph_tokens < 2 else "auto",
                        max_prefill_graph_tokens=max(args.max_prefill_graph_tokens, 2),
+                       max_prefill_graph_decodes=args.max_prefill_graph_decodes,
                        async_scheduling=args.async_scheduling)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
                                      dtype=args.dtype, device=args.device, seed=args.weights_seed,

@@ -38,25 +38,43 @@ def _twin(model, pool):
     return twin
 
 
-@pytest.mark.parametrize("lens", [[2], [13], [40], [3, 29], [8, 8]])
-def test_padded_prefill_step_equals_eager_and_touches_only_scratch(model, lens):
-    rng = random.Random(sum(lens))
+def _decoding(model, pool, contexts, rng):
+    """Sequences prefilled to the given context lengths, as decode chunks of their next token."""
+    chunks = []
+    for ctx in contexts:
+        slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-(ctx + 1) // PAGE))]
+        with torch.inference_mode():
+            model(ForwardBatch.build([SeqChunk([rng.randrange(1500) for _ in range(ctx)], 0, slot, pages)], PAGE),
+                  pool.handles)
+        chunks.append(SeqChunk([rng.randrange(1500)], ctx, slot, pages))
+    return chunks
+
+
+@pytest.mark.parametrize("lens, contexts", [([2], []), ([13], []), ([40], []), ([3, 29], []), ([8, 8], []),
+                                            ([13], [5]), ([2, 20], [9, 17, 3]), ([30], [1, 8, 16, 23])])
+def test_padded_prefill_step_equals_eager_and_touches_only_scratch(model, lens, contexts):
+    """New prompts, after decode rows where ``contexts`` lists them (padded to a decode bucket)."""
+    rng = random.Random(sum(lens) + len(contexts))
     pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
     # a bystander with cached context first: its slot and pages must come out bit-identical
     b_slot, b_pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(3)]
     with torch.inference_mode():
         model(ForwardBatch.build([SeqChunk([rng.randrange(1500) for _ in range(17)], 0, b_slot, b_pages)], PAGE),
               pool.handles)
-    chunks = []
+    chunks = _decoding(model, pool, contexts, rng)
     for n in lens:  # some prompts hold a spare page past their tokens (as the engine may give them)
         pages = [pool.alloc_page() for _ in range(-(-n // PAGE) + rng.randrange(2))]
         chunks.append(SeqChunk([rng.randrange(1500) for _ in range(n)], 0, pool.alloc_slot(), pages))
     twin = _twin(model, pool)
     with torch.inference_mode():
         batch = ForwardBatch.build(chunks, PAGE)
+        assert batch.num_decodes == len(contexts)
         eager = model.compute_logits(model(batch, twin.handles)[batch.logits_indices])
-    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, capture=False, buckets=[16, 32, 64])
-    assert graphs.fits(chunks) and graphs.bucket_for(sum(lens)) > sum(lens)
+    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=4, max_pages=8, capture=False,
+                           buckets=[16, 32, 64], mixed_max_tokens=64)
+    assert graphs.fits(chunks)
+    nd, d, b = graphs._split(chunks)
+    assert nd == len(contexts) and d >= nd and b > sum(lens)
     static = graphs.run(chunks)
     assert static.shape == eager.shape
     torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
@@ -67,23 +85,29 @@ def test_padded_prefill_step_equals_eager_and_touches_only_scratch(model, lens):
     for p in b_pages:
         assert torch.equal(pool.page_bytes_of(p), twin.page_bytes_of(p))
     # the pages the prompts hold but did not fill are untouched too
-    for c, n in zip(chunks, lens):
+    for c, n in zip(chunks[len(contexts):], lens):
         for p in c.pages[-(-n // PAGE):]:
             assert torch.equal(pool.page_bytes_of(p), twin.page_bytes_of(p))
 
 
-def test_static_prefill_inputs_on_the_device_equal_the_host_built_ones(model):
+@pytest.mark.parametrize("contexts", [[], [6, 11]])
+def test_static_prefill_inputs_on_the_device_equal_the_host_built_ones(model, contexts):
     """What fla and the one-launch MLA prefill read in a captured step (cu_seqlens, the latent rows
     and sequence rows) equals ForwardBatch's host-built forms for the real prompts."""
     pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    chunks = _decoding(model, pool, contexts, random.Random(2))
     lens = [5, 19]
-    chunks = [SeqChunk(list(range(1, n + 1)), 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-n // PAGE))])
-              for n in lens]
-    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, capture=False, buckets=[32, 64])
-    host_lens = graphs._fill_host(chunks, 32)
+    chunks += [SeqChunk(list(range(1, n + 1)), 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-n // PAGE))])
+               for n in lens]
+    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, max_pages=4, capture=False,
+                           buckets=[32, 64])
+    nd, d, b = graphs._split(chunks)
+    assert (nd, d, b) == (len(contexts), len(contexts), 32)
+    qlens, ctx = graphs._fill_host(chunks, nd, d, b)
     graphs.inputs.upload()
-    static = graphs._static_batch(2, 32, host_lens)
+    static = graphs._static_batch(d, 2, b, qlens, ctx)
     host = ForwardBatch.build(chunks, PAGE)
+    assert static.num_decodes == host.num_decodes == d
     cu, cu_cpu = static.prefill_cu_seqlens
     assert cu_cpu is None and cu.tolist() == [0, 5, 24, 32]
     assert torch.equal(cu[:3], host.prefill_cu_seqlens[0])
@@ -93,22 +117,37 @@ def test_static_prefill_inputs_on_the_device_equal_the_host_built_ones(model):
     assert torch.equal(seqs[:2], h_seqs) and seqs[2].tolist() == [24, 24, 0, 8]
     assert max_new == 32 >= h_max
     assert (page[24:] == pool.scratch_page).all()  # the padding's latent rows: the scratch page only
-    assert static.kda_slots[2].item() == pool.scratch_slot
-    assert torch.equal(static.input_ids[:24], host.input_ids) and torch.equal(static.logits_indices, host.logits_indices)
-    assert torch.equal(static.token_seq[:24], host.token_seq) and (static.token_seq[24:] == 2).all()
+    assert static.kda_slots[d + 2].item() == pool.scratch_slot
+    T = d + 24
+    for name in ("input_ids", "logits_indices", "kda_slots", "context_lens", "seq_lens"):
+        got, want = getattr(static, name), getattr(host, name)
+        assert torch.equal(got[:want.shape[0]], want), name
+    assert torch.equal(static.slot_mapping[:T], host.slot_mapping)
+    assert torch.equal(static.token_seq[:T], host.token_seq) and (static.token_seq[T:] == d + 2).all()
 
 
 def test_fits_only_new_prompts_under_the_largest_bucket(model):
     pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
-    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, capture=False, buckets=[16, 64])
+    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=3, max_pages=8, capture=False,
+                           buckets=[16, 32, 64], mixed_max_tokens=32)
+    assert graphs.decode_buckets == [0, 1, 2, 3]
     slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(8)]
     new = lambda n, ctx=0: SeqChunk([1] * n, ctx, slot, pages)  # noqa: E731
-    assert graphs.fits([new(15)]) and graphs.bucket_for(15) == 16 and graphs.bucket_for(16) == 64
+    dec = lambda ctx=5: SeqChunk([1], ctx, slot, pages)  # noqa: E731
+    assert graphs.fits([new(15)]) and graphs.bucket_for(15) == 16 and graphs.bucket_for(16) == 32
     assert graphs.fits([new(30), new(33)])
     assert not graphs.fits([new(64)])  # the padding needs a token of its own
     assert not graphs.fits([new(5, ctx=8)])  # cached context: eager
     assert not graphs.fits([new(2)] * 3)  # more prompts than captured
     assert not graphs.fits([new(1)]) and not graphs.fits([new(1), new(9)])  # a one-token prompt: a decode row
+    # decode rows first, up to the largest decode bucket, then prompts under the mixed cap
+    assert graphs._split([dec(), dec(9), new(20)]) == (2, 2, 32)
+    assert graphs._split([dec(), new(31)]) == (1, 1, 32) and graphs._split([dec(), new(32)]) is None  # mixed: < 32
+    assert graphs._split([dec()] * 3 + [new(4)]) == (3, 3, 16)
+    assert not graphs.fits([dec()] * 4 + [new(4)])  # more decode rows than captured
+    assert not graphs.fits([new(4), dec()])  # a decode row after a prompt: as the eager step, a prefill row
+    assert not graphs.fits([dec()])  # no prompt: the decode graphs' step
+    assert not graphs.fits([dec(ctx=8 * PAGE), new(4)])  # past the block table's width
 
 
 def test_static_prefill_refuses_missing_pages_and_ids_outside_the_pool(model):
@@ -124,8 +163,8 @@ def test_static_prefill_refuses_missing_pages_and_ids_outside_the_pool(model):
     graphs.run([SeqChunk([7, 8], 0, slot, [page])])  # in range: runs
 
 
-@pytest.mark.parametrize("system", [0, 24])
-def test_engine_with_static_prefill_generates_the_same_tokens(model, system):
+@pytest.mark.parametrize("system, decodes", [(0, 0), (24, 0), (0, 4)])
+def test_engine_with_static_prefill_generates_the_same_tokens(model, system, decodes):
     """New prompts through static prefill steps (one or two a step), the rest eager: chunked long
     prompts, and with a shared system prompt prefix-cache hits (cached context: eager)."""
     def engine(mode):
@@ -133,7 +172,8 @@ def test_engine_with_static_prefill_generates_the_same_tokens(model, system):
                                                    max_num_batched_tokens=48, max_num_seqs=6,
                                                    prefix_block_size=8, kda_checkpoint_interval=64,
                                                    decode_graphs="off", prefill_graphs=mode,
-                                                   max_prefill_graph_tokens=40, max_prefill_graph_seqs=2))
+                                                   max_prefill_graph_tokens=40, max_prefill_graph_seqs=2,
+                                                   max_prefill_graph_decodes=decodes))
 
     rng = random.Random(11 + system)
     head = [rng.randrange(1500) for _ in range(system)]
@@ -153,6 +193,8 @@ def test_engine_with_static_prefill_generates_the_same_tokens(model, system):
         for wave in (1, 2, 1, 2, 2, 1):  # each wave's first step is new prompts only (if they fit)
             for p, sp in zip(prompts[at:at + wave], params[at:at + wave]):
                 ids.append(eng.add_request(p, sp))
+                if decodes:  # arrivals while others decode: mixed steps
+                    step()
             at += wave
             while eng.has_unfinished_requests():
                 step()
@@ -161,7 +203,9 @@ def test_engine_with_static_prefill_generates_the_same_tokens(model, system):
             # waves 1, 4 and 6 fit (9, 2 + 30 and 17 tokens; not 17 + 30 = 47 >= 40, one 70-token
             # prompt in chunks, 1 + 9 with a one-token prompt); with the system prompt only the first
             # wave is new (the later ones hit the prefix cache)
-            assert eng.runner.prefill_graph_steps == (1 if system else 3) and eng.runner.prefill_graphs is not None
+            expected = 1 if system else 3
+            assert eng.runner.prefill_graph_steps >= expected if decodes else eng.runner.prefill_graph_steps == expected
+            assert eng.runner.prefill_graphs is not None
         else:
             assert eng.runner.prefill_graphs is None and eng.runner.prefill_graph_steps == 0
     assert outs["on"] == outs["off"] and all(o for o in outs["on"])

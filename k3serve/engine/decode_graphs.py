@@ -111,6 +111,34 @@ def capture_graphs(forwards: dict, what: str, prepare=None) -> tuple[dict, dict]
     return graphs, outputs
 
 
+def fill_decode_rows(pool: UnifiedPool, chunks: list[SeqChunk], b: int, ids, ctx, seq, slots, mapping,
+                     table) -> list[int]:
+    """Rows 0..b of a static step's host arrays (numpy) for decode ``chunks`` (one token each) and
+    padding rows after them: no context, the scratch slot and page (nothing live is touched).
+    Returns the context lengths (the padding's 0)."""
+    n, ps = len(chunks), pool.layout.page_size
+    ctx_list = [c.context_len for c in chunks]
+    npages = np.fromiter((len(c.pages) for c in chunks), np.int64, n)
+    ids[:n] = [c.token_ids[0] for c in chunks]
+    ctx[:n] = ctx_list
+    if (npages * ps <= ctx[:n]).any():
+        i = int(np.argmax(npages * ps <= ctx[:n]))
+        raise ValueError(f"sequence with {ctx_list[i]}+1 tokens needs {ctx_list[i] // ps + 1} pages, "
+                         f"got {npages[i]}")
+    seq[:n] = ctx[:n] + 1
+    slots[:n] = [c.kda_slot for c in chunks]
+    table[:b] = -1
+    rows = np.repeat(np.arange(n), npages)
+    pages = np.fromiter(chain.from_iterable(c.pages for c in chunks), np.int64, rows.size)
+    check_ids(pool, pages, slots[:n])
+    table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
+    mapping[:n] = table[np.arange(n), ctx[:n] // ps] * ps + ctx[:n] % ps
+    ids[n:b], ctx[n:b], seq[n:b], slots[n:b] = 0, 0, 1, pool.scratch_slot
+    mapping[n:b] = pool.scratch_page * ps
+    table[n:b, 0] = pool.scratch_page
+    return ctx_list + [0] * (b - n)
+
+
 class DecodeGraphs:
     def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_batch: int, max_pages: int,
                  capture: bool = True, buckets: list[int] | None = None):
@@ -152,31 +180,9 @@ class DecodeGraphs:
         """Write a decode step's inputs (padded to bucket b) into the host buffer with numpy: one
         token per sequence, so no ForwardBatch is built (its ~20 small torch ops cost ~0.2 ms at
         batch 1 and ~1 ms at 256 on the host). Returns the context lengths."""
-        n, ps = len(chunks), self.page_size
         host = self.inputs.host()
-        ids, ctx, seq, slots, mapping = (host[f] for f in self._fields)
-        table = host["block_table"].reshape(-1, self.max_pages)
-        ctx_list = [c.context_len for c in chunks]
-        npages = np.fromiter((len(c.pages) for c in chunks), np.int64, n)
-        ids[:n] = [c.token_ids[0] for c in chunks]
-        ctx[:n] = ctx_list
-        if (npages * ps <= ctx[:n]).any():
-            i = int(np.argmax(npages * ps <= ctx[:n]))
-            raise ValueError(f"sequence with {ctx_list[i]}+1 tokens needs {ctx_list[i] // ps + 1} pages, "
-                             f"got {npages[i]}")
-        seq[:n] = ctx[:n] + 1
-        slots[:n] = [c.kda_slot for c in chunks]
-        table[:b] = -1
-        rows = np.repeat(np.arange(n), npages)
-        pages = np.fromiter(chain.from_iterable(c.pages for c in chunks), np.int64, rows.size)
-        check_ids(self.pool, pages, slots[:n])
-        table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
-        mapping[:n] = table[np.arange(n), ctx[:n] // ps] * ps + ctx[:n] % ps
-        # padding rows: no context, scratch slot and page (nothing live is touched)
-        ids[n:b], ctx[n:b], seq[n:b], slots[n:b] = 0, 0, 1, self.pool.scratch_slot
-        mapping[n:b] = self.pool.scratch_page * ps
-        table[n:b, 0] = self.pool.scratch_page
-        return ctx_list + [0] * (b - n)
+        return fill_decode_rows(self.pool, chunks, b, *(host[f] for f in self._fields),
+                                host["block_table"].reshape(-1, self.max_pages))
 
     def run(self, chunks: list[SeqChunk], fixup: tuple | None = None) -> torch.Tensor:
         """fp32 logits [n, V] of a decode-only step (``fits(chunks)`` must hold). ``fixup`` =

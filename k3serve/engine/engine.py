@@ -52,10 +52,12 @@ class EngineConfig:
     # Prefill steps of new prompts (no cached context) as CUDA graphs per token bucket
     # (engine/prefill_graphs.py): a short prompt's eager step is host-bound (launches), so its
     # time to first token halves. Same modes as decode_graphs; steps of up to
-    # max_prefill_graph_seqs prompts and fewer than max_prefill_graph_tokens tokens.
+    # max_prefill_graph_seqs prompts and fewer than max_prefill_graph_tokens tokens, after up to
+    # max_prefill_graph_decodes decode rows (then fewer than prefill_graphs.MIXED_MAX_TOKENS tokens).
     prefill_graphs: str = "auto"
     max_prefill_graph_tokens: int = 2048
     max_prefill_graph_seqs: int = 1
+    max_prefill_graph_decodes: int = 16  # decode rows such a step may lead with (0: new prompts only)
     # Overlapped scheduling (SGLang's overlap scheduler, vLLM's --async-scheduling): step k+1 is
     # scheduled and launched before step k's tokens are read back, so host work hides behind the
     # GPU's. "auto": on CUDA; outputs then arrive one step later. Falls back to plain steps while
@@ -253,9 +255,10 @@ class LLMEngine:
         tokens = min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens)
         return self._with_graphs(self._graph_mode(cfg.prefill_graphs, "prefill_graphs", prefill_blockers),
                                  "prefill_graphs",
-                                 lambda capture: PrefillGraphs(self.model, self.pool, tokens,
-                                                               min(cfg.max_prefill_graph_seqs, cfg.max_num_seqs),
-                                                               capture=capture))
+                                 lambda capture: PrefillGraphs(
+                                     self.model, self.pool, tokens, min(cfg.max_prefill_graph_seqs, cfg.max_num_seqs),
+                                     min(cfg.max_prefill_graph_decodes, cfg.max_num_seqs - 1),
+                                     -(-self.max_model_len // cfg.page_size), capture=capture))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

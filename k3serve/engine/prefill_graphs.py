@@ -5,14 +5,17 @@ kernels, 31 ms of GPU time in a 61-67 ms eager step (RESULTS.md seventeenth sess
 n new prompts (no cached context, each sampling its first token) of L tokens in all runs at the
 smallest token bucket b > L: the tokens are copied into static buffers, and positions L..b form
 one padding sequence on the pool's scratch slot, its latent rows all in the scratch page (its
-outputs are never read, and it never touches a live sequence). The step's structure is static:
-n + 1 sequences, b tokens; fla builds its chunk indices on the device (``use_graph``) and MLA's
-one-launch prefill reads device-built sequence rows (``ForwardBatch.prefill_latents``). On CUDA
-the graph captured for (n, b) replays the whole forward and the n last-token logits; without CUDA
-(or before capture) the same padded step runs eagerly, which is how the CPU tests check it.
+outputs are never read, and it never touches a live sequence). Decode rows may lead the step
+(continuous batching: a new prompt arrives while others decode), padded to a decode bucket d as
+in engine/decode_graphs.py. The step's structure is static: d + n + 1 sequences, d + b tokens;
+fla builds its chunk indices on the device (``use_graph``), MLA's one-launch prefill reads
+device-built sequence rows (``ForwardBatch.prefill_latents``) and its decode attends over the
+block table's full width. On CUDA the graph captured for (d, n, b) replays the whole forward and
+the d + n sampled rows' logits; without CUDA (or before capture) the same padded step runs
+eagerly, which is how the CPU tests check it.
 
 Only new prompts: a prompt on cached context (a prefix-cache hit, a later chunk) needs its
-context's length on the host to size its attention, so it stays eager, as do mixed steps.
+context's length on the host to size its attention, so such steps stay eager.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
-from .decode_graphs import StaticInputs, capture_blockers, capture_graphs, check_ids
+from .decode_graphs import StaticInputs, bucket_sizes, capture_blockers, capture_graphs, check_ids, fill_decode_rows
 from .transfer import fill_pending_tokens
 
 
@@ -59,93 +62,129 @@ def token_buckets(max_tokens: int, smallest: int = 128) -> list[int]:
     return sizes + [max_tokens]
 
 
+# Steps with decode rows are captured for token buckets up to this size only (5 decode buckets x 3
+# token buckets more graphs, ~1 s of capture each): past it a step's GPU time grows toward the
+# host's.
+MIXED_MAX_TOKENS = 512
+
+
 class PrefillGraphs:
     def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_tokens: int = 2048, max_seqs: int = 1,
-                 capture: bool = True, buckets: list[int] | None = None):
-        if max_seqs < 1 or max_tokens < 2:
-            raise ValueError(f"prefill graphs need max_seqs >= 1 and max_tokens >= 2, got {max_seqs}, {max_tokens}")
+                 max_decodes: int = 0, max_pages: int = 0, capture: bool = True, buckets: list[int] | None = None,
+                 mixed_max_tokens: int = MIXED_MAX_TOKENS):
+        """``max_decodes``: decode rows a step may lead with (0: none); ``max_pages``: the block
+        table's width for them (a decode row's pages; the engine's max_model_len)."""
+        if max_seqs < 1 or max_tokens < 2 or max_decodes < 0:
+            raise ValueError(f"prefill graphs need max_seqs >= 1, max_tokens >= 2 and max_decodes >= 0, "
+                             f"got {max_seqs}, {max_tokens}, {max_decodes}")
         self.model, self.pool = model, pool
         self.page_size = ps = pool.layout.page_size
         self.buckets = sorted(buckets) if buckets else token_buckets(max_tokens)
-        self.max_seqs = max_seqs
-        B, S = self.buckets[-1], max_seqs + 1  # S: the prompts and the padding sequence
-        self.max_pages = -(-B // ps)
+        self.decode_buckets = [0] + (bucket_sizes(max_decodes) if max_decodes else [])
+        self.max_seqs, self.mixed_max_tokens = max_seqs, mixed_max_tokens
+        B, D, S = self.buckets[-1], self.decode_buckets[-1], max_seqs + 1  # S: the prompts and the padding
+        self.max_pages = max(max_pages, -(-B // ps))
+        self._fields = ("input_ids", "context_lens", "seq_lens", "kda_slots", "slot_mapping")
         self.inputs = StaticInputs(pool.buffer.device, dict(
-            input_ids=B, slot_mapping=B, query_start=S + 1, seq_lens=S, kda_slots=S, logits_indices=max_seqs,
-            block_table=S * self.max_pages))
+            input_ids=D + B, context_lens=D + S, seq_lens=D + S, kda_slots=D + S, slot_mapping=D + B,
+            query_start=D + S + 1, logits_indices=D + max_seqs, block_table=(D + S) * self.max_pages))
         self.dev = self.inputs.dev
-        self.context_lens = torch.zeros(S, dtype=torch.int64, device=pool.buffer.device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
         if capture:
             self._capture_all()
 
     # ---- per step -------------------------------------------------------------------------
-    def bucket_for(self, tokens: int) -> int | None:
-        return next((b for b in self.buckets if b > tokens), None)  # > : the padding has a token
+    def bucket_for(self, tokens: int, decodes: int = 0) -> int | None:
+        cap = self.mixed_max_tokens if decodes else self.buckets[-1]
+        return next((b for b in self.buckets if tokens < b <= cap), None)  # < : the padding has a token
+
+    def decode_bucket_for(self, decodes: int) -> int | None:
+        return next((d for d in self.decode_buckets if d >= decodes), None)
+
+    def _split(self, chunks: list[SeqChunk]) -> tuple[int, int, int] | None:
+        """(real decode rows, decode bucket, token bucket) where the step fits, else None: decode
+        rows (one token on cached context) first, then 1..max_seqs new prompts of 2+ tokens (a
+        one-token prompt is a decode row in the eager step, run by the decode kernels; here it
+        would take the prefill ones)."""
+        nd = 0
+        while nd < len(chunks) and len(chunks[nd].token_ids) == 1 and chunks[nd].context_len > 0:
+            nd += 1
+        prompts = chunks[nd:]
+        if not 1 <= len(prompts) <= self.max_seqs or any(c.context_len or len(c.token_ids) < 2 for c in prompts):
+            return None
+        if any(c.context_len >= self.max_pages * self.page_size for c in chunks[:nd]):
+            return None
+        d = self.decode_bucket_for(nd)
+        b = self.bucket_for(sum(len(c.token_ids) for c in prompts), d or 0)
+        return None if d is None or b is None else (nd, d, b)
 
     def fits(self, chunks: list[SeqChunk]) -> bool:
-        """New prompts of 2+ tokens (a one-token prompt is a decode row in the eager step, run by
-        the decode kernels; the static step would take it through the prefill ones instead)."""
-        return (1 <= len(chunks) <= self.max_seqs and all(c.context_len == 0 and len(c.token_ids) > 1 for c in chunks)
-                and self.bucket_for(sum(len(c.token_ids) for c in chunks)) is not None)
+        return self._split(chunks) is not None
 
-    def _fill_host(self, chunks: list[SeqChunk], b: int) -> list[int]:
-        """Write the step's inputs, padded to b tokens, into the host buffer; returns the
-        sequences' token counts (the padding sequence's last)."""
-        n, ps, pool = len(chunks), self.page_size, self.pool
-        h = self.inputs.host()
+    def _fill_host(self, chunks: list[SeqChunk], nd: int, d: int, b: int) -> tuple[list[int], list[int]]:
+        """Write the step's inputs into the host buffer: decode rows padded to d, then the prompts'
+        tokens padded to b. Returns the sequences' (token counts, context lengths)."""
+        ps, pool, h = self.page_size, self.pool, self.inputs.host()
         table = h["block_table"].reshape(-1, self.max_pages)
-        lens = [len(c.token_ids) for c in chunks]
+        ids, ctx, seq, slots, mapping = (h[f] for f in self._fields)
+        ctx_list = fill_decode_rows(pool, chunks[:nd], d, ids, ctx, seq, slots, mapping, table)
+        prompts = chunks[nd:]
+        n, lens = len(prompts), [len(c.token_ids) for c in prompts]
         L = sum(lens)
         npages = np.array([-(-q // ps) for q in lens], np.int64)
-        if any(len(c.pages) < p for c, p in zip(chunks, npages)):
-            i = next(i for i, c in enumerate(chunks) if len(c.pages) < npages[i])
-            raise ValueError(f"sequence with {lens[i]} tokens needs {npages[i]} pages of {ps}, got {len(chunks[i].pages)}")
-        rows = np.repeat(np.arange(n), npages)
-        pages = np.fromiter(chain.from_iterable(c.pages[:p] for c, p in zip(chunks, npages)), np.int64, rows.size)
-        slots = np.array([c.kda_slot for c in chunks], np.int64)
-        check_ids(pool, pages, slots)
-        h["input_ids"][:L] = list(chain.from_iterable(c.token_ids for c in chunks))
-        h["input_ids"][L:b] = 0
+        for c, p, q in zip(prompts, npages, lens):
+            if len(c.pages) < p:
+                raise ValueError(f"sequence with {q} tokens needs {p} pages of {ps}, got {len(c.pages)}")
+        rows = d + np.repeat(np.arange(n), npages)
+        pages = np.fromiter(chain.from_iterable(c.pages[:p] for c, p in zip(prompts, npages)), np.int64, rows.size)
+        check_ids(pool, pages, np.array([c.kda_slot for c in prompts], np.int64))
+        ids[d:d + L] = list(chain.from_iterable(c.token_ids for c in prompts))
+        ids[d + L:d + b] = 0
         qs = h["query_start"]
-        qs[0] = 0
-        qs[1:n + 1] = np.cumsum(lens)
-        qs[n + 1] = b
-        h["seq_lens"][:n], h["seq_lens"][n] = lens, b - L
-        h["kda_slots"][:n], h["kda_slots"][n] = slots, pool.scratch_slot
-        h["logits_indices"][:n] = qs[1:n + 1] - 1
-        table[:n + 1] = -1
+        qs[:d + 1] = np.arange(d + 1)
+        qs[d + 1:d + n + 1] = d + np.cumsum(lens)
+        qs[d + n + 1] = d + b
+        ctx[d:d + n + 1] = 0
+        seq[d:d + n], seq[d + n] = lens, b - L
+        slots[d:d + n], slots[d + n] = [c.kda_slot for c in prompts], pool.scratch_slot
+        h["logits_indices"][:d] = np.arange(d)
+        h["logits_indices"][d:d + n] = qs[d + 1:d + n + 1] - 1
+        table[d:d + n + 1] = -1
         table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
-        table[n] = pool.scratch_page  # the padding sequence: every position in the scratch page
-        seq = np.repeat(np.arange(n), lens)
-        pos = np.arange(L) - np.repeat(qs[:n], lens)
-        h["slot_mapping"][:L] = table[seq, pos // ps] * ps + pos % ps
-        h["slot_mapping"][L:b] = pool.scratch_page * ps + np.arange(b - L) % ps
-        return lens + [b - L]
+        table[d + n] = pool.scratch_page  # the padding sequence: every position in the scratch page
+        seq_of = d + np.repeat(np.arange(n), lens)
+        pos = np.arange(L) - np.repeat(qs[d:d + n] - d, lens)
+        mapping[d:d + L] = table[seq_of, pos // ps] * ps + pos % ps
+        mapping[d + L:d + b] = pool.scratch_page * ps + np.arange(b - L) % ps
+        return [1] * d + lens + [b - L], ctx_list + [0] * (n + 1)
 
     def run(self, chunks: list[SeqChunk], fixup: tuple | None = None) -> torch.Tensor:
-        """fp32 logits [n, V] of each prompt's last token (``fits(chunks)`` must hold). ``fixup``:
-        as ``DecodeGraphs.run`` (flat positions: the prompts' tokens lead, in order)."""
-        n = len(chunks)
-        b = self.bucket_for(sum(len(c.token_ids) for c in chunks))
-        lens = self._fill_host(chunks, b)
+        """fp32 logits [len(chunks), V]: each decode row's and each prompt's last token, in
+        ``chunks`` order (``fits(chunks)`` must hold). ``fixup``: as ``DecodeGraphs.run`` (flat
+        positions of the unpadded step: decode rows lead, so only theirs can be pending)."""
+        nd, d, b = self._split(chunks)
+        n = len(chunks) - nd
+        qlens, ctx = self._fill_host(chunks, nd, d, b)
         self.inputs.upload()
         fill_pending_tokens(self.dev["input_ids"], fixup)
-        if (n, b) in self.graphs:
-            self.graphs[n, b].replay()
-            return self.outputs[n, b]
-        return self._forward(self._static_batch(n, b, lens))
+        key = (d, n, b)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            out = self.outputs[key]
+        else:
+            out = self._forward(self._static_batch(d, n, b, qlens, ctx))
+        return out if nd == d else torch.cat([out[:nd], out[d:]])
 
     # ---- capture --------------------------------------------------------------------------
-    def _static_batch(self, n: int, b: int, lens: list[int]) -> ForwardBatch:
-        d, S = self.dev, n + 1
+    def _static_batch(self, d: int, n: int, b: int, qlens: list[int], ctx: list[int]) -> ForwardBatch:
+        dv, S, T = self.dev, d + n + 1, d + b
         return ForwardBatch(
-            input_ids=d["input_ids"][:b], query_start=d["query_start"][:S + 1], context_lens=self.context_lens[:S],
-            seq_lens=d["seq_lens"][:S], kda_slots=d["kda_slots"][:S],
-            block_table=d["block_table"].view(-1, self.max_pages)[:S], slot_mapping=d["slot_mapping"][:b],
-            logits_indices=d["logits_indices"][:n], num_decodes=0, page_size=self.page_size,
-            query_lens_host=lens, context_lens_host=[0] * S, static_shapes=True)
+            input_ids=dv["input_ids"][:T], query_start=dv["query_start"][:S + 1], context_lens=dv["context_lens"][:S],
+            seq_lens=dv["seq_lens"][:S], kda_slots=dv["kda_slots"][:S],
+            block_table=dv["block_table"].view(-1, self.max_pages)[:S], slot_mapping=dv["slot_mapping"][:T],
+            logits_indices=dv["logits_indices"][:d + n], num_decodes=d, page_size=self.page_size,
+            query_lens_host=qlens, context_lens_host=ctx, static_shapes=True)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         with torch.inference_mode():
@@ -153,22 +192,27 @@ class PrefillGraphs:
             return self.model.compute_logits(hidden[batch.logits_indices])
 
     def _capture_all(self) -> None:
-        """Largest first. The buffers hold a padding-only step while capturing (every sequence on
-        the scratch slot and page), so warm-up runs touch no live state."""
-        keys = [(n, b) for b in reversed(self.buckets) for n in range(1, self.max_seqs + 1) if n < b]
-        lens = {(n, b): [1] * n + [b - n] for n, b in keys}
+        """Largest first. The buffers hold a step all on the scratch slot and page while capturing
+        (decode rows without context, one-token prompts), so warm-up runs touch no live state;
+        the host lists say "context" for the decode rows, as DecodeGraphs' capture does (no fresh
+        rows baked in)."""
+        keys = [(d, n, b) for b in reversed(self.buckets) for d in reversed(self.decode_buckets)
+                for n in range(1, self.max_seqs + 1) if n < b and (d == 0 or b <= self.mixed_max_tokens)]
+        hosts = {(d, n, b): ([1] * (d + n) + [b - n], [1] * d + [0] * (n + 1)) for d, n, b in keys}
         self.graphs, self.outputs = capture_graphs(
-            {(n, b): (lambda n=n, b=b: self._forward(self._static_batch(n, b, lens[n, b]))) for n, b in keys},
+            {k: (lambda k=k: self._forward(self._static_batch(*k, *hosts[k]))) for k in keys},
             "prefill", prepare=lambda key: self._fill_scratch(*key))
 
-    def _fill_scratch(self, n: int, b: int) -> None:
-        """The device buffers of a step of n one-token prompts and the padding, all on the scratch
-        slot and page (the ids lie past the pool's allocatable range, so not through check_ids)."""
-        d, ps, dev = self.dev, self.page_size, self.dev["input_ids"].device
-        d["input_ids"][:b].zero_()
-        d["query_start"][:n + 2].copy_(torch.tensor([*range(n + 1), b], device=dev))
-        d["seq_lens"][:n + 1].copy_(torch.tensor([1] * n + [b - n], device=dev))
-        d["kda_slots"][:n + 1].fill_(self.pool.scratch_slot)
-        d["logits_indices"][:n].copy_(torch.arange(n, device=dev))
-        d["block_table"].view(-1, self.max_pages)[:n + 1].fill_(self.pool.scratch_page)
-        d["slot_mapping"][:b].copy_(self.pool.scratch_page * ps + torch.arange(b, device=dev) % ps)
+    def _fill_scratch(self, d: int, n: int, b: int) -> None:
+        """The device buffers of a step of d decode rows and n one-token prompts and the padding,
+        all on the scratch slot and page (ids past the pool's allocatable range: no check_ids)."""
+        dv, ps, dev = self.dev, self.page_size, self.dev["input_ids"].device
+        S, T = d + n + 1, d + b
+        dv["input_ids"][:T].zero_()
+        dv["context_lens"][:S].zero_()
+        dv["query_start"][:S + 1].copy_(torch.tensor([*range(d + n + 1), T], device=dev))
+        dv["seq_lens"][:S].copy_(torch.tensor([1] * (d + n) + [b - n], device=dev))
+        dv["kda_slots"][:S].fill_(self.pool.scratch_slot)
+        dv["logits_indices"][:d + n].copy_(torch.arange(d + n, device=dev))
+        dv["block_table"].view(-1, self.max_pages)[:S].fill_(self.pool.scratch_page)
+        dv["slot_mapping"][:T].copy_(self.pool.scratch_page * ps + torch.arange(T, device=dev) % ps)

@@ -85,7 +85,7 @@ class ForwardBatch:
     context_lens_host: list[int]
     # A shape-static step (engine/decode_graphs.py or prefill_graphs.py, possibly a captured CUDA
     # graph): ops must not size anything from the host lists, which then only describe the step
-    # the batch was built for. Static steps are decode-only or new-prompts-only.
+    # the batch was built for. Static steps are decode rows, then new prompts (no context).
     static_shapes: bool = False
 
     def token_range(self, i: int) -> tuple[int, int]:
@@ -116,10 +116,10 @@ class ForwardBatch:
         tokens: one pair a step, so fla's chunk kernels (whose index helpers are memoised by
         argument identity) build their chunk indices once a step, not once a KDA layer; each
         build ends in a blocking host-to-device copy, a stream sync (20 a kimi-linear prefill).
-        A static prefill step (engine/prefill_graphs.py: no decodes) has them on the device only:
-        (query_start, None), from which fla builds its chunk indices on the device."""
+        A static prefill step (engine/prefill_graphs.py) has them on the device only: (offsets,
+        None), from which fla builds its chunk indices on the device."""
         if self.static_shapes:
-            return self.query_start, None
+            return self.query_start[self.num_decodes:] - self.num_decodes, None
         cpu = torch.zeros(self.num_seqs - self.num_decodes + 1, dtype=torch.int64)
         cpu[1:] = torch.tensor(self.query_lens_host[self.num_decodes:], dtype=torch.int64).cumsum(0)
         return to_device(cpu, self.query_start.device), cpu
@@ -130,14 +130,16 @@ class ForwardBatch:
         one-launch prefill (``mla_prefill_varlen``): (page [sum S], offset in page [sum S],
         sequences [P, 4] int32 (first query row, first latent row, context, new tokens), the
         longest new-token count). Built once a step from the host lengths (no device sync); in a
-        static prefill step (new prompts only, no decodes) on the device from the static buffers:
+        static prefill step (new prompts after any decode rows) on the device from the static buffers:
         a new prompt's latent rows are its tokens' own, and the longest count is bounded by the
         step's token count."""
         if self.static_shapes:
-            qs = self.query_start
+            nd = self.num_decodes
+            qs = self.prefill_cu_seqlens[0]
             first = qs[:-1]
             seqs = torch.stack([first, first, torch.zeros_like(first), qs.diff()], 1).to(torch.int32)
-            return *self.latent_page_offset, seqs, self.num_tokens
+            page, offset = self.latent_page_offset
+            return page[nd:], offset[nd:], seqs, self.num_tokens - nd
         nd = self.num_decodes
         cu = self.prefill_cu_seqlens[1]
         new = cu.diff()
