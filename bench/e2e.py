@@ -152,12 +152,16 @@ def slice_prefill(model, lengths, mm_ceiling) -> list[dict]:
     return rows
 
 
+def engine_48b(max_seqs: int, max_model_len: int, prefill_graphs: str) -> LLMEngine:
+    return LLMEngine.from_pretrained(None, preset="kimi-linear-48b", dtype="bfloat16", device="cuda",
+                                     load_format="dummy", config=EngineConfig(
+                                         max_num_seqs=max_seqs, max_model_len=max_model_len,
+                                         max_num_batched_tokens=max(8192, max_model_len), prefill_graphs=prefill_graphs))
+
+
 def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto") -> list[dict]:
     """kimi-linear-48b through LLMEngine: TTFT (all B first tokens) and decode tok/s after it."""
-    eng = LLMEngine.from_pretrained(None, preset="kimi-linear-48b", dtype="bfloat16", device="cuda",
-                                    load_format="dummy", config=EngineConfig(
-                                        max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 64,
-                                        max_num_batched_tokens=max(8192, prompt_len), prefill_graphs=prefill_graphs))
+    eng = engine_48b(max(batches), prompt_len + new_tokens + 64, prefill_graphs)
     vocab = eng.model.config.vocab_size - 300
     rows = []
     for B in batches:
@@ -186,6 +190,50 @@ def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def engine_arrivals(running: int, arrivals: int, prompt_len: int, prefill_graphs: str = "auto",
+                    every: int = 4) -> dict:
+    """Continuous batching with arrivals: ``running`` requests decode while a new prompt of
+    ``prompt_len`` tokens arrives every ``every`` steps (``arrivals`` of them, 8 new tokens each):
+    the running requests' mean time between tokens, the new prompts' mean time to first token.
+    Each arrival's step mixes the decodes with its prefill (a static step under prefill graphs)."""
+    eng = engine_48b(running + arrivals, prompt_len + 256, prefill_graphs)
+    vocab = eng.model.config.vocab_size - 300
+    res = {}
+    for attempt in ("warm-up", "timed"):
+        long = [eng.add_request(torch.randint(0, vocab, (64,)).tolist(),
+                                SamplingParams(max_tokens=arrivals * every + 40, temperature=0.0, ignore_eos=True))
+                for _ in range(running)]
+        counts, first, added = dict.fromkeys(long, 0), {}, {}
+
+        def step():
+            for out in eng.step():
+                if out.request_id in counts:
+                    counts[out.request_id] = len(out.outputs[0].token_ids)
+                elif out.outputs[0].token_ids and out.request_id not in first:
+                    first[out.request_id] = time.perf_counter()
+
+        while min(counts.values()) < 2:
+            step()
+        torch.cuda.synchronize()
+        before, t0 = dict(counts), time.perf_counter()
+        for s in range(arrivals * every):
+            if s % every == 0:
+                rid = eng.add_request(torch.randint(0, vocab, (prompt_len,)).tolist(),
+                                      SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+                added[rid] = time.perf_counter()
+            step()
+        window = time.perf_counter() - t0
+        made = sum(counts[r] - before[r] for r in long) / running
+        while eng.has_unfinished_requests():
+            step()
+        res = {"running": running, "arrivals": arrivals, "prompt": prompt_len, "prefill_graphs": prefill_graphs,
+               "itl_ms": round(window / made * 1e3, 2),
+               "arrival_ttft_ms": round(sum(first[r] - added[r] for r in added) / len(added) * 1e3, 1),
+               "prefill_graph_steps": eng.runner.prefill_graph_steps}
+        print(attempt, res, flush=True)
+    return res  # (the engine goes with this frame; main collects it)
 
 
 def hf_generate(batches, prompt_len, new_tokens) -> list[dict] | str:
@@ -245,7 +293,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="slice,engine,hf", help="comma list of slice, engine, hf")
+    ap.add_argument("--parts", default="slice,engine,hf", help="comma list of slice, engine, arrivals, hf")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--prefill", default="8192,32768")
@@ -273,9 +321,15 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "engine" in parts:
         res["engine_48b"] = engine_generate(ints(args.engine_batches), 512, 32, args.prefill_graphs)
+    if "arrivals" in parts:  # 12 decoding, a 500-token prompt every 4th step, prefill graphs on / off
+        res["arrivals_48b"] = []
+        for mode in ("auto", "off"):
+            res["arrivals_48b"].append(engine_arrivals(12, 8, 500, mode))
+            gc.collect()
+            torch.cuda.empty_cache()
     if "hf" in parts:
         res["hf_48b"] = hf_generate(ints(args.engine_batches), 512, 32)
-    for key in ("slice_decode", "slice_prefill", "engine_48b", "hf_48b"):
+    for key in ("slice_decode", "slice_prefill", "engine_48b", "arrivals_48b", "hf_48b"):
         if isinstance(res.get(key), list) and res[key]:
             print(f"\n### {key}\n{table(res[key])}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
