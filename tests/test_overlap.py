@@ -94,17 +94,21 @@ def same(a, b):
             assert t1 == t2 and abs(l1 - l2) < 1e-4 and [t for t, _ in alt1] == [t for t, _ in alt2], i
 
 
-@pytest.mark.parametrize("graphs", ["off", "on"])
+@pytest.mark.parametrize("graphs", ["off", "on", "prefill"])
 def test_overlap_gives_the_tokens_of_plain_steps(model, graphs):
     """Chunked prefill (48-token budget), a pool small enough to preempt, prefix caching, early
     EOS stops, seeded sampling with logprobs, min_tokens; decode steps eager or through the static
-    (graph) path. Every output equals the plain run's; nothing leaks; overlap really happened."""
+    (graph) path, and with "prefill" also steps of new prompts (after decode rows, whose inputs are
+    pending under overlap) through the static prefill path. Every output equals the plain run's;
+    nothing leaks; overlap really happened."""
     reqs, arrivals = mixed_requests(0)
     eos = frequent_token(model, reqs)
     probe = engine(model, False)
     lay = probe.pool.layout
-    kw = dict(max_num_batched_tokens=48, max_num_seqs=10, decode_graphs=graphs,
+    kw = dict(max_num_batched_tokens=48, max_num_seqs=10, decode_graphs="off" if graphs == "off" else "on",
               cache_memory=5 * lay.slot_bytes + 9 * lay.page_bytes)
+    if graphs == "prefill":
+        kw.update(prefill_graphs="on", max_prefill_graph_tokens=40, max_prefill_graph_seqs=2, max_prefill_graph_decodes=4)
     plain, over = engine(model, False, **kw), engine(model, True, **kw)
     plain.eos_ids = over.eos_ids = [eos]
     a, b = run(plain, reqs, arrivals), run(over, reqs, arrivals)
@@ -113,6 +117,8 @@ def test_overlap_gives_the_tokens_of_plain_steps(model, graphs):
     assert any(o.finish_reason == "stop" and len(o.token_ids) < r[1].max_tokens for o, r in zip(
         (a[i] for i in range(len(reqs))), reqs)), "no early stop exercised"
     assert over.scheduler.num_preemptions > 0 and over.overlapped_steps > 0.5 * over.steps
+    if graphs == "prefill":
+        assert over.runner.prefill_graph_steps > 0 and plain.runner.prefill_graph_steps > 0
     for eng in (plain, over):
         eng.scheduler.owners.check()
         eng.prefix.clear()

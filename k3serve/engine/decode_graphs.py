@@ -15,6 +15,7 @@ slow for long contexts). ``capture_blockers`` names what is missing; the engine 
 from __future__ import annotations
 
 import logging
+import time
 from itertools import chain
 
 import numpy as np
@@ -92,7 +93,7 @@ def capture_graphs(forwards: dict, what: str, prepare=None) -> tuple[dict, dict]
     ``prepare(key)`` where given (filling the static buffers: host copies cannot be captured).
     Returns (graphs, outputs) by key."""
     mempool = torch.cuda.graph_pool_handle()
-    graphs, outputs = {}, {}
+    graphs, outputs, t0 = {}, {}, time.perf_counter()
     for key, forward in forwards.items():
         if prepare is not None:
             prepare(key)
@@ -107,7 +108,7 @@ def capture_graphs(forwards: dict, what: str, prepare=None) -> tuple[dict, dict]
             outputs[key] = forward()
         graphs[key] = graph
     torch.cuda.synchronize()
-    log.info("captured %s graphs for %s", what, list(forwards))
+    log.info("captured %d %s graphs in %.1f s: %s", len(graphs), what, time.perf_counter() - t0, list(forwards))
     return graphs, outputs
 
 
