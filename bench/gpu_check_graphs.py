@@ -341,6 +341,8 @@ def op_sources(model, rng, batch: int, new_tokens: int, pool_bytes: int, top: in
     The kernel table names copy / index / fill kernels, not who asked for them."""
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.op_sources import ops_by_source
+
     pool, chunks = step_inputs(model, rng, batch, 0, pool_bytes, new_tokens)
     eager_step(model, pool, chunks)
     torch.cuda.synchronize()
@@ -351,25 +353,6 @@ def op_sources(model, rng, batch: int, new_tokens: int, pool_bytes: int, top: in
     del pool
     torch.cuda.empty_cache()
     return rows[:top]
-
-
-def ops_by_source(events, time_attr: str) -> list[dict]:
-    """aten ops with time grouped by (name, innermost k3serve frame). With ``with_stack`` the
-    profiler records Python calls as events of their own ("path/file.py(line): function"), the ops'
-    ancestors, so the frame is the nearest ancestor naming a k3serve file."""
-    groups: dict[tuple, list] = {}
-    for e in events:
-        t = getattr(e, time_attr)
-        if not e.name.startswith("aten::") or t <= 0:
-            continue
-        up = e.cpu_parent
-        while up is not None and "k3serve/" not in up.name:
-            up = up.cpu_parent
-        g = groups.setdefault((e.name, up.name.split("k3serve/")[-1] if up else "(no k3serve frame)"), [0, 0.0])
-        g[0] += 1
-        g[1] += t / 1e3
-    rows = [{"op": op, "source": src, "count": n, "ms": round(ms, 3)} for (op, src), (n, ms) in groups.items()]
-    return sorted(rows, key=lambda r: -r["ms"])
 
 
 def prefill_ab(model, rng, variants: str, pool_bytes: int, rounds: int = 2) -> list[dict]:
