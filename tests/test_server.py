@@ -175,6 +175,8 @@ def test_disconnect_mid_stream_returns_memory(server):
     gen = float(re.search(r"^k3serve_generation_tokens_total (\S+)", metrics, re.M).group(1))
     assert count >= 1 and gen >= 3  # earlier requests in this module were observed
     assert re.search(r'^k3serve_requests_total\{finish_reason="length"\} \S+', metrics, re.M)
+    eager = float(re.search(r'^k3serve_engine_steps\{kind="eager"\} (\S+)', metrics, re.M).group(1))
+    assert eager >= 3 and re.search(r'^k3serve_engine_steps\{kind="prefill_graph"\} 0\.0', metrics, re.M)
 
 
 def test_api_key_and_queue_limit_and_sigterm(model_dir):

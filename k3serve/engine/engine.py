@@ -554,8 +554,14 @@ class LLMEngine:
     def prefix_stats(self) -> dict:
         return self.prefix.stats_dict() if self.prefix is not None else {}
 
+    def step_kinds(self) -> dict[str, int]:
+        """Forward steps by how they ran: eagerly, or as a static decode / prefill step."""
+        r = self.runner
+        return dict(eager=r.eager_steps, decode_graph=r.graph_steps, prefill_graph=r.prefill_graph_steps)
+
     def stats(self) -> dict:
-        return dict(steps=self.steps, prefix=self.prefix_stats(), preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
+        return dict(steps=self.steps, step_kinds=self.step_kinds(), prefix=self.prefix_stats(),
+                    preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
                     waiting=len(self.scheduler.waiting), pool=self.pool.stats(),
                     timings={**self.timings, **self.runner.timings})
 

@@ -25,6 +25,7 @@ class ModelRunner:
         self.timings = {"prepare": 0.0, "forward": 0.0}
         self.graph_steps = 0
         self.prefill_graph_steps = 0
+        self.eager_steps = 0
         # Benchmarks only: wait for the device after each forward so its time is charged to
         # "forward", not to the first host sync after it (the sampler's). Costs the overlap.
         self.sync_timings = False
@@ -57,6 +58,7 @@ class ModelRunner:
                 self.graph_steps += static is self.graphs
                 self.prefill_graph_steps += static is self.prefill_graphs
                 return logits
+        self.eager_steps += 1
         batch = self.build_batch(sched)
         fill_pending_tokens(batch.input_ids, fixup)
         want = to_device([i for i, s in enumerate(sched) if s.samples], self.device)

@@ -32,6 +32,8 @@ class Metrics:
                                    registry=r)
         self.checkpoints = Gauge("k3serve_prefix_cache_checkpoints", "KDA checkpoints held / evicted", ["kind"],
                                  registry=r)
+        self.steps = Gauge("k3serve_engine_steps", "Forward steps so far: eager, or a static step "
+                           "(decode_graph / prefill_graph: CUDA-graph replays on a GPU)", ["kind"], registry=r)
 
     def render(self) -> bytes:
         eng = self.engine
@@ -42,6 +44,8 @@ class Metrics:
         self.pool_bytes.labels("mla").set(st["mla_bytes"])
         self.pool_usage.set(st["used_bytes"] / st["total_bytes"])
         self.preemptions.set(eng.scheduler.num_preemptions)
+        for kind, n in eng.step_kinds().items():
+            self.steps.labels(kind).set(n)
         from ..engine.request import Sequence
 
         self.request_bytes.set(eng.scheduler.owners.bytes_held(lambda h: isinstance(h, Sequence)))
