@@ -28,6 +28,7 @@ import torch
 from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk
 from k3serve.model.loader import load_model
 from k3serve.ops import backend as kernel_backend
+from k3serve.ops import fla_backend
 from k3serve.ops import kda as kda_ops
 from k3serve.ops.kda_ref import kda_gate, l2norm
 
@@ -64,8 +65,11 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_p
     outs = {}
     # fla twice: with the decay passed, and computed from f inside its chunk kernel (the model's call)
     # fla_prenorm: q and k normalised before (as kda.CONV_NORMS_QK's conv does), fla told so
+    # fla_direct: fla_prenorm through fla's forward without its wrappers (fla_backend.DIRECT_FORWARD)
     for name, backend, in_kernel, pre in (("torch", "torch", False, False), ("fla", "fla", False, False),
-                                          ("fla_gate", "fla", True, False), ("fla_prenorm", "fla", True, True)):
+                                          ("fla_gate", "fla", True, False), ("fla_prenorm", "fla", True, True),
+                                          ("fla_direct", "fla", True, True)):
+        fla_backend.DIRECT_FORWARD = name == "fla_direct"
         st = pool.clone()
         inp = [x.float() if backend == "torch" else x for x in (q, k, v)]
         if pre:
@@ -76,7 +80,8 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_p
         outs[name] = (o.float(), st)
     o_ref, s_ref = outs["torch"]
     untouched = [i for i in range(12) if i not in slots]
-    for name in ("fla", "fla_gate", "fla_prenorm"):
+    fla_backend.DIRECT_FORWARD = False
+    for name in ("fla", "fla_gate", "fla_prenorm", "fla_direct"):
         o_fla, s_fla = outs[name]
         ROWS.append(dict(check=f"kda_core {name} vs torch ref" + (", new prompts only" if fresh_prefill else ""),
                          shape=f"H={H} D={D} T={T} lb={lower_bound}",

@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: prefillgraphs, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: prefillgraphs, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -197,6 +197,15 @@ case "$1" in
     step e2e_engine_off "$(left 585)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --prefill-graphs off \
       --out /tmp/gpu_work/off
     grep -v "^  File\|^    " "$OUT/pg.log" | tail -c 5000; grep -A5 "### engine_48b" "$OUT/e2e_engine.log" "$OUT/e2e_engine_off.log" ;;
+  fladirect)  # fla's forward without its wrappers (fla_backend.DIRECT_FORWARD, off): the kda_core rows (fla_direct among
+              # them), then kimi-linear-48b's eager prefill steps with it off and on, and a 512-token step's host time with it on
+    step kda 200 python3 bench/gpu_check_model.py --skip-tiny --skip-slice
+    step ab "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_ab,host_prefill \
+      --ab "wrapped:k3serve.ops.fla_backend.DIRECT_FORWARD=False;direct:k3serve.ops.fla_backend.DIRECT_FORWARD=True" \
+      --set k3serve.ops.fla_backend.DIRECT_FORWARD=True \
+      --top 30 --out /tmp/gpu_work
+    grep "kda_core" "$OUT/kda.log" | grep -v "^|"; grep -A14 "| variant | round" "$OUT/ab.log"
+    grep -A40 "host time of" "$OUT/ab.log" | head -c 4000 ;;
   prefillstep)  # kimi-linear-48b's prefill steps as the engine runs them (last-token logits) by kernel and torch
                 # ops by source line, the engine, then every kernel check (the opt-in router MMA row among them)
     step prof "$(left 150)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts op_sources,profile_prefill \

@@ -43,12 +43,60 @@ def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
         state[batch.kda_slots[to_device(fresh, state.device)]] = 0.0
 
 
+# fla's public chunk_kda reaches its forward through torch.compiler.disable, backend dispatch, an
+# autograd Function, an input guard (a signature walk over every argument) and autocast wrappers:
+# with its launches ~3.4 ms a call under cProfile, 40 % of an eager 512-token kimi-linear step's
+# host time (RESULTS.md seventeenth session, 5th call). Inference needs none of the wrappers:
+# ``DIRECT_FORWARD`` calls fla's forward (``chunk_kda_fwd``) with the chunk indices the public
+# function would build, where q and k come normalised (``kda.CONV_NORMS_QK``). Written against
+# fla-core 0.6.0's internals (checked at first use, else the public call); not yet run on a GPU, so off.
+DIRECT_FORWARD = False
+
+
+@functools.lru_cache(maxsize=1)
+def _direct_forward():
+    """fla's chunk_kda_fwd and its chunk-index helpers where their signatures are the ones this
+    module calls, else None."""
+    import inspect
+
+    try:
+        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+        from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_indices_static
+    except Exception:  # (fla imports need a GPU driver)
+        return None
+    need = {"chunk_indices", "chunk_offsets", "use_graph", "use_gate_in_kernel", "A_log", "dt_bias", "lower_bound"}
+    if not need <= set(inspect.signature(chunk_kda_fwd).parameters):
+        return None
+    return chunk_kda_fwd, prepare_chunk_indices, prepare_chunk_indices_static
+
+
+def _chunk_kda(q, k, v, g, beta, scale: float, initial_state, cu, cu_cpu, qk_normalized: bool, **in_kernel):
+    """fla's chunk_kda on one flat varlen batch ([1, T, ...] inputs): (o, final states)."""
+    direct = _direct_forward() if DIRECT_FORWARD and qk_normalized else None
+    if direct is None:
+        from fla.ops.kda import chunk_kda
+
+        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                         use_qk_l2norm_in_kernel=not qk_normalized, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **in_kernel)
+    chunk_kda_fwd, indices, static_indices = direct
+    chunk = 64  # chunk_kda's default
+    use_graph, max_num_seqs = in_kernel.pop("use_graph", False), in_kernel.pop("max_num_seqs", None)
+    if use_graph:
+        chunk_indices, chunk_offsets = static_indices(cu, chunk, -(-q.shape[1] // chunk) + max_num_seqs - 1)
+    else:
+        chunk_indices, chunk_offsets = indices(cu, chunk, cu_seqlens_cpu=cu_cpu), None
+    o, ht, *_ = chunk_kda_fwd(
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(), scale=scale,
+        initial_state=initial_state, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+        chunk_indices=chunk_indices, chunk_size=chunk, use_graph=use_graph, chunk_offsets=chunk_offsets, **in_kernel)
+    return o.type_as(q), ht
+
+
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              scale: float, state: torch.Tensor, batch: ForwardBatch, gate: tuple | None = None,
              qk_normalized: bool = False) -> torch.Tensor:
     """Same contract as ``ops.kda.kda_core``; q and k are L2-normalised inside fla's kernels unless
     ``qk_normalized`` (two launches a layer fewer: fla's l2norm on q and on k)."""
-    from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     T, H, K = q.shape
@@ -77,11 +125,9 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                    lower_bound=gate[2])
         if cu_cpu is None:  # a static step (a CUDA graph): chunk indices built on the device
             in_kernel.update(use_graph=True, max_num_seqs=cu.shape[0] - 1)
-        o, ht = chunk_kda(
-            q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
-            beta[None, s:].float(), scale=scale, initial_state=None if fresh else state[slots],
-            output_final_state=True, use_qk_l2norm_in_kernel=not qk_normalized, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **in_kernel,
-        )
+        o, ht = _chunk_kda(q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
+                           beta[None, s:].float(), scale, None if fresh else state[slots], cu, cu_cpu, qk_normalized,
+                           **in_kernel)
         state[slots] = ht
         if nd == 0 and o.dtype == out.dtype:  # a prefill-only step: fla's output is the whole output
             return o[0]
