@@ -106,9 +106,10 @@ def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
     return rows
 
 
-def prefill_graphs_check(model, rng, cases, pool_bytes, iters) -> list[dict]:
+def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> list[dict]:
     """Prefill graphs (engine/prefill_graphs.py) for steps of new prompts (``cases``: (prompt
-    lengths, decode rows before them), the decode rows on contexts of 16-300): the replay against the
+    lengths, decode rows before them, the prompts' cached context or 0), the decode rows on
+    contexts of 16-300; ``graph_kw``: PrefillGraphs' options past the defaults below): the replay against the
     same static step run eagerly (must match exactly: a mismatch is a value baked in at capture),
     against the engine's flat eager step (numerics may differ: the padding changes tile choices),
     the prompts' slots and pages equal to the static eager twin's, a bystander untouched; then
@@ -118,17 +119,21 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters) -> list[dict]:
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
     bystander = prefill(model, pool, [100], rng)[0]
     t0 = time.perf_counter()
-    kw = dict(max_tokens=2048, max_seqs=2, max_decodes=16, max_pages=16)
+    kw = dict(max_tokens=2048, max_seqs=2, max_decodes=16, max_pages=16) | graph_kw
     graphs = PrefillGraphs(model, pool, capture=True, **kw)
     capture_s = time.perf_counter() - t0
     rows = []
     rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()  # noqa: E731
-    for lens, decodes in cases:
+    for lens, decodes, context in cases:
         chunks = [SeqChunk([rng.randrange(1000)], len(t), s, p)
                   for s, p, t in prefill(model, pool, [rng.randrange(16, 300) for _ in range(decodes)], rng)]
-        for n in lens:
-            chunks.append(SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(n)], 0,
-                                   pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-n // PAGE))]))
+        for n in lens:  # on ``context`` cached tokens (prefilled here), or new
+            slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-(n + context) // PAGE))]
+            if context:
+                with torch.inference_mode():
+                    model(ForwardBatch.build([SeqChunk([rng.randrange(1000) for _ in range(context)], 0, slot, pages)],
+                                             PAGE, "cuda"), pool.handles)
+            chunks.append(SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(n)], context, slot, pages))
         twins = [UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE) for _ in range(3)]
         for twin in twins:
             twin.buffer.copy_(pool.buffer)
@@ -143,7 +148,7 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters) -> list[dict]:
         static_eager = PrefillGraphs(model, twins[1], capture=False, **kw).run(chunks).clone()
         static = graphs.run(chunks).clone()
         slot, pages, _ = bystander
-        row = {"prompts": lens, "decodes": decodes, "bucket": graphs.bucket_for(sum(lens), decodes),
+        row = {"prompts": lens, "decodes": decodes, "context": context, "bucket": graphs.bucket_for(sum(lens), decodes),
                "vs_static_eager_max_rel_err": rel(static, static_eager),
                "state_equal_to_static_eager": all(
                    torch.equal(pool.slot_bytes_of(c.kda_slot), twins[1].slot_bytes_of(c.kda_slot))
@@ -427,7 +432,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, prefill_graphs, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
+                    help="comma-separated subset of check, timing, prefill_graphs, prefill_graphs_context, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
                          "prefill_ab (eager prefill steps under --ab's variants)")
     ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
     ap.add_argument("--ab-batches", default="1,16")
@@ -465,12 +470,18 @@ def main() -> None:
             print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} | {spread} |")
     if "prefill_graphs" in parts:
         res["prefill_graphs"] = prefill_graphs_check(
-            model, rng, [([37], 0), ([500], 0), ([1100], 0), ([300, 700], 0), ([37], 4), ([200], 1), ([500], 16),
-                         ([100, 200], 8)][-int(os.environ.get("PG_CASES", 8)):], 4 << 30, args.iters)
-        print("\n| prompts | decodes | bucket | vs static eager | state equal | vs flat eager same shape | vs flat eager | "
-              "argmax equal | bystander untouched | eager ms | graph ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            model, rng, [([37], 0, 0), ([500], 0, 0), ([1100], 0, 0), ([300, 700], 0, 0), ([37], 4, 0), ([200], 1, 0),
+                         ([500], 16, 0), ([100, 200], 8, 0)][-int(os.environ.get("PG_CASES", 8)):], 4 << 30, args.iters)
+    if "prefill_graphs_context" in parts:  # prompts on cached context (max_prefill_graph_context)
+        res["prefill_graphs"] = res.get("prefill_graphs", []) + prefill_graphs_check(
+            model, rng, [([200], 0, 900), ([37], 0, 3000), ([300, 20], 0, 1500)], 4 << 30, args.iters,
+            max_seqs=2, max_decodes=0, max_pages=80, buckets=[128, 512], max_context=4096)
+    if res.get("prefill_graphs"):
+        print("\n| prompts | decodes | context | bucket | vs static eager | state equal | vs flat eager same shape | "
+              "vs flat eager | argmax equal | bystander untouched | eager ms | graph ms |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["prefill_graphs"]:
-            print(f"| {r['prompts']} | {r['decodes']} | {r['bucket']} | {r['vs_static_eager_max_rel_err']:.2e} | "
+            print(f"| {r['prompts']} | {r['decodes']} | {r['context']} | {r['bucket']} | {r['vs_static_eager_max_rel_err']:.2e} | "
                   f"{r['state_equal_to_static_eager']} | {r['vs_same_shape_flat_eager_max_rel_err']:.2e} | "
                   f"{r['vs_flat_eager_max_rel_err']:.2e} | {r['argmax_equal_flat']} | "
                   f"{r['bystander_untouched']} | {r['eager_ms']} | {r['graph_ms']} |")

@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: prefillgraphs, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: prefillgraphs, prefillctx, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -197,6 +197,11 @@ case "$1" in
     step e2e_engine_off "$(left 585)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --prefill-graphs off \
       --out /tmp/gpu_work/off
     grep -v "^  File\|^    " "$OUT/pg.log" | tail -c 5000; grep -A5 "### engine_48b" "$OUT/e2e_engine.log" "$OUT/e2e_engine_off.log" ;;
+  prefillctx)  # prompts on cached context in static prefill steps (max_prefill_graph_context, off by default): the
+               # replay vs static eager vs flat eager, timed; then the decode / prefill graphs' own checks again
+    step pgctx "$(left 400)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts prefill_graphs_context,check --iters 10 --out /tmp/gpu_work
+    grep -v "^  File\|^    " "$OUT/pgctx.log" | tail -c 5000 ;;
   fladirect)  # fla's forward without its wrappers (fla_backend.DIRECT_FORWARD, off): the kda_core rows (fla_direct among
               # them), then kimi-linear-48b's eager prefill steps with it off and on, and a 512-token step's host time with it on
     step kda 200 python3 bench/gpu_check_model.py --skip-tiny --skip-slice

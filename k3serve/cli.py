@@ -88,6 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="prefill steps of new prompts under this many tokens replay CUDA graphs (0: none)")
     p.add_argument("--max-prefill-graph-decodes", type=int, default=16,
                    help="decode rows such a step may lead with (0: new prompts only)")
+    p.add_argument("--max-prefill-graph-context", type=int, default=0,
+                   help="prompts on up to this many cached tokens join such steps (0: off; not yet checked on a GPU)")
     p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured as a CUDA graph")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="overlap the host's scheduling and output processing with the GPU's step "
@@ -109,6 +111,7 @@ def engine_from_args(args: argparse.Namespace):
                        prefill_graphs="off" if args.enforce_eager or args.max_prefill_graph_tokens < 2 else "auto",
                        max_prefill_graph_tokens=max(args.max_prefill_graph_tokens, 2),
                        max_prefill_graph_decodes=args.max_prefill_graph_decodes,
+                       max_prefill_graph_context=args.max_prefill_graph_context,
                        async_scheduling=args.async_scheduling)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
                                      dtype=args.dtype, device=args.device, seed=args.weights_seed,

@@ -73,8 +73,8 @@ def test_padded_prefill_step_equals_eager_and_touches_only_scratch(model, lens, 
     graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=4, max_pages=8, capture=False,
                            buckets=[16, 32, 64], mixed_max_tokens=64)
     assert graphs.fits(chunks)
-    nd, d, b = graphs._split(chunks)
-    assert nd == len(contexts) and d >= nd and b > sum(lens)
+    nd, d, b, c = graphs._split(chunks)
+    assert nd == len(contexts) and d >= nd and b > sum(lens) and c == 0
     static = graphs.run(chunks)
     assert static.shape == eager.shape
     torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
@@ -101,11 +101,11 @@ def test_static_prefill_inputs_on_the_device_equal_the_host_built_ones(model, co
                for n in lens]
     graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, max_pages=4, capture=False,
                            buckets=[32, 64])
-    nd, d, b = graphs._split(chunks)
-    assert (nd, d, b) == (len(contexts), len(contexts), 32)
+    nd, d, b, c = graphs._split(chunks)
+    assert (nd, d, b, c) == (len(contexts), len(contexts), 32, 0)
     qlens, ctx = graphs._fill_host(chunks, nd, d, b)
     graphs.inputs.upload()
-    static = graphs._static_batch(d, 2, b, qlens, ctx)
+    static = graphs._static_batch(d, 2, b, c, qlens, ctx)
     host = ForwardBatch.build(chunks, PAGE)
     assert static.num_decodes == host.num_decodes == d
     cu, cu_cpu = static.prefill_cu_seqlens
@@ -141,9 +141,9 @@ def test_fits_only_new_prompts_under_the_largest_bucket(model):
     assert not graphs.fits([new(2)] * 3)  # more prompts than captured
     assert not graphs.fits([new(1)]) and not graphs.fits([new(1), new(9)])  # a one-token prompt: a decode row
     # decode rows first, up to the largest decode bucket, then prompts under the mixed cap
-    assert graphs._split([dec(), dec(9), new(20)]) == (2, 2, 32)
-    assert graphs._split([dec(), new(31)]) == (1, 1, 32) and graphs._split([dec(), new(32)]) is None  # mixed: < 32
-    assert graphs._split([dec()] * 3 + [new(4)]) == (3, 3, 16)
+    assert graphs._split([dec(), dec(9), new(20)]) == (2, 2, 32, 0)
+    assert graphs._split([dec(), new(31)]) == (1, 1, 32, 0) and graphs._split([dec(), new(32)]) is None  # mixed: < 32
+    assert graphs._split([dec()] * 3 + [new(4)]) == (3, 3, 16, 0)
     assert not graphs.fits([dec()] * 4 + [new(4)])  # more decode rows than captured
     assert not graphs.fits([new(4), dec()])  # a decode row after a prompt: as the eager step, a prefill row
     assert not graphs.fits([dec()])  # no prompt: the decode graphs' step
@@ -163,17 +163,18 @@ def test_static_prefill_refuses_missing_pages_and_ids_outside_the_pool(model):
     graphs.run([SeqChunk([7, 8], 0, slot, [page])])  # in range: runs
 
 
-@pytest.mark.parametrize("system, decodes", [(0, 0), (24, 0), (0, 4)])
-def test_engine_with_static_prefill_generates_the_same_tokens(model, system, decodes):
+@pytest.mark.parametrize("system, decodes, context", [(0, 0, 0), (24, 0, 0), (0, 4, 0), (24, 0, 128)])
+def test_engine_with_static_prefill_generates_the_same_tokens(model, system, decodes, context):
     """New prompts through static prefill steps (one or two a step), the rest eager: chunked long
     prompts, and with a shared system prompt prefix-cache hits (cached context: eager)."""
     def engine(mode):
         return LLMEngine(model, None, EngineConfig(cache_memory="32MiB", page_size=PAGE, max_model_len=128,
                                                    max_num_batched_tokens=48, max_num_seqs=6,
-                                                   prefix_block_size=8, kda_checkpoint_interval=64,
+                                                   prefix_block_size=8, kda_checkpoint_interval=16 if context else 64,
                                                    decode_graphs="off", prefill_graphs=mode,
                                                    max_prefill_graph_tokens=40, max_prefill_graph_seqs=2,
-                                                   max_prefill_graph_decodes=decodes))
+                                                   max_prefill_graph_decodes=decodes,
+                                                   max_prefill_graph_context=context))
 
     rng = random.Random(11 + system)
     head = [rng.randrange(1500) for _ in range(system)]
@@ -203,8 +204,13 @@ def test_engine_with_static_prefill_generates_the_same_tokens(model, system, dec
             # waves 1, 4 and 6 fit (9, 2 + 30 and 17 tokens; not 17 + 30 = 47 >= 40, one 70-token
             # prompt in chunks, 1 + 9 with a one-token prompt); with the system prompt only the first
             # wave is new (the later ones hit the prefix cache)
+            # (with context buckets: KDA checkpoints every 16 tokens, so prompts run in chunks, and
+            # the last chunk of each, on its cached context, runs static, as do prefix-cache hits)
             expected = 1 if system else 3
-            assert eng.runner.prefill_graph_steps >= expected if decodes else eng.runner.prefill_graph_steps == expected
+            if context:
+                assert eng.runner.prefill_graph_steps >= 5 and eng.prefix_stats()["hits"] > 0
+            else:
+                assert eng.runner.prefill_graph_steps >= expected if decodes else eng.runner.prefill_graph_steps == expected
             assert eng.runner.prefill_graphs is not None
         else:
             assert eng.runner.prefill_graphs is None and eng.runner.prefill_graph_steps == 0
@@ -214,3 +220,66 @@ def test_engine_with_static_prefill_generates_the_same_tokens(model, system, dec
 def test_bad_prefill_graph_mode_is_refused(model):
     with pytest.raises(ValueError, match="prefill_graphs"):
         LLMEngine(model, None, EngineConfig(cache_memory="32MiB", prefill_graphs="sometimes"))
+
+
+def _cached(model, pool, ctx_len, new_len, rng):
+    """A sequence prefilled to ``ctx_len`` tokens, as the chunk of its next ``new_len`` (a prefix hit)."""
+    slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-(ctx_len + new_len) // PAGE))]
+    with torch.inference_mode():
+        model(ForwardBatch.build([SeqChunk([rng.randrange(1500) for _ in range(ctx_len)], 0, slot, pages)], PAGE),
+              pool.handles)
+    return SeqChunk([rng.randrange(1500) for _ in range(new_len)], ctx_len, slot, pages)
+
+
+@pytest.mark.parametrize("prompts", [[(19, 6)], [(40, 25)], [(0, 9), (33, 12)], [(70, 2), (5, 30)]])
+def test_prompts_on_cached_context_equal_eager(model, prompts):
+    """Context buckets (``max_context``): prompts on cached context (and new ones beside them) in a
+    static step equal the eager step; their slots and pages, a bystander's and the rest of the pool
+    as the eager run leaves them; the device-built latent rows cover each prompt's context."""
+    rng = random.Random(len(prompts) + prompts[0][0])
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    b_slot, b_pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(3)]
+    with torch.inference_mode():
+        model(ForwardBatch.build([SeqChunk([rng.randrange(1500) for _ in range(17)], 0, b_slot, b_pages)], PAGE),
+              pool.handles)
+    chunks = [_cached(model, pool, c, n, rng) if c else
+              SeqChunk([rng.randrange(1500) for _ in range(n)], 0, pool.alloc_slot(),
+                       [pool.alloc_page() for _ in range(-(-n // PAGE))]) for c, n in prompts]
+    twin = _twin(model, pool)
+    with torch.inference_mode():
+        batch = ForwardBatch.build(chunks, PAGE)
+        eager = model.compute_logits(model(batch, twin.handles)[batch.logits_indices])
+    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, capture=False,
+                           buckets=[16, 32, 64], max_context=128)
+    assert graphs.context_buckets == [0, 128] and graphs.max_pages >= (128 + 64) // PAGE
+    nd, d, b, c = graphs._split(chunks)
+    assert (nd, d, c) == (0, 0, 128) and b > sum(n for _, n in prompts)
+    static = graphs.run(chunks)
+    torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+    live = slice(0, pool.total_bytes)
+    torch.testing.assert_close(pool.buffer[live].view(torch.float32), twin.buffer[live].view(torch.float32),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool.slot_bytes_of(b_slot), twin.slot_bytes_of(b_slot))
+    # the device-built latent rows (what a captured step's MLA prefill reads) equal the host-built ones
+    qlens, ctx = graphs._fill_host(chunks, 0, 0, b)
+    graphs.inputs.upload()
+    page, offset, seqs, max_new = graphs._static_batch(0, len(chunks), b, c, qlens, ctx).prefill_latents
+    h_page, h_offset, h_seqs, _ = batch.prefill_latents
+    rows = h_page.shape[0]
+    assert page.shape[0] == c + b and torch.equal(page[:rows], h_page) and torch.equal(offset[:rows], h_offset)
+    assert torch.equal(seqs[:len(chunks)], h_seqs) and max_new == b
+
+
+def test_context_buckets_fit_rules(model):
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, capture=False,
+                           buckets=[16, 64], max_context=3000)
+    assert graphs.context_buckets == [0, 1024, 2048, 3000]
+    slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(graphs.max_pages)]
+    p = lambda n, ctx=0: SeqChunk([1] * n, ctx, slot, pages)  # noqa: E731
+    assert graphs._split([p(5, 700)]) == (0, 0, 16, 1024)
+    assert graphs._split([p(5, 700), p(5, 600)]) == (0, 0, 16, 2048)  # the contexts' sum
+    assert graphs._split([p(5, 3000)]) == (0, 0, 16, 3000) and not graphs.fits([p(5, 3001)])
+    assert not graphs.fits([SeqChunk([1], 9, slot, pages), p(5, 700)])  # no decode rows beside cached prompts
+    plain = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[64])
+    assert plain.context_buckets == [0] and not plain.fits([p(5, 700)])  # off by default

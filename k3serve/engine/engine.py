@@ -58,6 +58,9 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 2048
     max_prefill_graph_seqs: int = 1
     max_prefill_graph_decodes: int = 16  # decode rows such a step may lead with (0: new prompts only)
+    # Prompts on cached context (prefix-cache hits) in such steps, contexts up to this many tokens in
+    # power-of-two buckets from 1,024 (0: off; checked on CPU, not yet on a GPU)
+    max_prefill_graph_context: int = 0
     # Overlapped scheduling (SGLang's overlap scheduler, vLLM's --async-scheduling): step k+1 is
     # scheduled and launched before step k's tokens are read back, so host work hides behind the
     # GPU's. "auto": on CUDA; outputs then arrive one step later. Falls back to plain steps while
@@ -204,8 +207,13 @@ class LLMEngine:
         used_by_others = total - free  # weights (and anything else resident) before profiling
         # Captured prefill graphs keep their activations in a pool of their own: about the peak
         # scaled to their largest bucket (activations grow with the tokens).
-        graphs = (activation_peak * min(1.0, cfg.max_prefill_graph_tokens / tokens)
-                  if self._graph_mode(cfg.prefill_graphs, "prefill_graphs", prefill_blockers) != "off" else 0)
+        graphs = 0
+        if self._graph_mode(cfg.prefill_graphs, "prefill_graphs", prefill_blockers) != "off":
+            graphs = activation_peak * min(1.0, cfg.max_prefill_graph_tokens / tokens)
+            # with cached context: MLA's keys and values expanded over every context row (bf16), twice
+            rows = min(cfg.max_prefill_graph_context, self.max_model_len)
+            graphs += 4 * rows * (mcfg.num_attention_heads * (mcfg.qk_nope_head_dim + mcfg.v_head_dim)
+                                  + mcfg.kv_lora_rank + mcfg.qk_rope_head_dim)
         budget = int(cfg.gpu_memory_utilization * total - used_by_others - activation_peak - graphs)
         if budget <= 0:
             raise RuntimeError(f"no memory left for the cache pool: {cfg.gpu_memory_utilization:.0%} of "
@@ -258,7 +266,8 @@ class LLMEngine:
                                  lambda capture: PrefillGraphs(
                                      self.model, self.pool, tokens, min(cfg.max_prefill_graph_seqs, cfg.max_num_seqs),
                                      min(cfg.max_prefill_graph_decodes, cfg.max_num_seqs - 1),
-                                     -(-self.max_model_len // cfg.page_size), capture=capture))
+                                     -(-self.max_model_len // cfg.page_size), capture=capture,
+                                     max_context=min(cfg.max_prefill_graph_context, self.max_model_len)))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

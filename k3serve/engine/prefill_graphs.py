@@ -14,8 +14,11 @@ block table's full width. On CUDA the graph captured for (d, n, b) replays the w
 the d + n sampled rows' logits; without CUDA (or before capture) the same padded step runs
 eagerly, which is how the CPU tests check it.
 
-Only new prompts: a prompt on cached context (a prefix-cache hit, a later chunk) needs its
-context's length on the host to size its attention, so such steps stay eager.
+Prompts on cached context (a prefix-cache hit: an agent's next turn) join only where context
+buckets are asked for (``max_context``, off by default: not yet run on a GPU): a step of such
+prompts (no decode rows) then runs at the smallest context bucket c >= their contexts' sum, its
+MLA prefill over c + b latent rows (``ForwardBatch.static_latent_rows``) and fla from the slots'
+states (zeros where a prompt is new). Other steps stay eager.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ def token_buckets(max_tokens: int, smallest: int = 128) -> list[int]:
     return sizes + [max_tokens]
 
 
+# Context buckets (prompts on cached context) start here, as powers of two.
+CONTEXT_SMALLEST = 1024
+
 # Steps with decode rows are captured for token buckets up to this size only (5 decode buckets x 3
 # token buckets more graphs, ~1 s of capture each): past it a step's GPU time grows toward the
 # host's.
@@ -71,9 +77,10 @@ MIXED_MAX_TOKENS = 512
 class PrefillGraphs:
     def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_tokens: int = 2048, max_seqs: int = 1,
                  max_decodes: int = 0, max_pages: int = 0, capture: bool = True, buckets: list[int] | None = None,
-                 mixed_max_tokens: int = MIXED_MAX_TOKENS):
+                 mixed_max_tokens: int = MIXED_MAX_TOKENS, max_context: int = 0):
         """``max_decodes``: decode rows a step may lead with (0: none); ``max_pages``: the block
-        table's width for them (a decode row's pages; the engine's max_model_len)."""
+        table's width (a decode row's or a cached prompt's pages; the engine's max_model_len);
+        ``max_context``: the largest context bucket for prompts on cached context (0: none)."""
         if max_seqs < 1 or max_tokens < 2 or max_decodes < 0:
             raise ValueError(f"prefill graphs need max_seqs >= 1, max_tokens >= 2 and max_decodes >= 0, "
                              f"got {max_seqs}, {max_tokens}, {max_decodes}")
@@ -83,14 +90,15 @@ class PrefillGraphs:
         self.decode_buckets = [0] + (bucket_sizes(max_decodes) if max_decodes else [])
         self.max_seqs, self.mixed_max_tokens = max_seqs, mixed_max_tokens
         B, D, S = self.buckets[-1], self.decode_buckets[-1], max_seqs + 1  # S: the prompts and the padding
-        self.max_pages = max(max_pages, -(-B // ps))
+        self.context_buckets = [0] + (token_buckets(max_context, CONTEXT_SMALLEST) if max_context else [])
+        self.max_pages = max(max_pages, -(-(B + self.context_buckets[-1]) // ps))
         self._fields = ("input_ids", "context_lens", "seq_lens", "kda_slots", "slot_mapping")
         self.inputs = StaticInputs(pool.buffer.device, dict(
             input_ids=D + B, context_lens=D + S, seq_lens=D + S, kda_slots=D + S, slot_mapping=D + B,
             query_start=D + S + 1, logits_indices=D + max_seqs, block_table=(D + S) * self.max_pages))
         self.dev = self.inputs.dev
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, int, int], torch.Tensor] = {}
         if capture:
             self._capture_all()
 
@@ -102,40 +110,46 @@ class PrefillGraphs:
     def decode_bucket_for(self, decodes: int) -> int | None:
         return next((d for d in self.decode_buckets if d >= decodes), None)
 
-    def _split(self, chunks: list[SeqChunk]) -> tuple[int, int, int] | None:
-        """(real decode rows, decode bucket, token bucket) where the step fits, else None: decode
-        rows (one token on cached context) first, then 1..max_seqs new prompts of 2+ tokens (a
-        one-token prompt is a decode row in the eager step, run by the decode kernels; here it
-        would take the prefill ones)."""
+    def _split(self, chunks: list[SeqChunk]) -> tuple[int, int, int, int] | None:
+        """(real decode rows, decode bucket, token bucket, context bucket) where the step fits,
+        else None: decode rows (one token on cached context) first, then 1..max_seqs prompts of 2+
+        tokens (a one-token prompt is a decode row in the eager step, run by the decode kernels;
+        here it would take the prefill ones), new ones, or on cached context within a context
+        bucket in a step without decode rows."""
         nd = 0
         while nd < len(chunks) and len(chunks[nd].token_ids) == 1 and chunks[nd].context_len > 0:
             nd += 1
         prompts = chunks[nd:]
-        if not 1 <= len(prompts) <= self.max_seqs or any(c.context_len or len(c.token_ids) < 2 for c in prompts):
+        if not 1 <= len(prompts) <= self.max_seqs or any(len(c.token_ids) < 2 for c in prompts):
             return None
         if any(c.context_len >= self.max_pages * self.page_size for c in chunks[:nd]):
             return None
+        context = sum(c.context_len for c in prompts)
+        c = next((c for c in self.context_buckets if c >= context), None)
         d = self.decode_bucket_for(nd)
-        b = self.bucket_for(sum(len(c.token_ids) for c in prompts), d or 0)
-        return None if d is None or b is None else (nd, d, b)
+        b = self.bucket_for(sum(len(p.token_ids) for p in prompts), d or 0)
+        if d is None or b is None or c is None or (c and d):
+            return None
+        return nd, d, b, c
 
     def fits(self, chunks: list[SeqChunk]) -> bool:
         return self._split(chunks) is not None
 
     def _fill_host(self, chunks: list[SeqChunk], nd: int, d: int, b: int) -> tuple[list[int], list[int]]:
         """Write the step's inputs into the host buffer: decode rows padded to d, then the prompts'
-        tokens padded to b. Returns the sequences' (token counts, context lengths)."""
+        tokens padded to b (each prompt's rows of the block table cover its context too). Returns
+        the sequences' (token counts, context lengths)."""
         ps, pool, h = self.page_size, self.pool, self.inputs.host()
         table = h["block_table"].reshape(-1, self.max_pages)
         ids, ctx, seq, slots, mapping = (h[f] for f in self._fields)
         ctx_list = fill_decode_rows(pool, chunks[:nd], d, ids, ctx, seq, slots, mapping, table)
         prompts = chunks[nd:]
-        n, lens = len(prompts), [len(c.token_ids) for c in prompts]
+        n, lens, pctx = len(prompts), [len(c.token_ids) for c in prompts], [c.context_len for c in prompts]
         L = sum(lens)
-        npages = np.array([-(-q // ps) for q in lens], np.int64)
+        npages = np.array([-(-(q + c) // ps) for q, c in zip(lens, pctx)], np.int64)
         for c, p, q in zip(prompts, npages, lens):
             if len(c.pages) < p:
-                raise ValueError(f"sequence with {q} tokens needs {p} pages of {ps}, got {len(c.pages)}")
+                raise ValueError(f"sequence with {c.context_len}+{q} tokens needs {p} pages of {ps}, got {len(c.pages)}")
         rows = d + np.repeat(np.arange(n), npages)
         pages = np.fromiter(chain.from_iterable(c.pages[:p] for c, p in zip(prompts, npages)), np.int64, rows.size)
         check_ids(pool, pages, np.array([c.kda_slot for c in prompts], np.int64))
@@ -145,8 +159,8 @@ class PrefillGraphs:
         qs[:d + 1] = np.arange(d + 1)
         qs[d + 1:d + n + 1] = d + np.cumsum(lens)
         qs[d + n + 1] = d + b
-        ctx[d:d + n + 1] = 0
-        seq[d:d + n], seq[d + n] = lens, b - L
+        ctx[d:d + n], ctx[d + n] = pctx, 0
+        seq[d:d + n], seq[d + n] = np.add(lens, pctx), b - L
         slots[d:d + n], slots[d + n] = [c.kda_slot for c in prompts], pool.scratch_slot
         h["logits_indices"][:d] = np.arange(d)
         h["logits_indices"][d:d + n] = qs[d + 1:d + n + 1] - 1
@@ -154,37 +168,37 @@ class PrefillGraphs:
         table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
         table[d + n] = pool.scratch_page  # the padding sequence: every position in the scratch page
         seq_of = d + np.repeat(np.arange(n), lens)
-        pos = np.arange(L) - np.repeat(qs[d:d + n] - d, lens)
+        pos = np.arange(L) - np.repeat(qs[d:d + n] - d, lens) + np.repeat(pctx, lens)
         mapping[d:d + L] = table[seq_of, pos // ps] * ps + pos % ps
         mapping[d + L:d + b] = pool.scratch_page * ps + np.arange(b - L) % ps
-        return [1] * d + lens + [b - L], ctx_list + [0] * (n + 1)
+        return [1] * d + lens + [b - L], ctx_list + pctx + [0]
 
     def run(self, chunks: list[SeqChunk], fixup: tuple | None = None) -> torch.Tensor:
         """fp32 logits [len(chunks), V]: each decode row's and each prompt's last token, in
         ``chunks`` order (``fits(chunks)`` must hold). ``fixup``: as ``DecodeGraphs.run`` (flat
         positions of the unpadded step: decode rows lead, so only theirs can be pending)."""
-        nd, d, b = self._split(chunks)
+        nd, d, b, c = self._split(chunks)
         n = len(chunks) - nd
         qlens, ctx = self._fill_host(chunks, nd, d, b)
         self.inputs.upload()
         fill_pending_tokens(self.dev["input_ids"], fixup)
-        key = (d, n, b)
+        key = (d, n, b, c)
         if key in self.graphs:
             self.graphs[key].replay()
             out = self.outputs[key]
         else:
-            out = self._forward(self._static_batch(d, n, b, qlens, ctx))
+            out = self._forward(self._static_batch(*key, qlens, ctx))
         return out if nd == d else torch.cat([out[:nd], out[d:]])
 
     # ---- capture --------------------------------------------------------------------------
-    def _static_batch(self, d: int, n: int, b: int, qlens: list[int], ctx: list[int]) -> ForwardBatch:
+    def _static_batch(self, d: int, n: int, b: int, c: int, qlens: list[int], ctx: list[int]) -> ForwardBatch:
         dv, S, T = self.dev, d + n + 1, d + b
         return ForwardBatch(
             input_ids=dv["input_ids"][:T], query_start=dv["query_start"][:S + 1], context_lens=dv["context_lens"][:S],
             seq_lens=dv["seq_lens"][:S], kda_slots=dv["kda_slots"][:S],
             block_table=dv["block_table"].view(-1, self.max_pages)[:S], slot_mapping=dv["slot_mapping"][:T],
             logits_indices=dv["logits_indices"][:d + n], num_decodes=d, page_size=self.page_size,
-            query_lens_host=qlens, context_lens_host=ctx, static_shapes=True)
+            query_lens_host=qlens, context_lens_host=ctx, static_shapes=True, static_latent_rows=c + b if c else None)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         with torch.inference_mode():
@@ -193,25 +207,27 @@ class PrefillGraphs:
 
     def _capture_all(self) -> None:
         """Largest first. The buffers hold a step all on the scratch slot and page while capturing
-        (decode rows without context, one-token prompts), so warm-up runs touch no live state;
-        the host lists say "context" for the decode rows, as DecodeGraphs' capture does (no fresh
-        rows baked in)."""
-        keys = [(d, n, b) for b in reversed(self.buckets) for d in reversed(self.decode_buckets)
-                for n in range(1, self.max_seqs + 1) if n < b and (d == 0 or b <= self.mixed_max_tokens)]
-        hosts = {(d, n, b): ([1] * (d + n) + [b - n], [1] * d + [0] * (n + 1)) for d, n, b in keys}
+        (decode rows and prompts on one token of context where the key has context, else without),
+        so warm-up runs touch no live state; the host lists say "context" for the decode rows, as
+        DecodeGraphs' capture does (no fresh rows baked in), and for a context key's prompts."""
+        keys = [(d, n, b, c) for c in reversed(self.context_buckets) for b in reversed(self.buckets)
+                for d in reversed(self.decode_buckets) for n in range(1, self.max_seqs + 1)
+                if n < b and (d == 0 or b <= self.mixed_max_tokens) and not (c and d)]
+        hosts = {(d, n, b, c): ([1] * (d + n) + [b - n], [1] * d + [int(c > 0)] * n + [0]) for d, n, b, c in keys}
         self.graphs, self.outputs = capture_graphs(
             {k: (lambda k=k: self._forward(self._static_batch(*k, *hosts[k]))) for k in keys},
             "prefill", prepare=lambda key: self._fill_scratch(*key))
 
-    def _fill_scratch(self, d: int, n: int, b: int) -> None:
-        """The device buffers of a step of d decode rows and n one-token prompts and the padding,
-        all on the scratch slot and page (ids past the pool's allocatable range: no check_ids)."""
+    def _fill_scratch(self, d: int, n: int, b: int, c: int) -> None:
+        """The device buffers of a step of d decode rows and n one-token prompts (on one token of
+        context where c > 0) and the padding, all on the scratch slot and page (ids past the pool's
+        allocatable range: no check_ids)."""
         dv, ps, dev = self.dev, self.page_size, self.dev["input_ids"].device
-        S, T = d + n + 1, d + b
+        S, T, pc = d + n + 1, d + b, int(c > 0)
         dv["input_ids"][:T].zero_()
-        dv["context_lens"][:S].zero_()
+        dv["context_lens"][:S].copy_(torch.tensor([0] * d + [pc] * n + [0], device=dev))
         dv["query_start"][:S + 1].copy_(torch.tensor([*range(d + n + 1), T], device=dev))
-        dv["seq_lens"][:S].copy_(torch.tensor([1] * (d + n) + [b - n], device=dev))
+        dv["seq_lens"][:S].copy_(torch.tensor([1] * d + [1 + pc] * n + [b - n], device=dev))
         dv["kda_slots"][:S].fill_(self.pool.scratch_slot)
         dv["logits_indices"][:d + n].copy_(torch.arange(d + n, device=dev))
         dv["block_table"].view(-1, self.max_pages)[:S].fill_(self.pool.scratch_page)

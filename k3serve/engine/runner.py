@@ -48,11 +48,16 @@ class ModelRunner:
         ``fixup`` = (flat positions, rows, tokens on the device): input tokens the previous step
         sampled that the host has not read yet (overlapped scheduling), copied in on the device."""
         t0 = time.perf_counter()
-        if (self.graphs is not None or self.prefill_graphs is not None) and all(s.samples for s in sched):
+        if self.graphs is not None or self.prefill_graphs is not None:
             chunks = self.chunks(sched)
-            static = next((g for g in (self.graphs, self.prefill_graphs) if g is not None and g.fits(chunks)), None)
+            sampling = all(s.samples for s in sched)
+            static = (self.graphs if self.graphs is not None and sampling and self.graphs.fits(chunks) else
+                      self.prefill_graphs if self.prefill_graphs is not None and self.prefill_graphs.fits(chunks)
+                      else None)
             if static is not None:
                 logits = static.run(chunks, fixup)
+                if not sampling:  # (a prompt's chunk before its last: its logits unused)
+                    logits = logits[to_device([i for i, s in enumerate(sched) if s.samples], self.device)]
                 self._forward_done()
                 self.timings["forward"] += time.perf_counter() - t0
                 self.graph_steps += static is self.graphs

@@ -87,6 +87,9 @@ class ForwardBatch:
     # graph): ops must not size anything from the host lists, which then only describe the step
     # the batch was built for. Static steps are decode rows, then new prompts (no context).
     static_shapes: bool = False
+    # A static step's latent rows of its prefill sequences (cached + new, back to back): a bound on
+    # their sum that sizes prefill_latents' device form (None: the step's prefill tokens).
+    static_latent_rows: int | None = None
 
     def token_range(self, i: int) -> tuple[int, int]:
         """[start, end) of sequence i's new tokens in the flat batch (host ints)."""
@@ -134,12 +137,7 @@ class ForwardBatch:
         a new prompt's latent rows are its tokens' own, and the longest count is bounded by the
         step's token count."""
         if self.static_shapes:
-            nd = self.num_decodes
-            qs = self.prefill_cu_seqlens[0]
-            first = qs[:-1]
-            seqs = torch.stack([first, first, torch.zeros_like(first), qs.diff()], 1).to(torch.int32)
-            page, offset = self.latent_page_offset
-            return page[nd:], offset[nd:], seqs, self.num_tokens - nd
+            return self._static_prefill_latents()
         nd = self.num_decodes
         cu = self.prefill_cu_seqlens[1]
         new = cu.diff()
@@ -152,6 +150,23 @@ class ForwardBatch:
         seq, pos = to_device(seq, dev), to_device(pos, dev)
         page = self.block_table[seq, pos // self.page_size]
         return page, pos % self.page_size, to_device(seqs, dev), int(new.max())
+
+    def _static_prefill_latents(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``prefill_latents`` from the device tensors alone (sizes static: a captured step): rows
+        past the sequences' own (up to ``static_latent_rows``) read page 0 and are never attended."""
+        nd = self.num_decodes
+        qs = self.prefill_cu_seqlens[0]
+        new = qs.diff()
+        ctx = self.context_lens[nd:]
+        starts = torch.cat([qs[:1], (ctx + new).cumsum(0)])  # first latent row of each sequence (qs[0] = 0)
+        rows = torch.arange(self.static_latent_rows or self.num_tokens - nd, device=qs.device)
+        seq = (torch.searchsorted(starts, rows, right=True) - 1).clamp(max=new.shape[0] - 1)
+        pos = rows - starts[seq]
+        table = self.block_table[nd:]
+        col = (pos // self.page_size).clamp(max=table.shape[1] - 1)
+        page = torch.where(rows < starts[-1], table[seq, col], 0).clamp_min(0)
+        seqs = torch.stack([qs[:-1], starts[:-1], ctx, new], 1).to(torch.int32)
+        return page, pos % self.page_size, seqs, self.num_tokens - nd
 
     @property
     def num_seqs(self) -> int:

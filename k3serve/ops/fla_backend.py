@@ -125,9 +125,11 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                                    lower_bound=gate[2])
         if cu_cpu is None:  # a static step (a CUDA graph): chunk indices built on the device
             in_kernel.update(use_graph=True, max_num_seqs=cu.shape[0] - 1)
+        init = None if fresh else state[slots]
+        if init is not None and batch.static_shapes:  # (no host zeroing there: new prompts' rows zeroed here)
+            init = torch.where(batch.has_context[nd:, None, None, None] > 0, init, 0.0)
         o, ht = _chunk_kda(q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
-                           beta[None, s:].float(), scale, None if fresh else state[slots], cu, cu_cpu, qk_normalized,
-                           **in_kernel)
+                           beta[None, s:].float(), scale, init, cu, cu_cpu, qk_normalized, **in_kernel)
         state[slots] = ht
         if nd == 0 and o.dtype == out.dtype:  # a prefill-only step: fla's output is the whole output
             return o[0]
