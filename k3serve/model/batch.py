@@ -85,7 +85,7 @@ class ForwardBatch:
     context_lens_host: list[int]
     # A shape-static step (engine/decode_graphs.py or prefill_graphs.py, possibly a captured CUDA
     # graph): ops must not size anything from the host lists, which then only describe the step
-    # the batch was built for. Static steps are decode rows, then new prompts (no context).
+    # the batch was built for. Static steps are decode rows (on context), then prompts.
     static_shapes: bool = False
     # A static step's latent rows of its prefill sequences (cached + new, back to back): a bound on
     # their sum that sizes prefill_latents' device form (None: the step's prefill tokens).
@@ -133,9 +133,8 @@ class ForwardBatch:
         one-launch prefill (``mla_prefill_varlen``): (page [sum S], offset in page [sum S],
         sequences [P, 4] int32 (first query row, first latent row, context, new tokens), the
         longest new-token count). Built once a step from the host lengths (no device sync); in a
-        static prefill step (new prompts after any decode rows) on the device from the static buffers:
-        a new prompt's latent rows are its tokens' own, and the longest count is bounded by the
-        step's token count."""
+        static prefill step on the device from the static tensors, the row count and the longest
+        count bounded (``_static_prefill_latents``)."""
         if self.static_shapes:
             return self._static_prefill_latents()
         nd = self.num_decodes

@@ -35,7 +35,8 @@ def available() -> bool:
 
 def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
     """Sequences without cached context start from a zero state (host-known, no device sync).
-    Static (graph) steps are decode-only: real rows have context, padding rows use the scratch slot."""
+    Static (graph) steps skip it: their decode rows have context (padding rows use the scratch
+    slot), and their new prompts' initial states are zeroed on the device (``kda_core``)."""
     if batch.static_shapes:
         return
     fresh = [i for i in seqs if batch.context_lens_host[i] == 0]
