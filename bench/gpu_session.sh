@@ -201,7 +201,9 @@ case "$1" in
                # replay vs static eager vs flat eager, timed; then the decode / prefill graphs' own checks again
     step pgctx "$(left 400)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts prefill_graphs_context,check --iters 10 --out /tmp/gpu_work
-    grep -v "^  File\|^    " "$OUT/pgctx.log" | tail -c 5000 ;;
+    step pgk3 "$(left 585)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_graphs \
+      --iters 5 --out /tmp/gpu_work/k3  # the prefill graphs on K3's layers too (AttnRes, MXFP4 experts)
+    grep -v "^  File\|^    " "$OUT/pgctx.log" | tail -c 5000; grep -A12 "| prompts" "$OUT/pgk3.log" ;;
   fladirect)  # fla's forward without its wrappers (fla_backend.DIRECT_FORWARD, off): the kda_core rows (fla_direct among
               # them), then kimi-linear-48b's eager prefill steps with it off and on, and a 512-token step's host time with it on
     step kda 200 python3 bench/gpu_check_model.py --skip-tiny --skip-slice
