@@ -138,18 +138,24 @@ def test_overlap_with_aborts_ends_clean(model):
     assert eng.pool.used_bytes == 0 and not eng.requests and not eng.scheduler.running
 
 
-def test_penalties_grammars_and_n_fall_back_to_plain_steps(model):
+@pytest.mark.parametrize("static", [False, True])
+def test_penalties_grammars_and_n_fall_back_to_plain_steps(model, static):
     """A request whose sampling reads the token history (penalties) or an n > 1 request before
-    its samples fork turns overlap off while it runs; results equal plain steps."""
+    its samples fork turns overlap off while it runs; results equal plain steps (also with
+    static decode and prefill steps: the forks' and the penalties' rows come out of them)."""
     reqs, arrivals = mixed_requests(3, 12)
     reqs[2] = (reqs[2][0], SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3,
                                           frequency_penalty=0.5, ignore_eos=True))
     reqs[5] = (reqs[5][0], SamplingParams(max_tokens=6, temperature=0.7, n=2, seed=9, ignore_eos=True))
+    kw = dict(decode_graphs="on", prefill_graphs="on", max_prefill_graph_tokens=40, max_prefill_graph_decodes=4) \
+        if static else {}
     a = run(engine(model, False), reqs, arrivals)
-    over = engine(model, True)
+    over = engine(model, True, **kw)
     b = run(over, reqs, arrivals)
     same(a, b)
     assert 0 < over.overlapped_steps < over.steps
+    if static:
+        assert over.runner.prefill_graph_steps > 0 and over.runner.graph_steps > 0
 
 
 def test_stop_strings_and_text_with_overlap(tmp_path_factory):
