@@ -112,6 +112,17 @@ def capture_graphs(forwards: dict, what: str, prepare=None) -> tuple[dict, dict]
     return graphs, outputs
 
 
+def write_pages(pool: UnifiedPool, table: np.ndarray, row0: int, chunks: list[SeqChunk], npages: np.ndarray,
+                slots: np.ndarray) -> None:
+    """Rows row0.. of a static step's host block table: each chunk's first ``npages`` pages, the
+    page and slot ids checked first (``check_ids``)."""
+    rows = row0 + np.repeat(np.arange(len(chunks)), npages)
+    pages = np.fromiter(chain.from_iterable(c.pages if p == len(c.pages) else c.pages[:p]
+                                            for c, p in zip(chunks, npages)), np.int64, rows.size)
+    check_ids(pool, pages, slots)
+    table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
+
+
 def fill_decode_rows(pool: UnifiedPool, chunks: list[SeqChunk], b: int, ids, ctx, seq, slots, mapping,
                      table) -> list[int]:
     """Rows 0..b of a static step's host arrays (numpy) for decode ``chunks`` (one token each) and
@@ -129,10 +140,7 @@ def fill_decode_rows(pool: UnifiedPool, chunks: list[SeqChunk], b: int, ids, ctx
     seq[:n] = ctx[:n] + 1
     slots[:n] = [c.kda_slot for c in chunks]
     table[:b] = -1
-    rows = np.repeat(np.arange(n), npages)
-    pages = np.fromiter(chain.from_iterable(c.pages for c in chunks), np.int64, rows.size)
-    check_ids(pool, pages, slots[:n])
-    table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
+    write_pages(pool, table, 0, chunks, npages, slots[:n])
     mapping[:n] = table[np.arange(n), ctx[:n] // ps] * ps + ctx[:n] % ps
     ids[n:b], ctx[n:b], seq[n:b], slots[n:b] = 0, 0, 1, pool.scratch_slot
     mapping[n:b] = pool.scratch_page * ps

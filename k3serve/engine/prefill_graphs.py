@@ -31,7 +31,7 @@ import torch
 from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
-from .decode_graphs import StaticInputs, bucket_sizes, capture_blockers, capture_graphs, check_ids, fill_decode_rows
+from .decode_graphs import StaticInputs, bucket_sizes, capture_blockers, capture_graphs, fill_decode_rows, write_pages
 from .transfer import fill_pending_tokens
 
 
@@ -150,9 +150,8 @@ class PrefillGraphs:
         for c, p, q in zip(prompts, npages, lens):
             if len(c.pages) < p:
                 raise ValueError(f"sequence with {c.context_len}+{q} tokens needs {p} pages of {ps}, got {len(c.pages)}")
-        rows = d + np.repeat(np.arange(n), npages)
-        pages = np.fromiter(chain.from_iterable(c.pages[:p] for c, p in zip(prompts, npages)), np.int64, rows.size)
-        check_ids(pool, pages, np.array([c.kda_slot for c in prompts], np.int64))
+        table[d:d + n + 1] = -1
+        write_pages(pool, table, d, prompts, npages, np.array([c.kda_slot for c in prompts], np.int64))
         ids[d:d + L] = list(chain.from_iterable(c.token_ids for c in prompts))
         ids[d + L:d + b] = 0
         qs = h["query_start"]
@@ -164,8 +163,6 @@ class PrefillGraphs:
         slots[d:d + n], slots[d + n] = [c.kda_slot for c in prompts], pool.scratch_slot
         h["logits_indices"][:d] = np.arange(d)
         h["logits_indices"][d:d + n] = qs[d + 1:d + n + 1] - 1
-        table[d:d + n + 1] = -1
-        table[rows, np.arange(rows.size) - np.repeat(np.cumsum(npages) - npages, npages)] = pages
         table[d + n] = pool.scratch_page  # the padding sequence: every position in the scratch page
         seq_of = d + np.repeat(np.arange(n), lens)
         pos = np.arange(L) - np.repeat(qs[d:d + n] - d, lens) + np.repeat(pctx, lens)
