@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -152,11 +153,12 @@ def slice_prefill(model, lengths, mm_ceiling) -> list[dict]:
     return rows
 
 
-def engine_48b(max_seqs: int, max_model_len: int, prefill_graphs: str) -> LLMEngine:
+def engine_48b(max_seqs: int, max_model_len: int, prefill_graphs: str, **config) -> LLMEngine:
     return LLMEngine.from_pretrained(None, preset="kimi-linear-48b", dtype="bfloat16", device="cuda",
                                      load_format="dummy", config=EngineConfig(
                                          max_num_seqs=max_seqs, max_model_len=max_model_len,
-                                         max_num_batched_tokens=max(8192, max_model_len), prefill_graphs=prefill_graphs))
+                                         max_num_batched_tokens=max(8192, max_model_len), prefill_graphs=prefill_graphs,
+                                         **config))
 
 
 def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto") -> list[dict]:
@@ -236,6 +238,44 @@ def engine_arrivals(running: int, arrivals: int, prompt_len: int, prefill_graphs
     return res  # (the engine goes with this frame; main collects it)
 
 
+def engine_turns(turns: int, system_len: int, user_len: int, new_tokens: int, max_context: int | None) -> dict:
+    """One user's multi-turn chat: each turn sends the whole history (system prompt, earlier turns
+    and answers) plus ``user_len`` new tokens, so the prefix cache holds all but the new part and
+    the step is a prompt on cached context (a static prefill step where ``max_context`` covers the
+    history; None: the engine's default). Mean time to first token of turns 2.., the engine's start
+    (load, compile and capture) and its prefill graphs."""
+    t0 = time.perf_counter()
+    eng = engine_48b(2, max(system_len + turns * (user_len + new_tokens) + 64, 33280), "auto",  # (a 32K server's graphs)
+                     **({} if max_context is None else dict(max_prefill_graph_context=max_context)))
+    start_s = time.perf_counter() - t0
+    max_context = eng.config.max_prefill_graph_context
+    vocab = eng.model.config.vocab_size - 300
+    res = {}
+    for attempt in ("warm-up", "timed"):
+        history, ttfts = torch.randint(0, vocab, (system_len,)).tolist(), []
+        before, reused = eng.runner.prefill_graph_steps, eng.prefix_stats()["tokens_reused"]
+        for turn in range(turns):
+            history = history + torch.randint(0, vocab, (user_len,)).tolist()
+            torch.cuda.synchronize()
+            t_add = time.perf_counter()
+            rid = eng.add_request(history, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+            t_first, answer = None, []
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.request_id == rid and out.outputs[0].token_ids:
+                        t_first = t_first or time.perf_counter()
+                        answer = list(out.outputs[0].token_ids)
+            ttfts.append(t_first - t_add)
+            history = history + answer
+        res = {"turns": turns, "system": system_len, "user": user_len, "max_prefill_graph_context": max_context,
+               "engine_start_s": round(start_s, 1), "prefill_graphs": len(getattr(eng.runner.prefill_graphs, "graphs", ())),
+               "ttft_ms_turn1": round(ttfts[0] * 1e3, 1),
+               "ttft_ms_later": round(sum(ttfts[1:]) / (turns - 1) * 1e3, 1), "tokens_reused": eng.prefix_stats()["tokens_reused"] - reused,
+               "prefill_graph_steps": eng.runner.prefill_graph_steps - before}
+        print(attempt, res, flush=True)
+    return res
+
+
 def hf_generate(batches, prompt_len, new_tokens) -> list[dict] | str:
     """HF transformers KimiLinearForCausalLM.generate on the same shape (random weights, bf16)."""
     try:
@@ -293,7 +333,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="slice,engine,hf", help="comma list of slice, engine, arrivals, hf")
+    ap.add_argument("--parts", default="slice,engine,hf", help="comma list of slice, engine, arrivals, turns, hf")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--prefill", default="8192,32768")
@@ -303,6 +343,7 @@ def main() -> None:
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
                     "(e.g. k3serve.model.mla.VARLEN_PREFILL=True: the engine's TTFT with an opt-in path)")
     args = ap.parse_args()
+    logging.basicConfig(level=os.environ.get("K3SERVE_LOG", "WARNING"))  # INFO: the graphs' capture times
     if args.set:
         from bench.overrides import set_constants
 
@@ -327,9 +368,15 @@ def main() -> None:
             res["arrivals_48b"].append(engine_arrivals(12, 8, 500, mode))
             gc.collect()
             torch.cuda.empty_cache()
+    if "turns" in parts:  # one user's chat, 6 turns on a 1,500-token system prompt, context graphs (default) / off
+        res["turns_48b"] = []
+        for max_context in (None, 0):
+            res["turns_48b"].append(engine_turns(6, 1500, 200, 16, max_context))
+            gc.collect()
+            torch.cuda.empty_cache()
     if "hf" in parts:
         res["hf_48b"] = hf_generate(ints(args.engine_batches), 512, 32)
-    for key in ("slice_decode", "slice_prefill", "engine_48b", "arrivals_48b", "hf_48b"):
+    for key in ("slice_decode", "slice_prefill", "engine_48b", "arrivals_48b", "turns_48b", "hf_48b"):
         if isinstance(res.get(key), list) and res[key]:
             print(f"\n### {key}\n{table(res[key])}")
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -127,13 +127,15 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
     for lens, decodes, context in cases:
         chunks = [SeqChunk([rng.randrange(1000)], len(t), s, p)
                   for s, p, t in prefill(model, pool, [rng.randrange(16, 300) for _ in range(decodes)], rng)]
+        whole = []  # each prompt with its context as one new prompt (the one-shot reference)
         for n in lens:  # on ``context`` cached tokens (prefilled here), or new
             slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(-(-(n + context) // PAGE))]
+            cached = [rng.randrange(1000) for _ in range(context)]
             if context:
                 with torch.inference_mode():
-                    model(ForwardBatch.build([SeqChunk([rng.randrange(1000) for _ in range(context)], 0, slot, pages)],
-                                             PAGE, "cuda"), pool.handles)
+                    model(ForwardBatch.build([SeqChunk(cached, 0, slot, pages)], PAGE, "cuda"), pool.handles)
             chunks.append(SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(n)], context, slot, pages))
+            whole.append(SeqChunk(cached + list(chunks[-1].token_ids), 0, pool.alloc_slot(), [pool.alloc_page() for _ in pages]))
         twins = [UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE) for _ in range(3)]
         for twin in twins:
             twin.buffer.copy_(pool.buffer)
@@ -147,6 +149,7 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
         same_shape = eager_step(model, twins[2], chunks + [filler])[:len(chunks)]  # (decode buckets: 1, 2, 4, 8, 16)
         static_eager = PrefillGraphs(model, twins[1], capture=False, **kw).run(chunks).clone()
         static = graphs.run(chunks).clone()
+        one_shot = eager_step(model, twins[0], whole) if context else None  # (fresh slots and pages)
         slot, pages, _ = bystander
         row = {"prompts": lens, "decodes": decodes, "context": context, "bucket": graphs.bucket_for(sum(lens), decodes),
                "vs_static_eager_max_rel_err": rel(static, static_eager),
@@ -159,6 +162,10 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
                "argmax_equal_flat": (static.argmax(-1) == eager.argmax(-1)).float().mean().item(),
                "bystander_untouched": torch.equal(pool.slot_bytes_of(slot), twins[0].slot_bytes_of(slot)) and all(
                    torch.equal(pool.page_bytes_of(p), twins[0].page_bytes_of(p)) for p in pages)}
+        if one_shot is not None:  # chunked on context vs one shot: how far the numerics alone move the logits
+            row |= {"static_vs_one_shot": rel(static, one_shot), "flat_eager_vs_one_shot": rel(eager, one_shot),
+                    "argmax_static_one_shot": (static.argmax(-1) == one_shot.argmax(-1)).float().mean().item(),
+                    "argmax_flat_eager_one_shot": (eager.argmax(-1) == one_shot.argmax(-1)).float().mean().item()}
         del twins
         row["eager_ms"] = round(timed(lambda: eager_step(model, pool, chunks), iters), 2)
         row["graph_ms"] = round(timed(lambda: graphs.run(chunks), iters), 2)

@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: prefillgraphs, prefillctx, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: prefillgraphs, prefillctx, ctxturns, defaults18, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -204,6 +204,20 @@ case "$1" in
     step pgk3 "$(left 585)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_graphs \
       --iters 5 --out /tmp/gpu_work/k3  # the prefill graphs on K3's layers too (AttnRes, MXFP4 experts)
     grep -v "^  File\|^    " "$OUT/pgctx.log" | tail -c 5000; grep -A12 "| prompts" "$OUT/pgk3.log" ;;
+  ctxturns)  # prompts on cached context in static prefill steps (check with one-shot reference columns), then one
+             # user's multi-turn chat through the engine with context graphs to 8,192 / off (bench.e2e --parts turns)
+    step pgctx "$(left 300)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts prefill_graphs_context --iters 10 --out /tmp/gpu_work
+    step turns "$(left 585)" python3 -m bench.e2e --parts turns --out /tmp/gpu_work
+    grep -v "^  File\|^    " "$OUT/pgctx.log" | tail -c 4000; grep "warm-up\|timed\|Error" "$OUT/turns.log"; grep -A5 "### turns" "$OUT/turns.log" ;;
+  defaults18)  # the eighteenth session's defaults (context graphs to 32K, 1.5x token buckets, fla direct): the engine
+               # (batch 1 / 16), the multi-turn chat (capture log), then the prefill graphs' check on K3's layers
+    step e2e_engine "$(left 150)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --out /tmp/gpu_work
+    export K3SERVE_LOG=INFO; step turns "$(left 330)" python3 -m bench.e2e --parts turns --out /tmp/gpu_work/t
+    step pgk3 "$(left 540)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_graphs \
+      --iters 5 --out /tmp/gpu_work/k3
+    grep -A6 "### engine_48b" "$OUT/e2e_engine.log"; grep "warm-up\|timed\|Error\|captured" "$OUT/turns.log" | cut -c1-300
+    grep -A12 "| prompts" "$OUT/pgk3.log" ;;
   fladirect)  # fla's forward without its wrappers (fla_backend.DIRECT_FORWARD, off): the kda_core rows (fla_direct among
               # them), then kimi-linear-48b's eager prefill steps with it off and on, and a 512-token step's host time with it on
     step kda 200 python3 bench/gpu_check_model.py --skip-tiny --skip-slice

@@ -88,8 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="prefill steps of new prompts under this many tokens replay CUDA graphs (0: none)")
     p.add_argument("--max-prefill-graph-decodes", type=int, default=16,
                    help="decode rows such a step may lead with (0: new prompts only)")
-    p.add_argument("--max-prefill-graph-context", type=int, default=0,
-                   help="prompts on up to this many cached tokens join such steps (0: off; not yet checked on a GPU)")
+    p.add_argument("--max-prefill-graph-context", type=int, default=32768,
+                   help="prompts on up to this many cached tokens (prefix-cache hits) join such steps (0: off)")
     p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured as a CUDA graph")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="overlap the host's scheduling and output processing with the GPU's step "

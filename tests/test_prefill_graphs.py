@@ -25,7 +25,9 @@ def model():
 
 
 def test_token_buckets_and_blockers():
-    assert token_buckets(2048) == [128, 256, 512, 1024, 2048]
+    assert token_buckets(2048) == [128, 256, 512, 768, 1024, 1536, 2048]
+    assert token_buckets(1200) == [128, 256, 512, 768, 1024, 1200]
+    assert token_buckets(4096, 1024, None) == [1024, 2048, 4096]
     assert token_buckets(300) == [128, 256, 300]
     assert token_buckets(100) == [100]
     assert prefill_blockers(torch.device("cpu")) == ["not a CUDA device"]

@@ -58,9 +58,10 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 2048
     max_prefill_graph_seqs: int = 1
     max_prefill_graph_decodes: int = 16  # decode rows such a step may lead with (0: new prompts only)
-    # Prompts on cached context (prefix-cache hits) in such steps, contexts up to this many tokens in
-    # power-of-two buckets from 1,024 (0: off; checked on CPU, not yet on a GPU)
-    max_prefill_graph_context: int = 0
+    # Prompts on cached context (prefix-cache hits: a chat's or an agent's next turn) in such steps,
+    # contexts up to this many tokens (and max_model_len) in power-of-two buckets from 1,024 (0:
+    # off). kimi-linear-48b, turns of 200 tokens on 1.5-2.6K of history: TTFT 91 -> 27 ms.
+    max_prefill_graph_context: int = 32768
     # Overlapped scheduling (SGLang's overlap scheduler, vLLM's --async-scheduling): step k+1 is
     # scheduled and launched before step k's tokens are read back, so host work hides behind the
     # GPU's. "auto": on CUDA; outputs then arrive one step later. Falls back to plain steps while
