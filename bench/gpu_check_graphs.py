@@ -119,7 +119,7 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
     bystander = prefill(model, pool, [100], rng)[0]
     t0 = time.perf_counter()
-    kw = dict(max_tokens=2048, max_seqs=2, max_decodes=16, max_pages=16) | graph_kw
+    kw = dict(max_tokens=2048, max_seqs=2, max_decodes=16, max_pages=16, drop_slower=False) | graph_kw  # (all kept)
     graphs = PrefillGraphs(model, pool, capture=True, **kw)
     capture_s = time.perf_counter() - t0
     rows = []
@@ -173,6 +173,24 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
         rows.append(row)
         print(row, flush=True)
         torch.cuda.empty_cache()
+    del graphs, pool
+    torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_calibration(model, pool_bytes, **graph_kw) -> list[dict]:
+    """The engine's prefill graphs (defaults but ``graph_kw``) timed as the engine times them after
+    capture: each key's replay (GPU ms) against the same step's eager launches (host ms); the
+    engine drops the keys whose replay is not faster."""
+    from k3serve.engine.prefill_graphs import PrefillGraphs
+
+    pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
+    graphs = PrefillGraphs(model, pool, capture=True, **(dict(max_decodes=16, max_pages=16) | graph_kw))
+    rows = [{"decodes": d, "prompts": n, "bucket": b, "context": c, "replay_ms": round(t, 2),
+             "eager_launch_ms": round(h, 2), "kept": (d, n, b, c) not in graphs.slower}
+            for (d, n, b, c), (t, h) in sorted(graphs.timings.items())]
+    for r in rows:
+        print(r, flush=True)
     del graphs, pool
     torch.cuda.empty_cache()
     return rows
@@ -439,7 +457,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, prefill_graphs, prefill_graphs_context, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
+                    help="comma-separated subset of check, timing, prefill_graphs, prefill_graphs_context, prefill_calibration, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
                          "prefill_ab (eager prefill steps under --ab's variants)")
     ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
     ap.add_argument("--ab-batches", default="1,16")
@@ -483,6 +501,9 @@ def main() -> None:
         res["prefill_graphs"] = res.get("prefill_graphs", []) + prefill_graphs_check(
             model, rng, [([200], 0, 900), ([37], 0, 3000), ([300, 20], 0, 1500)], 4 << 30, args.iters,
             max_seqs=2, max_decodes=0, max_pages=80, buckets=[128, 512], max_context=4096)
+    if "prefill_calibration" in parts:  # which buckets the engine keeps (replay faster than eager launches)
+        res["prefill_calibration"] = prefill_calibration(model, 4 << 30)
+        print("\n" + "\n".join(" | ".join(str(v) for v in r.values()) for r in res["prefill_calibration"]))
     if res.get("prefill_graphs"):
         print("\n| prompts | decodes | context | bucket | vs static eager | state equal | vs flat eager same shape | "
               "vs flat eager | argmax equal | bystander untouched | eager ms | graph ms |\n"

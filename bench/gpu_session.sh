@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: prefillgraphs, prefillctx, ctxturns, defaults18, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: prefillgraphs, prefillctx, ctxturns, defaults18, calib, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -218,6 +218,10 @@ case "$1" in
       --iters 5 --out /tmp/gpu_work/k3
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log"; grep "warm-up\|timed\|Error\|captured" "$OUT/turns.log" | cut -c1-300
     grep -A12 "| prompts" "$OUT/pgk3.log" ;;
+  calib)  # the engine's prefill graphs on K3's layers timed as the engine drops them (replay vs eager launches)
+    step calib "$(left "${CALIB_UNTIL:-170}")" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_calibration \
+      --out /tmp/gpu_work/k3
+    grep "replay_ms\|slower\|Error" "$OUT/calib.log" | cut -c1-400 ;;
   fladirect)  # fla's forward without its wrappers (fla_backend.DIRECT_FORWARD, off): the kda_core rows (fla_direct among
               # them), then kimi-linear-48b's eager prefill steps with it off and on, and a 512-token step's host time with it on
     step kda 200 python3 bench/gpu_check_model.py --skip-tiny --skip-slice

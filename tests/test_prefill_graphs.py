@@ -285,3 +285,21 @@ def test_context_buckets_fit_rules(model):
     assert not graphs.fits([SeqChunk([1], 9, slot, pages), p(5, 700)])  # no decode rows beside cached prompts
     plain = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[64])
     assert plain.context_buckets == [0] and not plain.fits([p(5, 700)])  # off by default
+
+
+def test_slower_buckets_run_eagerly(model):
+    """A bucket whose replay measured no faster than its eager launches is dropped: its steps no
+    longer fit (the runner takes them eagerly), the other buckets still do."""
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    graphs = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[16, 64])
+    slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(graphs.max_pages)]
+    small, large = SeqChunk([1] * 5, 0, slot, pages), SeqChunk([1] * 40, 0, slot, pages)
+    assert graphs.fits([small]) and graphs.fits([large])
+    graphs.graphs = {(0, 1, 16, 0): "graph 16", (0, 1, 64, 0): "graph 64"}  # (stand-ins: nothing replays here)
+    graphs.outputs = dict.fromkeys(graphs.graphs)
+    graphs.drop_slower({(0, 1, 16, 0): (3.0, 9.0), (0, 1, 64, 0): (41.5, 35.0)})
+    assert graphs.fits([small]) and not graphs.fits([large])
+    assert list(graphs.graphs) == [(0, 1, 16, 0)] and list(graphs.outputs) == [(0, 1, 16, 0)]
+    assert graphs.timings[(0, 1, 64, 0)] == (41.5, 35.0) and graphs.slower == {(0, 1, 64, 0)}
+    graphs.drop_slower({(0, 1, 16, 0): (9.0, 9.0)})  # not faster is not kept either
+    assert not graphs.fits([small]) and not graphs.fits([large]) and not graphs.graphs

@@ -14,15 +14,22 @@ block table's full width. On CUDA the graph captured for (d, n, b) replays the w
 the d + n sampled rows' logits; without CUDA (or before capture) the same padded step runs
 eagerly, which is how the CPU tests check it.
 
-Prompts on cached context (a prefix-cache hit: an agent's next turn) join only where context
-buckets are asked for (``max_context``, off by default: not yet run on a GPU): a step of such
-prompts (no decode rows) then runs at the smallest context bucket c >= their contexts' sum, its
-MLA prefill over c + b latent rows (``ForwardBatch.static_latent_rows``) and fla from the slots'
-states (zeros where a prompt is new). Other steps stay eager.
+Prompts on cached context (a prefix-cache hit: a chat's or an agent's next turn) join where context
+buckets are asked for (``max_context``; the engine's default 32,768): a step of such prompts (no
+decode rows) then runs at the smallest context bucket c >= their contexts' sum, its MLA prefill
+over c + b latent rows (``ForwardBatch.static_latent_rows``) and fla from the slots' states (zeros
+where a prompt is new). Other steps stay eager.
+
+A replay runs the bucket's GPU time; the eager step of fewer tokens runs the larger of its
+launches' host time and its own GPU time. So after capture every graph is timed against the same
+step's eager launches, and a bucket whose replay is not faster is dropped (its steps run eagerly):
+where the model is GPU-bound at that size, padding costs more than the launches it saves.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from itertools import chain
 
 import numpy as np
@@ -33,6 +40,8 @@ from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
 from .decode_graphs import StaticInputs, bucket_sizes, capture_blockers, capture_graphs, fill_decode_rows, write_pages
 from .transfer import fill_pending_tokens
+
+log = logging.getLogger(__name__)
 
 
 def prefill_blockers(device: torch.device) -> list[str]:
@@ -81,10 +90,11 @@ MIXED_MAX_TOKENS = 512
 class PrefillGraphs:
     def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_tokens: int = 2048, max_seqs: int = 1,
                  max_decodes: int = 0, max_pages: int = 0, capture: bool = True, buckets: list[int] | None = None,
-                 mixed_max_tokens: int = MIXED_MAX_TOKENS, max_context: int = 0):
+                 mixed_max_tokens: int = MIXED_MAX_TOKENS, max_context: int = 0, drop_slower: bool = True):
         """``max_decodes``: decode rows a step may lead with (0: none); ``max_pages``: the block
         table's width (a decode row's or a cached prompt's pages; the engine's max_model_len);
-        ``max_context``: the largest context bucket for prompts on cached context (0: none)."""
+        ``max_context``: the largest context bucket for prompts on cached context (0: none);
+        ``drop_slower``: after capture, drop the graphs not faster than their eager step."""
         if max_seqs < 1 or max_tokens < 2 or max_decodes < 0:
             raise ValueError(f"prefill graphs need max_seqs >= 1, max_tokens >= 2 and max_decodes >= 0, "
                              f"got {max_seqs}, {max_tokens}, {max_decodes}")
@@ -103,8 +113,13 @@ class PrefillGraphs:
         self.dev = self.inputs.dev
         self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        # key -> (replay ms, eager launches' host ms) as measured after capture; keys run eagerly
+        self.timings: dict[tuple[int, int, int, int], tuple[float, float]] = {}
+        self.slower: set[tuple[int, int, int, int]] = set()
         if capture:
             self._capture_all()
+            if drop_slower:
+                self.drop_slower(self.time_all())
 
     # ---- per step -------------------------------------------------------------------------
     def bucket_for(self, tokens: int, decodes: int = 0) -> int | None:
@@ -132,7 +147,7 @@ class PrefillGraphs:
         c = next((c for c in self.context_buckets if c >= context), None)
         d = self.decode_bucket_for(nd)
         b = self.bucket_for(sum(len(p.token_ids) for p in prompts), d or 0)
-        if d is None or b is None or c is None or (c and d):
+        if d is None or b is None or c is None or (c and d) or (d, len(prompts), b, c) in self.slower:
             return None
         return nd, d, b, c
 
@@ -214,10 +229,48 @@ class PrefillGraphs:
         keys = [(d, n, b, c) for c in reversed(self.context_buckets) for b in reversed(self.buckets)
                 for d in reversed(self.decode_buckets) for n in range(1, self.max_seqs + 1)
                 if n < b and (d == 0 or b <= self.mixed_max_tokens) and not (c and d)]
-        hosts = {(d, n, b, c): ([1] * (d + n) + [b - n], [1] * d + [int(c > 0)] * n + [0]) for d, n, b, c in keys}
-        self.graphs, self.outputs = capture_graphs(
-            {k: (lambda k=k: self._forward(self._static_batch(*k, *hosts[k]))) for k in keys},
-            "prefill", prepare=lambda key: self._fill_scratch(*key))
+        self.graphs, self.outputs = capture_graphs({k: (lambda k=k: self._scratch_forward(k)) for k in keys},
+                                                   "prefill", prepare=lambda key: self._fill_scratch(*key))
+
+    def _scratch_forward(self, key: tuple[int, int, int, int]) -> torch.Tensor:
+        """The static step of ``key`` on the scratch buffers (``_fill_scratch``), eagerly."""
+        d, n, b, c = key
+        return self._forward(self._static_batch(d, n, b, c, [1] * (d + n) + [b - n], [1] * d + [int(c > 0)] * n + [0]))
+
+    def time_all(self, repeats: int = 2) -> dict[tuple[int, int, int, int], tuple[float, float]]:
+        """Each captured key's (replay GPU ms, eager step's host ms), the best of ``repeats``, on
+        the scratch buffers (live state untouched). The eager figure is the launches alone (the
+        GPU drained first), what the eager step costs at least."""
+        timings = {}
+        for key, graph in self.graphs.items():
+            self._fill_scratch(*key)
+            host, gpu = [], []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                self._scratch_forward(key)
+                host.append((time.perf_counter() - t0) * 1e3)
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                gpu.append(start.elapsed_time(end))
+            timings[key] = (min(gpu), min(host))
+        return timings
+
+    def drop_slower(self, timings: dict[tuple[int, int, int, int], tuple[float, float]]) -> None:
+        """Drop the graphs whose replay (ms) is not below the eager step's launches (ms): a step
+        of fewer tokens costs eagerly at most max(launches, the bucket's GPU time)."""
+        self.timings.update(timings)
+        self.slower |= {k for k, (replay, eager_host) in timings.items() if replay >= eager_host}
+        for k in self.slower:
+            self.graphs.pop(k, None)
+            self.outputs.pop(k, None)
+        if self.slower:
+            log.info("prefill graphs slower than their eager launches, run eagerly: %s",
+                     {k: tuple(round(x, 1) for x in timings[k]) for k in sorted(self.slower)})
 
     def _fill_scratch(self, d: int, n: int, b: int, c: int) -> None:
         """The device buffers of a step of d decode rows and n one-token prompts (on one token of
