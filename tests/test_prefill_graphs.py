@@ -5,6 +5,7 @@ them generates the same tokens. On CPU the static step runs eagerly; on CUDA the
 captured (checked on the device by bench/gpu_check_graphs.py --parts prefill_graphs)."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -303,3 +304,48 @@ def test_slower_buckets_run_eagerly(model):
     assert graphs.timings[(0, 1, 64, 0)] == (41.5, 35.0) and graphs.slower == {(0, 1, 64, 0)}
     graphs.drop_slower({(0, 1, 16, 0): (9.0, 9.0)})  # not faster is not kept either
     assert not graphs.fits([small]) and not graphs.fits([large]) and not graphs.graphs
+
+
+def test_time_all_times_replay_against_eager_launches(model, monkeypatch):
+    """``time_all`` on CPU with stand-ins for the CUDA timing calls and the graphs: every key's
+    eager step runs on the scratch buffers (live state untouched), its replay is timed, and the
+    measured pair decides what ``drop_slower`` keeps."""
+    class Event:  # a CUDA event's timing contract on the host clock
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
+    graphs = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[16, 64])
+    live = pool.alloc_slot()
+    before = pool.slot_bytes_of(live).clone()
+    replays = []
+
+    class Graph:
+        def __init__(self, key, ms):
+            self.key, self.ms = key, ms
+
+        def replay(self):
+            replays.append(self.key)
+            time.sleep(self.ms / 1e3)
+
+    graphs.graphs = {(0, 1, 16, 0): Graph((0, 1, 16, 0), 0.0), (0, 1, 64, 0): Graph((0, 1, 64, 0), 50.0)}
+    graphs.outputs = dict.fromkeys(graphs.graphs)
+    timings = graphs.time_all(repeats=1)
+    assert replays == [(0, 1, 16, 0), (0, 1, 64, 0)]
+    assert all(replay >= 0 and eager > 0 for replay, eager in timings.values())
+    assert timings[(0, 1, 64, 0)][0] >= 50.0  # the replay's time, not the eager step's
+    assert torch.equal(pool.slot_bytes_of(live), before)
+    graphs.drop_slower(timings)
+    assert graphs.slower == {k for k, (replay, eager) in timings.items() if replay >= eager}
+    assert set(graphs.graphs) == set(timings) - graphs.slower

@@ -270,7 +270,7 @@ class PrefillGraphs:
             self.outputs.pop(k, None)
         if self.slower:
             log.info("prefill graphs slower than their eager launches, run eagerly: %s",
-                     {k: tuple(round(x, 1) for x in timings[k]) for k in sorted(self.slower)})
+                     {k: tuple(round(x, 1) for x in self.timings[k]) for k in sorted(self.slower)})
 
     def _fill_scratch(self, d: int, n: int, b: int, c: int) -> None:
         """The device buffers of a step of d decode rows and n one-token prompts (on one token of
