@@ -163,9 +163,10 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
                "bystander_untouched": torch.equal(pool.slot_bytes_of(slot), twins[0].slot_bytes_of(slot)) and all(
                    torch.equal(pool.page_bytes_of(p), twins[0].page_bytes_of(p)) for p in pages)}
         if one_shot is not None:  # chunked on context vs one shot: how far the numerics alone move the logits
-            row |= {"static_vs_one_shot": rel(static, one_shot), "flat_eager_vs_one_shot": rel(eager, one_shot),
-                    "argmax_static_one_shot": (static.argmax(-1) == one_shot.argmax(-1)).float().mean().item(),
-                    "argmax_flat_eager_one_shot": (eager.argmax(-1) == one_shot.argmax(-1)).float().mean().item()}
+            s_p, e_p = static[decodes:], eager[decodes:]  # (the prompts' rows)
+            row |= {"static_vs_one_shot": rel(s_p, one_shot), "flat_eager_vs_one_shot": rel(e_p, one_shot),
+                    "argmax_static_one_shot": (s_p.argmax(-1) == one_shot.argmax(-1)).float().mean().item(),
+                    "argmax_flat_eager_one_shot": (e_p.argmax(-1) == one_shot.argmax(-1)).float().mean().item()}
         del twins
         row["eager_ms"] = round(timed(lambda: eager_step(model, pool, chunks), iters), 2)
         row["graph_ms"] = round(timed(lambda: graphs.run(chunks), iters), 2)
@@ -457,7 +458,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, prefill_graphs, prefill_graphs_context, prefill_calibration, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
+                    help="comma-separated subset of check, timing, prefill_graphs, prefill_graphs_context, prefill_graphs_context_decodes, prefill_calibration, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
                          "prefill_ab (eager prefill steps under --ab's variants)")
     ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
     ap.add_argument("--ab-batches", default="1,16")
@@ -501,6 +502,10 @@ def main() -> None:
         res["prefill_graphs"] = res.get("prefill_graphs", []) + prefill_graphs_check(
             model, rng, [([200], 0, 900), ([37], 0, 3000), ([300, 20], 0, 1500)], 4 << 30, args.iters,
             max_seqs=2, max_decodes=0, max_pages=80, buckets=[128, 512], max_context=4096)
+    if "prefill_graphs_context_decodes" in parts:  # ... after decode rows (prefill_graph_context_decodes)
+        res["prefill_graphs"] = res.get("prefill_graphs", []) + prefill_graphs_check(
+            model, rng, [([200], 4, 900), ([37], 16, 3000), ([300, 20], 1, 1500)], 4 << 30, args.iters,
+            max_seqs=2, max_decodes=16, max_pages=80, buckets=[128, 512], max_context=4096, context_decodes=True)
     if "prefill_calibration" in parts:  # which buckets the engine keeps (replay faster than eager launches)
         res["prefill_calibration"] = prefill_calibration(model, 4 << 30)
         print("\n" + "\n".join(" | ".join(str(v) for v in r.values()) for r in res["prefill_calibration"]))

@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: prefillgraphs, prefillctx, ctxturns, defaults18, calib, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: prefillgraphs, prefillctx, ctxturns, defaults18, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -222,6 +222,14 @@ case "$1" in
     step calib "$(left "${CALIB_UNTIL:-170}")" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_calibration \
       --out /tmp/gpu_work/k3
     grep "replay_ms\|slower\|Error" "$OUT/calib.log" | cut -c1-400 ;;
+  ctxdecodes)  # prompts on cached context after decode rows (EngineConfig.prefill_graph_context_decodes, off): the replay
+               # vs static eager vs flat eager, timed; the buckets the engine would drop on K3's layers; the engine
+    step pgcd "$(left 300)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts prefill_graphs_context_decodes,prefill_calibration --iters 10 --out /tmp/gpu_work
+    step calib "$(left 450)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_calibration --out /tmp/gpu_work/k3
+    step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --out /tmp/gpu_work
+    grep -v "^  File\|^    " "$OUT/pgcd.log" | tail -c 6000; grep "replay_ms\|Error" "$OUT/calib.log" | cut -c1-300
+    grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
   fladirect)  # fla's forward without its wrappers (fla_backend.DIRECT_FORWARD, off): the kda_core rows (fla_direct among
               # them), then kimi-linear-48b's eager prefill steps with it off and on, and a 512-token step's host time with it on
     step kda 200 python3 bench/gpu_check_model.py --skip-tiny --skip-slice

@@ -166,7 +166,7 @@ def test_static_prefill_refuses_missing_pages_and_ids_outside_the_pool(model):
     graphs.run([SeqChunk([7, 8], 0, slot, [page])])  # in range: runs
 
 
-@pytest.mark.parametrize("system, decodes, context", [(0, 0, 0), (24, 0, 0), (0, 4, 0), (24, 0, 128)])
+@pytest.mark.parametrize("system, decodes, context", [(0, 0, 0), (24, 0, 0), (0, 4, 0), (24, 0, 128), (24, 4, 128)])
 def test_engine_with_static_prefill_generates_the_same_tokens(model, system, decodes, context):
     """New prompts through static prefill steps (one or two a step), the rest eager: chunked long
     prompts, and with a shared system prompt prefix-cache hits (cached context: eager)."""
@@ -177,7 +177,8 @@ def test_engine_with_static_prefill_generates_the_same_tokens(model, system, dec
                                                    decode_graphs="off", prefill_graphs=mode,
                                                    max_prefill_graph_tokens=40, max_prefill_graph_seqs=2,
                                                    max_prefill_graph_decodes=decodes,
-                                                   max_prefill_graph_context=context))
+                                                   max_prefill_graph_context=context,
+                                                   prefill_graph_context_decodes=bool(decodes and context)))
 
     rng = random.Random(11 + system)
     head = [rng.randrange(1500) for _ in range(system)]
@@ -234,29 +235,33 @@ def _cached(model, pool, ctx_len, new_len, rng):
     return SeqChunk([rng.randrange(1500) for _ in range(new_len)], ctx_len, slot, pages)
 
 
-@pytest.mark.parametrize("prompts", [[(19, 6)], [(40, 25)], [(0, 9), (33, 12)], [(70, 2), (5, 30)]])
-def test_prompts_on_cached_context_equal_eager(model, prompts):
-    """Context buckets (``max_context``): prompts on cached context (and new ones beside them) in a
-    static step equal the eager step; their slots and pages, a bystander's and the rest of the pool
-    as the eager run leaves them; the device-built latent rows cover each prompt's context."""
-    rng = random.Random(len(prompts) + prompts[0][0])
+@pytest.mark.parametrize("prompts, decodes", [([(19, 6)], []), ([(40, 25)], []), ([(0, 9), (33, 12)], []),
+                                             ([(70, 2), (5, 30)], []), ([(40, 25)], [7]), ([(0, 9), (33, 12)], [5, 30])])
+def test_prompts_on_cached_context_equal_eager(model, prompts, decodes):
+    """Context buckets (``max_context``): prompts on cached context (and new ones beside them, and
+    with ``context_decodes`` decode rows before them) in a static step equal the eager step; their
+    slots and pages, a bystander's and the rest of the pool as the eager run leaves them; the
+    device-built latent rows cover each prompt's context."""
+    rng = random.Random(len(prompts) + prompts[0][0] + len(decodes))
     pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
     b_slot, b_pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(3)]
     with torch.inference_mode():
         model(ForwardBatch.build([SeqChunk([rng.randrange(1500) for _ in range(17)], 0, b_slot, b_pages)], PAGE),
               pool.handles)
-    chunks = [_cached(model, pool, c, n, rng) if c else
-              SeqChunk([rng.randrange(1500) for _ in range(n)], 0, pool.alloc_slot(),
-                       [pool.alloc_page() for _ in range(-(-n // PAGE))]) for c, n in prompts]
+    chunks = _decoding(model, pool, decodes, rng) + [
+        _cached(model, pool, c, n, rng) if c else
+        SeqChunk([rng.randrange(1500) for _ in range(n)], 0, pool.alloc_slot(),
+                 [pool.alloc_page() for _ in range(-(-n // PAGE))]) for c, n in prompts]
+    nd = len(decodes)
     twin = _twin(model, pool)
     with torch.inference_mode():
         batch = ForwardBatch.build(chunks, PAGE)
         eager = model.compute_logits(model(batch, twin.handles)[batch.logits_indices])
     graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, capture=False,
-                           buckets=[16, 32, 64], max_context=128)
+                           buckets=[16, 32, 64], max_context=128, mixed_max_tokens=64, context_decodes=bool(nd))
     assert graphs.context_buckets == [0, 128] and graphs.max_pages >= (128 + 64) // PAGE
-    nd, d, b, c = graphs._split(chunks)
-    assert (nd, d, c) == (0, 0, 128) and b > sum(n for _, n in prompts)
+    assert graphs._split(chunks) == (nd, nd, graphs.bucket_for(sum(n for _, n in prompts), nd), 128)
+    _, d, b, c = graphs._split(chunks)
     static = graphs.run(chunks)
     torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
     live = slice(0, pool.total_bytes)
@@ -264,13 +269,13 @@ def test_prompts_on_cached_context_equal_eager(model, prompts):
                                rtol=1e-5, atol=1e-5)
     assert torch.equal(pool.slot_bytes_of(b_slot), twin.slot_bytes_of(b_slot))
     # the device-built latent rows (what a captured step's MLA prefill reads) equal the host-built ones
-    qlens, ctx = graphs._fill_host(chunks, 0, 0, b)
+    qlens, ctx = graphs._fill_host(chunks, nd, d, b)
     graphs.inputs.upload()
-    page, offset, seqs, max_new = graphs._static_batch(0, len(chunks), b, c, qlens, ctx).prefill_latents
+    page, offset, seqs, max_new = graphs._static_batch(d, len(prompts), b, c, qlens, ctx).prefill_latents
     h_page, h_offset, h_seqs, _ = batch.prefill_latents
     rows = h_page.shape[0]
     assert page.shape[0] == c + b and torch.equal(page[:rows], h_page) and torch.equal(offset[:rows], h_offset)
-    assert torch.equal(seqs[:len(chunks)], h_seqs) and max_new == b
+    assert torch.equal(seqs[:len(prompts)], h_seqs) and max_new == b
 
 
 def test_context_buckets_fit_rules(model):
@@ -284,6 +289,10 @@ def test_context_buckets_fit_rules(model):
     assert graphs._split([p(5, 700), p(5, 600)]) == (0, 0, 16, 2048)  # the contexts' sum
     assert graphs._split([p(5, 3000)]) == (0, 0, 16, 3000) and not graphs.fits([p(5, 3001)])
     assert not graphs.fits([SeqChunk([1], 9, slot, pages), p(5, 700)])  # no decode rows beside cached prompts
+    both = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, capture=False,
+                         buckets=[16, 64], max_context=3000, context_decodes=True, mixed_max_tokens=16)
+    assert both._split([SeqChunk([1], 9, slot, pages), p(5, 700)]) == (1, 1, 16, 1024)  # unless asked for
+    assert not both.fits([SeqChunk([1], 9, slot, pages), p(20, 700)])  # (the mixed steps' token cap)
     plain = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[64])
     assert plain.context_buckets == [0] and not plain.fits([p(5, 700)])  # off by default
 

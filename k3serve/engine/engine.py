@@ -62,6 +62,10 @@ class EngineConfig:
     # contexts up to this many tokens (and max_model_len) in power-of-two buckets from 1,024 (0:
     # off). kimi-linear-48b, turns of 200 tokens on 1.5-2.6K of history: TTFT 91 -> 27 ms.
     max_prefill_graph_context: int = 32768
+    # ... and such prompts after decode rows (another user's next turn while others decode): decode
+    # buckets x 3 token buckets x context buckets more graphs (90 with the defaults). Checked on
+    # CPU, not yet on a GPU (bash bench/gpu_session.sh ctxdecodes), so off.
+    prefill_graph_context_decodes: bool = False
     # Overlapped scheduling (SGLang's overlap scheduler, vLLM's --async-scheduling): step k+1 is
     # scheduled and launched before step k's tokens are read back, so host work hides behind the
     # GPU's. "auto": on CUDA; outputs then arrive one step later. Falls back to plain steps while
@@ -268,7 +272,8 @@ class LLMEngine:
                                      self.model, self.pool, tokens, min(cfg.max_prefill_graph_seqs, cfg.max_num_seqs),
                                      min(cfg.max_prefill_graph_decodes, cfg.max_num_seqs - 1),
                                      -(-self.max_model_len // cfg.page_size), capture=capture,
-                                     max_context=min(cfg.max_prefill_graph_context, self.max_model_len)))
+                                     max_context=min(cfg.max_prefill_graph_context, self.max_model_len),
+                                     context_decodes=cfg.prefill_graph_context_decodes))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

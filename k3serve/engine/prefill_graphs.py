@@ -16,7 +16,8 @@ eagerly, which is how the CPU tests check it.
 
 Prompts on cached context (a prefix-cache hit: a chat's or an agent's next turn) join where context
 buckets are asked for (``max_context``; the engine's default 32,768): a step of such prompts (no
-decode rows) then runs at the smallest context bucket c >= their contexts' sum, its MLA prefill
+decode rows, unless ``context_decodes``) then runs at the smallest context bucket c >= their
+contexts' sum, its MLA prefill
 over c + b latent rows (``ForwardBatch.static_latent_rows``) and fla from the slots' states (zeros
 where a prompt is new). Other steps stay eager.
 
@@ -90,11 +91,14 @@ MIXED_MAX_TOKENS = 512
 class PrefillGraphs:
     def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_tokens: int = 2048, max_seqs: int = 1,
                  max_decodes: int = 0, max_pages: int = 0, capture: bool = True, buckets: list[int] | None = None,
-                 mixed_max_tokens: int = MIXED_MAX_TOKENS, max_context: int = 0, drop_slower: bool = True):
+                 mixed_max_tokens: int = MIXED_MAX_TOKENS, max_context: int = 0, drop_slower: bool = True,
+                 context_decodes: bool = False):
         """``max_decodes``: decode rows a step may lead with (0: none); ``max_pages``: the block
         table's width (a decode row's or a cached prompt's pages; the engine's max_model_len);
         ``max_context``: the largest context bucket for prompts on cached context (0: none);
-        ``drop_slower``: after capture, drop the graphs not faster than their eager step."""
+        ``drop_slower``: after capture, drop the graphs not faster than their eager step;
+        ``context_decodes``: decode rows may lead prompts on cached context too (a multi-user
+        chat's next turn: decode buckets x mixed token buckets x context buckets more graphs)."""
         if max_seqs < 1 or max_tokens < 2 or max_decodes < 0:
             raise ValueError(f"prefill graphs need max_seqs >= 1, max_tokens >= 2 and max_decodes >= 0, "
                              f"got {max_seqs}, {max_tokens}, {max_decodes}")
@@ -102,7 +106,7 @@ class PrefillGraphs:
         self.page_size = ps = pool.layout.page_size
         self.buckets = sorted(buckets) if buckets else token_buckets(max_tokens)
         self.decode_buckets = [0] + (bucket_sizes(max_decodes) if max_decodes else [])
-        self.max_seqs, self.mixed_max_tokens = max_seqs, mixed_max_tokens
+        self.max_seqs, self.mixed_max_tokens, self.context_decodes = max_seqs, mixed_max_tokens, context_decodes
         B, D, S = self.buckets[-1], self.decode_buckets[-1], max_seqs + 1  # S: the prompts and the padding
         self.context_buckets = [0] + (token_buckets(max_context, CONTEXT_SMALLEST, None) if max_context else [])
         self.max_pages = max(max_pages, -(-(B + self.context_buckets[-1]) // ps))
@@ -134,7 +138,7 @@ class PrefillGraphs:
         else None: decode rows (one token on cached context) first, then 1..max_seqs prompts of 2+
         tokens (a one-token prompt is a decode row in the eager step, run by the decode kernels;
         here it would take the prefill ones), new ones, or on cached context within a context
-        bucket in a step without decode rows."""
+        bucket (in a step without decode rows unless ``context_decodes``)."""
         nd = 0
         while nd < len(chunks) and len(chunks[nd].token_ids) == 1 and chunks[nd].context_len > 0:
             nd += 1
@@ -147,7 +151,8 @@ class PrefillGraphs:
         c = next((c for c in self.context_buckets if c >= context), None)
         d = self.decode_bucket_for(nd)
         b = self.bucket_for(sum(len(p.token_ids) for p in prompts), d or 0)
-        if d is None or b is None or c is None or (c and d) or (d, len(prompts), b, c) in self.slower:
+        if d is None or b is None or c is None or (c and d and not self.context_decodes) \
+                or (d, len(prompts), b, c) in self.slower:
             return None
         return nd, d, b, c
 
@@ -228,7 +233,7 @@ class PrefillGraphs:
         DecodeGraphs' capture does (no fresh rows baked in), and for a context key's prompts."""
         keys = [(d, n, b, c) for c in reversed(self.context_buckets) for b in reversed(self.buckets)
                 for d in reversed(self.decode_buckets) for n in range(1, self.max_seqs + 1)
-                if n < b and (d == 0 or b <= self.mixed_max_tokens) and not (c and d)]
+                if n < b and (d == 0 or b <= self.mixed_max_tokens) and not (c and d and not self.context_decodes)]
         self.graphs, self.outputs = capture_graphs({k: (lambda k=k: self._scratch_forward(k)) for k in keys},
                                                    "prefill", prepare=lambda key: self._fill_scratch(*key))
 
