@@ -238,39 +238,57 @@ def engine_arrivals(running: int, arrivals: int, prompt_len: int, prefill_graphs
     return res  # (the engine goes with this frame; main collects it)
 
 
-def engine_turns(turns: int, system_len: int, user_len: int, new_tokens: int, max_context: int | None) -> dict:
-    """One user's multi-turn chat: each turn sends the whole history (system prompt, earlier turns
+def engine_turns(turns: int, system_len: int, user_len: int, new_tokens: int, users: int = 1, **config) -> dict:
+    """Multi-turn chats: each turn sends the user's whole history (own system prompt, earlier turns
     and answers) plus ``user_len`` new tokens, so the prefix cache holds all but the new part and
-    the step is a prompt on cached context (a static prefill step where ``max_context`` covers the
-    history; None: the engine's default). Mean time to first token of turns 2.., the engine's start
+    the step is a prompt on cached context (a static prefill step where the engine's context
+    buckets cover the history). Several ``users`` start a few steps apart, so each next turn
+    arrives while the others decode (static only with ``prefill_graph_context_decodes``).
+    ``config``: EngineConfig fields. Mean time to first token of turns 2.., the engine's start
     (load, compile and capture) and its prefill graphs."""
     t0 = time.perf_counter()
-    eng = engine_48b(2, max(system_len + turns * (user_len + new_tokens) + 64, 33280), "auto",  # (a 32K server's graphs)
-                     **({} if max_context is None else dict(max_prefill_graph_context=max_context)))
+    history_max = system_len + turns * (user_len + new_tokens) + 64
+    eng = engine_48b(users + 1, max(history_max, 33280), "auto", **config)  # (a 32K server's graphs)
     start_s = time.perf_counter() - t0
-    max_context = eng.config.max_prefill_graph_context
     vocab = eng.model.config.vocab_size - 300
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    gap = max(1, new_tokens // users)  # steps between the users' first turns
     res = {}
     for attempt in ("warm-up", "timed"):
-        history, ttfts = torch.randint(0, vocab, (system_len,)).tolist(), []
+        histories = [torch.randint(0, vocab, (system_len,)).tolist() for _ in range(users)]
+        done, first_ttfts, later_ttfts, pending = [0] * users, [], [], {}  # pending: rid -> [user, t_add, t_first]
         before, reused = eng.runner.prefill_graph_steps, eng.prefix_stats()["tokens_reused"]
-        for turn in range(turns):
-            history = history + torch.randint(0, vocab, (user_len,)).tolist()
-            torch.cuda.synchronize()
-            t_add = time.perf_counter()
-            rid = eng.add_request(history, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-            t_first, answer = None, []
-            while eng.has_unfinished_requests():
-                for out in eng.step():
-                    if out.request_id == rid and out.outputs[0].token_ids:
-                        t_first = t_first or time.perf_counter()
-                        answer = list(out.outputs[0].token_ids)
-            ttfts.append(t_first - t_add)
-            history = history + answer
-        res = {"turns": turns, "system": system_len, "user": user_len, "max_prefill_graph_context": max_context,
-               "engine_start_s": round(start_s, 1), "prefill_graphs": len(getattr(eng.runner.prefill_graphs, "graphs", ())),
-               "ttft_ms_turn1": round(ttfts[0] * 1e3, 1),
-               "ttft_ms_later": round(sum(ttfts[1:]) / (turns - 1) * 1e3, 1), "tokens_reused": eng.prefix_stats()["tokens_reused"] - reused,
+
+        def submit(u):
+            histories[u] = histories[u] + torch.randint(0, vocab, (user_len,)).tolist()
+            pending[eng.add_request(histories[u], params)] = [u, time.perf_counter(), None]
+
+        steps = 0
+        while pending or steps <= gap * (users - 1):
+            if steps % gap == 0 and steps // gap < users:
+                submit(steps // gap)
+            steps += 1
+            for out in eng.step():
+                p = pending.get(out.request_id)
+                if p is None:
+                    continue
+                if out.outputs[0].token_ids and p[2] is None:
+                    p[2] = time.perf_counter()
+                if out.finished:
+                    u = p[0]
+                    (later_ttfts if done[u] else first_ttfts).append(p[2] - p[1])
+                    histories[u] = histories[u] + list(out.outputs[0].token_ids)
+                    del pending[out.request_id]
+                    done[u] += 1
+                    if done[u] < turns:
+                        submit(u)
+        res = {"users": users, "turns": turns, "system": system_len, "user": user_len,
+               "max_prefill_graph_context": eng.config.max_prefill_graph_context,
+               "context_decodes": eng.config.prefill_graph_context_decodes, "engine_start_s": round(start_s, 1),
+               "prefill_graphs": len(getattr(eng.runner.prefill_graphs, "graphs", ())),
+               "ttft_ms_turn1": round(sum(first_ttfts) / len(first_ttfts) * 1e3, 1),
+               "ttft_ms_later": round(sum(later_ttfts) / len(later_ttfts) * 1e3, 1),
+               "tokens_reused": eng.prefix_stats()["tokens_reused"] - reused,
                "prefill_graph_steps": eng.runner.prefill_graph_steps - before}
         print(attempt, res, flush=True)
     return res
@@ -333,7 +351,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="slice,engine,hf", help="comma list of slice, engine, arrivals, turns, hf")
+    ap.add_argument("--parts", default="slice,engine,hf", help="comma list of slice, engine, arrivals, turns, turns4, hf")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--prefill", default="8192,32768")
@@ -368,15 +386,21 @@ def main() -> None:
             res["arrivals_48b"].append(engine_arrivals(12, 8, 500, mode))
             gc.collect()
             torch.cuda.empty_cache()
-    if "turns" in parts:  # one user's chat, 6 turns on a 1,500-token system prompt, context graphs (default) / off
-        res["turns_48b"] = []
-        for max_context in (None, 0):
-            res["turns_48b"].append(engine_turns(6, 1500, 200, 16, max_context))
-            gc.collect()
-            torch.cuda.empty_cache()
+    # multi-turn chats, 6 turns on a 1,500-token system prompt: one user with context graphs (the
+    # default) / off; four users, their next turns arriving while the others decode, with prompts on
+    # context after decode rows in static steps / not
+    variants = {"turns": [(1, {}), (1, dict(max_prefill_graph_context=0))],
+                "turns4": [(4, dict(prefill_graph_context_decodes=True)), (4, {})]}
+    for part, runs in variants.items():
+        if part in parts:
+            res[f"{part}_48b"] = []
+            for users, config in runs:
+                res[f"{part}_48b"].append(engine_turns(6, 1500, 200, 16, users, **config))
+                gc.collect()
+                torch.cuda.empty_cache()
     if "hf" in parts:
         res["hf_48b"] = hf_generate(ints(args.engine_batches), 512, 32)
-    for key in ("slice_decode", "slice_prefill", "engine_48b", "arrivals_48b", "turns_48b", "hf_48b"):
+    for key in ("slice_decode", "slice_prefill", "engine_48b", "arrivals_48b", "turns_48b", "turns4_48b", "hf_48b"):
         if isinstance(res.get(key), list) and res[key]:
             print(f"\n### {key}\n{table(res[key])}")
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -218,18 +218,18 @@ case "$1" in
       --iters 5 --out /tmp/gpu_work/k3
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log"; grep "warm-up\|timed\|Error\|captured" "$OUT/turns.log" | cut -c1-300
     grep -A12 "| prompts" "$OUT/pgk3.log" ;;
-  calib)  # the engine's prefill graphs on K3's layers timed as the engine drops them (replay vs eager launches)
-    step calib "$(left "${CALIB_UNTIL:-170}")" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_calibration \
+  calib)  # the engine's prefill graphs on K3's layers timed as the engine drops them (replay vs eager launches),
+          # then kimi-linear-48b through the engine with this session's defaults
+    step calib "$(left 250)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_calibration \
       --out /tmp/gpu_work/k3
-    grep "replay_ms\|slower\|Error" "$OUT/calib.log" | cut -c1-400 ;;
+    step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --out /tmp/gpu_work
+    grep "replay_ms\|slower\|Error" "$OUT/calib.log" | cut -c1-400; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
   ctxdecodes)  # prompts on cached context after decode rows (EngineConfig.prefill_graph_context_decodes, off): the replay
-               # vs static eager vs flat eager, timed; the buckets the engine would drop on K3's layers; the engine
+               # vs static eager vs flat eager, timed, and the buckets the engine would drop; then four users' chats
     step pgcd "$(left 300)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts prefill_graphs_context_decodes,prefill_calibration --iters 10 --out /tmp/gpu_work
-    step calib "$(left 450)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_calibration --out /tmp/gpu_work/k3
-    step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --out /tmp/gpu_work
-    grep -v "^  File\|^    " "$OUT/pgcd.log" | tail -c 6000; grep "replay_ms\|Error" "$OUT/calib.log" | cut -c1-300
-    grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
+    step turns4 "$(left 585)" python3 -m bench.e2e --parts turns4 --out /tmp/gpu_work
+    grep -v "^  File\|^    " "$OUT/pgcd.log" | tail -c 6000; grep "warm-up\|timed\|Error" "$OUT/turns4.log" ;;
   fladirect)  # fla's forward without its wrappers (fla_backend.DIRECT_FORWARD, off): the kda_core rows (fla_direct among
               # them), then kimi-linear-48b's eager prefill steps with it off and on, and a 512-token step's host time with it on
     step kda 200 python3 bench/gpu_check_model.py --skip-tiny --skip-slice
