@@ -119,7 +119,7 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
     bystander = prefill(model, pool, [100], rng)[0]
     t0 = time.perf_counter()
-    kw = dict(max_tokens=2048, max_seqs=2, max_decodes=16, max_pages=16, drop_slower=False) | graph_kw  # (all kept)
+    kw = dict(max_tokens=2048, max_seqs=2, max_decodes=16, max_pages=16, timed=False) | graph_kw  # (all kept)
     graphs = PrefillGraphs(model, pool, capture=True, **kw)
     capture_s = time.perf_counter() - t0
     rows = []
@@ -181,17 +181,20 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
 
 def prefill_calibration(model, pool_bytes, **graph_kw) -> list[dict]:
     """The engine's prefill graphs (defaults but ``graph_kw``) timed as the engine times them after
-    capture: each key's replay (GPU ms) against the same step's eager launches (host ms); the
-    engine drops the keys whose replay is not faster."""
+    capture: each key's replay against its eager step (ms), whether it is kept, and from which
+    prompt token count its steps run static (the eager time interpolated from the bucket below)."""
     from k3serve.engine.prefill_graphs import PrefillGraphs
 
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
     graphs = PrefillGraphs(model, pool, capture=True, **(dict(max_decodes=16, max_pages=16) | graph_kw))
-    rows = [{"decodes": d, "prompts": n, "bucket": b, "context": c, "replay_ms": round(t, 2),
-             "eager_launch_ms": round(h, 2), "kept": (d, n, b, c) not in graphs.slower}
-            for (d, n, b, c), (t, h) in sorted(graphs.timings.items())]
-    for r in rows:
-        print(r, flush=True)
+    rows = []
+    for key, (replay, eager) in sorted(graphs.timings.items()):
+        d, n, b, c = key
+        below = max([x for x in graphs.buckets if x < b] or [n])
+        static_from = next((t for t in range(below, b) if graphs.faster(key, t)), None)
+        rows.append({"decodes": d, "prompts": n, "bucket": b, "context": c, "replay_ms": round(replay, 2),
+                     "eager_ms": round(eager, 2), "kept": key in graphs.graphs, "static_from_tokens": static_from})
+        print(rows[-1], flush=True)
     del graphs, pool
     torch.cuda.empty_cache()
     return rows

@@ -297,28 +297,36 @@ def test_context_buckets_fit_rules(model):
     assert plain.context_buckets == [0] and not plain.fits([p(5, 700)])  # off by default
 
 
-def test_slower_buckets_run_eagerly(model):
-    """A bucket whose replay measured no faster than its eager launches is dropped: its steps no
-    longer fit (the runner takes them eagerly), the other buckets still do."""
+def test_static_only_where_the_replay_beats_eager(model):
+    """With timings (replay ms, eager ms) per key, a step runs static only where the replay beats
+    the eager time interpolated at its token count from the bucket below; a key whose replay does
+    not beat its own bucket's eager step is dropped; untimed keys always run static."""
     pool = UnifiedPool(model.config, 4 << 20, torch.float32, "cpu", PAGE)
-    graphs = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[16, 64])
+    graphs = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[16, 32, 64])
     slot, pages = pool.alloc_slot(), [pool.alloc_page() for _ in range(graphs.max_pages)]
-    small, large = SeqChunk([1] * 5, 0, slot, pages), SeqChunk([1] * 40, 0, slot, pages)
-    assert graphs.fits([small]) and graphs.fits([large])
-    graphs.graphs = {(0, 1, 16, 0): "graph 16", (0, 1, 64, 0): "graph 64"}  # (stand-ins: nothing replays here)
+    new = lambda n: SeqChunk([1] * n, 0, slot, pages)  # noqa: E731
+    assert graphs.fits([new(5)]) and graphs.fits([new(40)])  # untimed
+    keys = [(0, 1, 16, 0), (0, 1, 32, 0), (0, 1, 64, 0)]
+    graphs.graphs = {k: f"graph {k[2]}" for k in keys}  # (stand-ins: nothing replays here)
     graphs.outputs = dict.fromkeys(graphs.graphs)
-    graphs.drop_slower({(0, 1, 16, 0): (3.0, 9.0), (0, 1, 64, 0): (41.5, 35.0)})
-    assert graphs.fits([small]) and not graphs.fits([large])
-    assert list(graphs.graphs) == [(0, 1, 16, 0)] and list(graphs.outputs) == [(0, 1, 16, 0)]
-    assert graphs.timings[(0, 1, 64, 0)] == (41.5, 35.0) and graphs.slower == {(0, 1, 64, 0)}
-    graphs.drop_slower({(0, 1, 16, 0): (9.0, 9.0)})  # not faster is not kept either
-    assert not graphs.fits([small]) and not graphs.fits([large]) and not graphs.graphs
+    # eager: 10 ms (host-bound) up to 32 tokens, 40 ms at 64 (GPU-bound); replays 4 / 8 / 30 ms
+    graphs.set_timings({(0, 1, 16, 0): (4.0, 10.0), (0, 1, 32, 0): (8.0, 10.0), (0, 1, 64, 0): (30.0, 40.0)})
+    assert graphs.fits([new(5)]) and graphs.fits([new(31)])
+    # 32..63 tokens: eager 10 + 30 (n - 32) / 32 ms against the 30 ms replay: static from 54 tokens
+    assert not graphs.fits([new(40)]) and not graphs.fits([new(53)])
+    assert graphs.fits([new(54)]) and graphs.fits([new(63)])
+    assert graphs.faster((0, 1, 64, 0), 54) and not graphs.faster((0, 1, 64, 0), 53)
+    assert list(graphs.graphs) == keys
+    graphs.set_timings({(0, 1, 32, 0): (12.0, 10.0)})  # not faster even at its bucket's top: dropped
+    assert list(graphs.graphs) == [(0, 1, 16, 0), (0, 1, 64, 0)] and (0, 1, 32, 0) not in graphs.outputs
+    assert not graphs.fits([new(20)]) and not graphs.fits([new(31)]) and graphs.fits([new(5)])
+    assert graphs.fits([new(63)]) and not graphs.fits([new(40)])  # (the 32 bucket's eager time still interpolates)
 
 
-def test_time_all_times_replay_against_eager_launches(model, monkeypatch):
+def test_time_all_times_replay_against_the_eager_step(model, monkeypatch):
     """``time_all`` on CPU with stand-ins for the CUDA timing calls and the graphs: every key's
     eager step runs on the scratch buffers (live state untouched), its replay is timed, and the
-    measured pair decides what ``drop_slower`` keeps."""
+    measured pairs decide what ``set_timings`` keeps."""
     class Event:  # a CUDA event's timing contract on the host clock
         def __init__(self, enable_timing=False):
             self.t = None
@@ -355,6 +363,5 @@ def test_time_all_times_replay_against_eager_launches(model, monkeypatch):
     assert all(replay >= 0 and eager > 0 for replay, eager in timings.values())
     assert timings[(0, 1, 64, 0)][0] >= 50.0  # the replay's time, not the eager step's
     assert torch.equal(pool.slot_bytes_of(live), before)
-    graphs.drop_slower(timings)
-    assert graphs.slower == {k for k, (replay, eager) in timings.items() if replay >= eager}
-    assert set(graphs.graphs) == set(timings) - graphs.slower
+    graphs.set_timings(timings)
+    assert set(graphs.graphs) == {k for k, (replay, eager) in timings.items() if replay < eager}

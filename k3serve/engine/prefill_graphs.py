@@ -21,10 +21,12 @@ contexts' sum, its MLA prefill
 over c + b latent rows (``ForwardBatch.static_latent_rows``) and fla from the slots' states (zeros
 where a prompt is new). Other steps stay eager.
 
-A replay runs the bucket's GPU time; the eager step of fewer tokens runs the larger of its
-launches' host time and its own GPU time. So after capture every graph is timed against the same
-step's eager launches, and a bucket whose replay is not faster is dropped (its steps run eagerly):
-where the model is GPU-bound at that size, padding costs more than the launches it saves.
+A replay costs the bucket's GPU time; an eager step of fewer tokens its own launches and GPU
+time. Where the model is GPU-bound at a size, the padding costs more than the launches saved (K3
+slice: 1,100 tokens 35 ms eager, 41.5 ms replayed at 1,536). So after capture every key's replay
+and eager step are timed; a step runs static only where the replay beats the eager time
+interpolated between the key's bucket and the one below at the step's token count, and a key
+whose replay does not beat even its own bucket's eager step is dropped.
 """
 
 from __future__ import annotations
@@ -91,12 +93,13 @@ MIXED_MAX_TOKENS = 512
 class PrefillGraphs:
     def __init__(self, model: K3ForCausalLM, pool: UnifiedPool, max_tokens: int = 2048, max_seqs: int = 1,
                  max_decodes: int = 0, max_pages: int = 0, capture: bool = True, buckets: list[int] | None = None,
-                 mixed_max_tokens: int = MIXED_MAX_TOKENS, max_context: int = 0, drop_slower: bool = True,
+                 mixed_max_tokens: int = MIXED_MAX_TOKENS, max_context: int = 0, timed: bool = True,
                  context_decodes: bool = False):
         """``max_decodes``: decode rows a step may lead with (0: none); ``max_pages``: the block
         table's width (a decode row's or a cached prompt's pages; the engine's max_model_len);
         ``max_context``: the largest context bucket for prompts on cached context (0: none);
-        ``drop_slower``: after capture, drop the graphs not faster than their eager step;
+        ``timed``: after capture, time every key's replay and eager step (``time_all``) and take
+        a step static only where the replay is the faster (``faster``);
         ``context_decodes``: decode rows may lead prompts on cached context too (a multi-user
         chat's next turn: decode buckets x mixed token buckets x context buckets more graphs)."""
         if max_seqs < 1 or max_tokens < 2 or max_decodes < 0:
@@ -117,13 +120,12 @@ class PrefillGraphs:
         self.dev = self.inputs.dev
         self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, int, int], torch.Tensor] = {}
-        # key -> (replay ms, eager launches' host ms) as measured after capture; keys run eagerly
+        # key -> (replay ms, eager step ms) as measured after capture (none: every fitting step is static)
         self.timings: dict[tuple[int, int, int, int], tuple[float, float]] = {}
-        self.slower: set[tuple[int, int, int, int]] = set()
         if capture:
             self._capture_all()
-            if drop_slower:
-                self.drop_slower(self.time_all())
+            if timed:
+                self.set_timings(self.time_all())
 
     # ---- per step -------------------------------------------------------------------------
     def bucket_for(self, tokens: int, decodes: int = 0) -> int | None:
@@ -152,7 +154,7 @@ class PrefillGraphs:
         d = self.decode_bucket_for(nd)
         b = self.bucket_for(sum(len(p.token_ids) for p in prompts), d or 0)
         if d is None or b is None or c is None or (c and d and not self.context_decodes) \
-                or (d, len(prompts), b, c) in self.slower:
+                or not self.faster((d, len(prompts), b, c), sum(len(p.token_ids) for p in prompts)):
             return None
         return nd, d, b, c
 
@@ -243,39 +245,58 @@ class PrefillGraphs:
         return self._forward(self._static_batch(d, n, b, c, [1] * (d + n) + [b - n], [1] * d + [int(c > 0)] * n + [0]))
 
     def time_all(self, repeats: int = 2) -> dict[tuple[int, int, int, int], tuple[float, float]]:
-        """Each captured key's (replay GPU ms, eager step's host ms), the best of ``repeats``, on
-        the scratch buffers (live state untouched). The eager figure is the launches alone (the
-        GPU drained first), what the eager step costs at least."""
+        """Each captured key's (replay ms, eager step ms), the best of ``repeats``, on the scratch
+        buffers (live state untouched): the replay between CUDA events, the eager step from its
+        first launch to its end with the GPU drained first (the engine's eager step of the same
+        shape has a little more host work: the comparison leans toward eager)."""
         timings = {}
         for key, graph in self.graphs.items():
             self._fill_scratch(*key)
-            host, gpu = [], []
+            eager, gpu = [], []
             for _ in range(repeats):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 self._scratch_forward(key)
-                host.append((time.perf_counter() - t0) * 1e3)
                 torch.cuda.synchronize()
+                eager.append((time.perf_counter() - t0) * 1e3)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 graph.replay()
                 end.record()
                 end.synchronize()
                 gpu.append(start.elapsed_time(end))
-            timings[key] = (min(gpu), min(host))
+            timings[key] = (min(gpu), min(eager))
         return timings
 
-    def drop_slower(self, timings: dict[tuple[int, int, int, int], tuple[float, float]]) -> None:
-        """Drop the graphs whose replay (ms) is not below the eager step's launches (ms): a step
-        of fewer tokens costs eagerly at most max(launches, the bucket's GPU time)."""
+    def set_timings(self, timings: dict[tuple[int, int, int, int], tuple[float, float]]) -> None:
+        """Take ``time_all``'s figures; drop the keys whose replay is not below their own eager
+        step (the most tokens the key serves): no step of theirs would run static."""
         self.timings.update(timings)
-        self.slower |= {k for k, (replay, eager_host) in timings.items() if replay >= eager_host}
-        for k in self.slower:
+        dropped = {k: v for k, v in timings.items() if v[0] >= v[1]}
+        for k in dropped:
             self.graphs.pop(k, None)
             self.outputs.pop(k, None)
-        if self.slower:
-            log.info("prefill graphs slower than their eager launches, run eagerly: %s",
-                     {k: tuple(round(x, 1) for x in self.timings[k]) for k in sorted(self.slower)})
+        if dropped:
+            log.info("prefill graphs not faster than their eager steps, run eagerly (replay ms, eager ms): %s",
+                     {k: tuple(round(x, 1) for x in v) for k, v in sorted(dropped.items())})
+
+    def faster(self, key: tuple[int, int, int, int], tokens: int) -> bool:
+        """Whether a step of ``tokens`` prompt tokens under ``key`` is faster replayed: its eager
+        time is taken between the key's bucket's and the next smaller bucket's (same decode rows,
+        prompts and context; the smallest bucket: its own), linear in the tokens. Untimed keys
+        (no CUDA, or ``timed`` off): yes; dropped ones: no."""
+        if key not in self.timings:
+            return True
+        if key not in self.graphs:
+            return False
+        d, n, b, c = key
+        replay, eager = self.timings[key]
+        below = [x for x in self.buckets if x < b and (d, n, x, c) in self.timings]
+        if below:
+            b0 = below[-1]
+            eager0 = self.timings[(d, n, b0, c)][1]
+            eager = eager0 + (eager - eager0) * max(0, tokens - b0) / (b - b0)
+        return replay < eager
 
     def _fill_scratch(self, d: int, n: int, b: int, c: int) -> None:
         """The device buffers of a step of d decode rows and n one-token prompts (on one token of
