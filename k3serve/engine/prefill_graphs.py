@@ -125,7 +125,10 @@ class PrefillGraphs:
         if capture:
             self._capture_all()
             if timed:
-                self.set_timings(self.time_all())
+                try:
+                    self.set_timings(self.time_all())
+                except RuntimeError as exc:  # (timing is an optimisation: untimed, every fitting step is static)
+                    log.warning("prefill graphs: timing after capture failed, all kept: %s", exc)
 
     # ---- per step -------------------------------------------------------------------------
     def bucket_for(self, tokens: int, decodes: int = 0) -> int | None:
