@@ -17,9 +17,8 @@ eagerly, which is how the CPU tests check it.
 Prompts on cached context (a prefix-cache hit: a chat's or an agent's next turn) join where context
 buckets are asked for (``max_context``; the engine's default 32,768): a step of such prompts (no
 decode rows, unless ``context_decodes``) then runs at the smallest context bucket c >= their
-contexts' sum, its MLA prefill
-over c + b latent rows (``ForwardBatch.static_latent_rows``) and fla from the slots' states (zeros
-where a prompt is new). Other steps stay eager.
+contexts' sum, its MLA prefill over c + b latent rows (``ForwardBatch.static_latent_rows``) and
+fla from the slots' states (zeros where a prompt is new). Other steps stay eager.
 
 A replay costs the bucket's GPU time; an eager step of fewer tokens its own launches and GPU
 time. Where the model is GPU-bound at a size, the padding costs more than the launches saved (K3
@@ -155,9 +154,10 @@ class PrefillGraphs:
         context = sum(c.context_len for c in prompts)
         c = next((c for c in self.context_buckets if c >= context), None)
         d = self.decode_bucket_for(nd)
-        b = self.bucket_for(sum(len(p.token_ids) for p in prompts), d or 0)
+        tokens = sum(len(p.token_ids) for p in prompts)
+        b = self.bucket_for(tokens, d or 0)
         if d is None or b is None or c is None or (c and d and not self.context_decodes) \
-                or not self.faster((d, len(prompts), b, c), sum(len(p.token_ids) for p in prompts)):
+                or not self.faster((d, len(prompts), b, c), tokens):
             return None
         return nd, d, b, c
 
