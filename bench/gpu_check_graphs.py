@@ -136,6 +136,11 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
                     model(ForwardBatch.build([SeqChunk(cached, 0, slot, pages)], PAGE, "cuda"), pool.handles)
             chunks.append(SeqChunk([rng.randrange(model.config.vocab_size - 300) for _ in range(n)], context, slot, pages))
             whole.append(SeqChunk(cached + list(chunks[-1].token_ids), 0, pool.alloc_slot(), [pool.alloc_page() for _ in pages]))
+        # the static step's padding decode rows (decode rows before prompts on context pad to the
+        # largest decode bucket), for the same-shape flat step: one-token sequences on spare slots
+        split = graphs._split(chunks)
+        pad_rows = [SeqChunk([0], len(t), s, p) for s, p, t in
+                    prefill(model, pool, [1] * (split[1] - split[0] if split else 0), rng)]
         twins = [UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE) for _ in range(3)]
         for twin in twins:
             twin.buffer.copy_(pool.buffer)
@@ -146,7 +151,7 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
         # own bits then match)
         pad = graphs.bucket_for(sum(lens), decodes) - sum(lens)
         filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(graphs.max_pages)])
-        same_shape = eager_step(model, twins[2], chunks + [filler])[:len(chunks)]  # (decode buckets: 1, 2, 4, 8, 16)
+        same_shape = eager_step(model, twins[2], pad_rows + chunks + [filler])[len(pad_rows):len(pad_rows) + len(chunks)]
         static_eager = PrefillGraphs(model, twins[1], capture=False, **kw).run(chunks).clone()
         static = graphs.run(chunks).clone()
         one_shot = eager_step(model, twins[0], whole) if context else None  # (fresh slots and pages)

@@ -224,7 +224,7 @@ case "$1" in
       --out /tmp/gpu_work/k3
     step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --engine-batches 1,16 --out /tmp/gpu_work
     grep "replay_ms\|slower\|Error" "$OUT/calib.log" | cut -c1-400; grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;
-  ctxdecodes)  # prompts on cached context after decode rows (EngineConfig.prefill_graph_context_decodes, off): the replay
+  ctxdecodes)  # prompts on cached context after decode rows (EngineConfig.prefill_graph_context_decodes): the replay
                # vs static eager vs flat eager, timed, and the buckets the engine would drop; then four users' chats
     step pgcd "$(left 300)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
       --parts prefill_graphs_context_decodes,prefill_calibration --iters 10 --out /tmp/gpu_work

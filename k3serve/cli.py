@@ -90,6 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="decode rows such a step may lead with (0: new prompts only)")
     p.add_argument("--max-prefill-graph-context", type=int, default=32768,
                    help="prompts on up to this many cached tokens (prefix-cache hits) join such steps (0: off)")
+    p.add_argument("--prefill-graph-context-decodes", action=argparse.BooleanOptionalAction, default=True,
+                   help="... after decode rows too (another user's next turn while others decode)")
     p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured as a CUDA graph")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="overlap the host's scheduling and output processing with the GPU's step "
@@ -112,6 +114,7 @@ def engine_from_args(args: argparse.Namespace):
                        max_prefill_graph_tokens=max(args.max_prefill_graph_tokens, 2),
                        max_prefill_graph_decodes=args.max_prefill_graph_decodes,
                        max_prefill_graph_context=args.max_prefill_graph_context,
+                       prefill_graph_context_decodes=args.prefill_graph_context_decodes,
                        async_scheduling=args.async_scheduling)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
                                      dtype=args.dtype, device=args.device, seed=args.weights_seed,

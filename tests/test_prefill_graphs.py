@@ -260,7 +260,8 @@ def test_prompts_on_cached_context_equal_eager(model, prompts, decodes):
     graphs = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, capture=False,
                            buckets=[16, 32, 64], max_context=128, mixed_max_tokens=64, context_decodes=bool(nd))
     assert graphs.context_buckets == [0, 128] and graphs.max_pages >= (128 + 64) // PAGE
-    assert graphs._split(chunks) == (nd, nd, graphs.bucket_for(sum(n for _, n in prompts), nd), 128)
+    d_bucket = 2 if nd else 0  # (decode rows before prompts on context pad to the largest decode bucket)
+    assert graphs._split(chunks) == (nd, d_bucket, graphs.bucket_for(sum(n for _, n in prompts), nd), 128)
     _, d, b, c = graphs._split(chunks)
     static = graphs.run(chunks)
     torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
@@ -291,8 +292,20 @@ def test_context_buckets_fit_rules(model):
     assert not graphs.fits([SeqChunk([1], 9, slot, pages), p(5, 700)])  # no decode rows beside cached prompts
     both = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, capture=False,
                          buckets=[16, 64], max_context=3000, context_decodes=True, mixed_max_tokens=16)
-    assert both._split([SeqChunk([1], 9, slot, pages), p(5, 700)]) == (1, 1, 16, 1024)  # unless asked for
+    assert both._split([SeqChunk([1], 9, slot, pages), p(5, 700)]) == (1, 2, 16, 1024)  # unless asked for:
+    assert both._split([SeqChunk([1], 9, slot, pages), p(5)]) == (1, 1, 16, 0)  # the largest decode bucket
     assert not both.fits([SeqChunk([1], 9, slot, pages), p(20, 700)])  # (the mixed steps' token cap)
+    # the keys: decode rows before cached prompts only at the largest decode bucket
+    with_context = [k for k in both.keys() if k[0] and k[3]]
+    assert {k[0] for k in with_context} == {2} and len(with_context) == 3 * 2 * 1  # contexts x prompts x buckets
+    # decodes 0: contexts (0 too) x buckets x prompts; decodes 1, 2 on new prompts: bucket 16 x prompts
+    assert len(both.keys()) == 4 * 2 * 2 + 2 * 2 + len(with_context)
+    without = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=2, capture=False,
+                            buckets=[16, 64], max_context=3000, mixed_max_tokens=16)
+    assert set(both.keys()) - set(with_context) == set(without.keys())
+    no_rows = PrefillGraphs(model, pool, max_tokens=64, max_seqs=2, max_decodes=0, capture=False,
+                            buckets=[16, 64], max_context=3000, context_decodes=True)
+    assert not no_rows.fits([SeqChunk([1], 9, slot, pages), p(5, 700)]) and no_rows.fits([p(5, 700)])
     plain = PrefillGraphs(model, pool, max_tokens=64, capture=False, buckets=[64])
     assert plain.context_buckets == [0] and not plain.fits([p(5, 700)])  # off by default
 

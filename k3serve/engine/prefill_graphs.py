@@ -18,7 +18,10 @@ Prompts on cached context (a prefix-cache hit: a chat's or an agent's next turn)
 buckets are asked for (``max_context``; the engine's default 32,768): a step of such prompts (no
 decode rows, unless ``context_decodes``) then runs at the smallest context bucket c >= their
 contexts' sum, its MLA prefill over c + b latent rows (``ForwardBatch.static_latent_rows``) and
-fla from the slots' states (zeros where a prompt is new). Other steps stay eager.
+fla from the slots' states (zeros where a prompt is new). Decode rows before such prompts pad to
+the largest decode bucket only: one decode shape per (token bucket, context bucket), 18 graphs at
+the engine's defaults where every decode bucket would be 90; a padding row costs ~50 us in a step
+of 128+ tokens (kimi-linear-48b: 16 rows 12.0 ms replayed, 1 row 11.2). Other steps stay eager.
 
 A replay costs the bucket's GPU time; an eager step of fewer tokens its own launches and GPU
 time. Where the model is GPU-bound at a size, the padding costs more than the launches saved (K3
@@ -100,7 +103,8 @@ class PrefillGraphs:
         ``timed``: after capture, time every key's replay and eager step (``time_all``) and take
         a step static only where the replay is the faster (``faster``);
         ``context_decodes``: decode rows may lead prompts on cached context too (a multi-user
-        chat's next turn: decode buckets x mixed token buckets x context buckets more graphs)."""
+        chat's next turn), padded to the largest decode bucket (mixed token buckets x context
+        buckets more graphs)."""
         if max_seqs < 1 or max_tokens < 2 or max_decodes < 0:
             raise ValueError(f"prefill graphs need max_seqs >= 1, max_tokens >= 2 and max_decodes >= 0, "
                              f"got {max_seqs}, {max_tokens}, {max_decodes}")
@@ -154,6 +158,8 @@ class PrefillGraphs:
         context = sum(c.context_len for c in prompts)
         c = next((c for c in self.context_buckets if c >= context), None)
         d = self.decode_bucket_for(nd)
+        if c and nd and d is not None:
+            d = self.decode_buckets[-1]
         tokens = sum(len(p.token_ids) for p in prompts)
         b = self.bucket_for(tokens, d or 0)
         if d is None or b is None or c is None or (c and d and not self.context_decodes) \
@@ -236,11 +242,16 @@ class PrefillGraphs:
         (decode rows and prompts on one token of context where the key has context, else without),
         so warm-up runs touch no live state; the host lists say "context" for the decode rows, as
         DecodeGraphs' capture does (no fresh rows baked in), and for a context key's prompts."""
-        keys = [(d, n, b, c) for c in reversed(self.context_buckets) for b in reversed(self.buckets)
-                for d in reversed(self.decode_buckets) for n in range(1, self.max_seqs + 1)
-                if n < b and (d == 0 or b <= self.mixed_max_tokens) and not (c and d and not self.context_decodes)]
-        self.graphs, self.outputs = capture_graphs({k: (lambda k=k: self._scratch_forward(k)) for k in keys},
+        self.graphs, self.outputs = capture_graphs({k: (lambda k=k: self._scratch_forward(k)) for k in self.keys()},
                                                    "prefill", prepare=lambda key: self._fill_scratch(*key))
+
+    def keys(self) -> list[tuple[int, int, int, int]]:
+        """Every (decode bucket, prompts, token bucket, context bucket) a step can take, largest first."""
+        top = self.decode_buckets[-1]
+        return [(d, n, b, c) for c in reversed(self.context_buckets) for b in reversed(self.buckets)
+                for d in reversed(self.decode_buckets) for n in range(1, self.max_seqs + 1)
+                if n < b and (d == 0 or b <= self.mixed_max_tokens)
+                and not (c and d and (not self.context_decodes or d < top))]
 
     def _scratch_forward(self, key: tuple[int, int, int, int]) -> torch.Tensor:
         """The static step of ``key`` on the scratch buffers (``_fill_scratch``), eagerly."""
