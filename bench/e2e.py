@@ -155,10 +155,10 @@ def slice_prefill(model, lengths, mm_ceiling) -> list[dict]:
 
 def engine_48b(max_seqs: int, max_model_len: int, prefill_graphs: str, **config) -> LLMEngine:
     return LLMEngine.from_pretrained(None, preset="kimi-linear-48b", dtype="bfloat16", device="cuda",
-                                     load_format="dummy", config=EngineConfig(
+                                     load_format="dummy", config=EngineConfig(**(dict(
                                          max_num_seqs=max_seqs, max_model_len=max_model_len,
-                                         max_num_batched_tokens=max(8192, max_model_len), prefill_graphs=prefill_graphs,
-                                         **config))
+                                         max_num_batched_tokens=max(8192, max_model_len),
+                                         prefill_graphs=prefill_graphs) | config)))
 
 
 def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto") -> list[dict]:

@@ -338,8 +338,9 @@ def test_static_only_where_the_replay_beats_eager(model):
 
 def test_time_all_times_replay_against_the_eager_step(model, monkeypatch):
     """``time_all`` on CPU with stand-ins for the CUDA timing calls and the graphs: every key's
-    eager step runs on the scratch buffers (live state untouched), its replay is timed, and the
-    measured pairs decide what ``set_timings`` keeps."""
+    eager step runs on the scratch buffers (live state untouched), its replay is timed (again
+    unless it took under half the eager step), and the measured pairs decide what ``set_timings``
+    keeps."""
     class Event:  # a CUDA event's timing contract on the host clock
         def __init__(self, enable_timing=False):
             self.t = None
@@ -371,8 +372,8 @@ def test_time_all_times_replay_against_the_eager_step(model, monkeypatch):
 
     graphs.graphs = {(0, 1, 16, 0): Graph((0, 1, 16, 0), 0.0), (0, 1, 64, 0): Graph((0, 1, 64, 0), 50.0)}
     graphs.outputs = dict.fromkeys(graphs.graphs)
-    timings = graphs.time_all(repeats=1)
-    assert replays == [(0, 1, 16, 0), (0, 1, 64, 0)]
+    timings = graphs.time_all(repeats=2)
+    assert replays == [(0, 1, 16, 0), (0, 1, 64, 0), (0, 1, 64, 0)]  # a clear win is not timed twice
     assert all(replay >= 0 and eager > 0 for replay, eager in timings.values())
     assert timings[(0, 1, 64, 0)][0] >= 50.0  # the replay's time, not the eager step's
     assert torch.equal(pool.slot_bytes_of(live), before)

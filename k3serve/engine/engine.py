@@ -138,6 +138,10 @@ class LLMEngine:
         mcfg = model.config
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         self.eos_ids = list(getattr(tokenizer, "eos_token_ids", None) or mcfg.eos_token_ids)
+        if self.device.type == "cuda":  # shipped autotuning results first: the pool's sizing step tunes otherwise
+            from ..ops import tuned_configs
+
+            tuned_configs.apply(self.device)
         self.pool = UnifiedPool(mcfg, self._pool_bytes(), model.dtype, self.device, cfg.page_size,
                                 kda_fraction=None if cfg.unified_memory else cfg.kda_fraction)
         owners = PoolOwners(self.pool)
