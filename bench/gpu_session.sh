@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: prefillgraphs, prefillctx, ctxturns, defaults18, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: prefillgraphs, prefillctx, ctxturns, defaults18, chain, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -218,6 +218,10 @@ case "$1" in
       --iters 5 --out /tmp/gpu_work/k3
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log"; grep "warm-up\|timed\|Error\|captured" "$OUT/turns.log" | cut -c1-300
     grep -A12 "| prompts" "$OUT/pgk3.log" ;;
+  chain)  # persistent kernel vs one launch a stage on a chain of dependent GEMVs (bench/gemv_chain.py): does a
+          # persistent decode layer have the headroom batch 1 needs?
+    step chain "$(left 585)" python3 -m bench.gemv_chain
+    grep -v "^  File\|^    " "$OUT/chain.log" | tail -40 ;;
   tune)  # tune every autotuned kernel the engine reaches (bench/tune_configs.py) and bring back the file to
          # commit under k3serve/ops/tuned/ (then: startprof on a fresh machine, to see the cold start with it)
     step tune "$(left 585)" python3 -m bench.tune_configs --out "$OUT/tuned.json"

@@ -291,3 +291,22 @@ def test_router_gemm_keeps_chunk_sums_out_of_the_mma_accumulator():
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and kernel.asm["cubin"]
     assert len(re.findall(r"\bfma\.rn\.f32", ptx)) >= 128 * 128 // 256  # each thread's accumulator elements
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_gemv_chain_compiles_for_sm90(persistent):
+    """bench/gemv_chain.py's kernel: the persistent form's grid barrier (acquire spin, acq_rel
+    ticket) and the per-stage form's PDL wait after its first weight tile's load."""
+    from bench.gemv_chain import _chain_kernel
+
+    ptrs = {"ACT": "*bf16", "W": "*bf16", "DIMS": "*i32", "WOFF": "*i64", "AOFF": "*i64", "COUNTER": "*i32"}
+    consts = dict(BLOCK_N=8, BLOCK_K=512, BLOCK_KF=1024, PERSISTENT=persistent, USE_PDL=not persistent)
+    kernel = _compile(_chain_kernel, ptrs, {"first_stage": "i32", "num_stages": "i32"}, consts, tuple(ptrs),
+                      num_warps=4)
+    ptx = kernel.asm["ptx"]
+    if persistent:
+        # the spin (an add of 0 with acquire: lowered to an acquire load) and the acq_rel ticket
+        assert re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx) and "atom.global.gpu.acq_rel.add" in ptx
+    else:
+        assert "griddepcontrol.wait" in ptx
+    assert kernel.asm["cubin"]

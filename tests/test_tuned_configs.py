@@ -70,7 +70,7 @@ RUN = textwrap.dedent('''
 
 
 def _run(tmp_path, *args):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]),
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", ""), os.getcwd()]),
                K3SERVE_TUNED_CONFIGS="")
     res = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
