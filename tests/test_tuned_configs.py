@@ -114,3 +114,9 @@ def test_no_file_or_switched_off_changes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("K3SERVE_TUNED_CONFIGS", str(tmp_path / "t.json"))
     assert tuned_configs.apply("cpu") == {"applied": 0, "stale": 1}  # a named file applies anywhere
     assert tuned_configs.file_for("NVIDIA H200", "3.6.0").name == "NVIDIA_H200-triton3.6.json"
+    monkeypatch.delenv("K3SERVE_TUNED_CONFIGS")
+    (tmp_path / "broken.json").write_text("{not json")
+    assert tuned_configs.apply(path=tmp_path / "broken.json") == {"applied": 0, "stale": 0}
+    (tmp_path / "odd.json").write_text(json.dumps({"kernels": {"k3serve.ops.gemv_triton._gemv_tuned": [{"key": [1]}]}}))
+    assert tuned_configs.apply(path=tmp_path / "odd.json") == {"applied": 0, "stale": 1}  # (no config: skipped)
+    assert tuned_configs._key([1, [2, "a"], "torch.bfloat16"]) == (1, (2, "a"), "torch.bfloat16")

@@ -80,6 +80,9 @@ def _config_record(config: triton.Config) -> dict:
             "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
 
 
+def _key(value):
+    """A JSON key back to Triton's hashable form (lists were tuples)."""
+    return tuple(_key(v) for v in value) if isinstance(value, list) else value
 
 
 def dump(path: Path, device_name: str, prefixes: tuple[str, ...] = MODULE_PREFIXES) -> int:
@@ -114,17 +117,23 @@ def apply(device: torch.device | str | None = None, path: Path | None = None) ->
     if not path.exists():
         log.info("no shipped autotuning results at %s: kernels tune at first use", path)
         return {"applied": 0, "stale": 0}
-    data = json.loads(path.read_text())
+    try:
+        kernels = json.loads(path.read_text())["kernels"]
+    except (OSError, ValueError, KeyError) as exc:  # (a broken file costs tuning time, never the start)
+        log.warning("autotuning results at %s unreadable, kernels tune at first use: %s", path, exc)
+        return {"applied": 0, "stale": 0}
     applied = stale = 0
-    for name, entries in data.get("kernels", {}).items():
+    for name, entries in kernels.items():
         tuner = _resolve(name)
         for entry in entries:
-            match = None if tuner is None else next(
-                (c for c in tuner.configs if _config_record(c) == entry["config"]), None)
-            if match is None:
-                stale += 1
-                continue
-            tuner.cache.setdefault(tuple(entry["key"]), match)
-            applied += 1
+            try:
+                match = None if tuner is None else next(
+                    (c for c in tuner.configs if _config_record(c) == entry["config"]), None)
+                if match is not None:
+                    tuner.cache.setdefault(_key(entry["key"]), match)
+            except (KeyError, TypeError):  # a malformed entry
+                match = None
+            applied += match is not None
+            stale += match is None
     log.info("autotuning results from %s: %d applied, %d stale", path.name, applied, stale)
     return {"applied": applied, "stale": stale}
