@@ -67,13 +67,13 @@ def main() -> None:
                                         config=EngineConfig(max_model_len=max_len))
         started = time.perf_counter() - t0
         steps = serve_mix(eng, rng)
-        print({"preset": preset, "max_model_len": max_len, "engine_start_s": round(started, 1), "steps": steps,
-               "total_s": round(time.perf_counter() - t0, 1)}, flush=True)
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-    written = tuned_configs.dump(out, device_name)
-    print(f"{written} tuned keys written to {out}")
+        written = tuned_configs.dump(out, device_name)  # after each engine: a run cut later keeps what it had
+        print({"preset": preset, "max_model_len": max_len, "engine_start_s": round(started, 1), "steps": steps,
+               "total_s": round(time.perf_counter() - t0, 1), "tuned_keys_written": written, "file": str(out)},
+              flush=True)
 
 
 if __name__ == "__main__":
