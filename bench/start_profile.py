@@ -48,22 +48,25 @@ def timed(label: str, fn):
 
 
 def install() -> None:
+    for m in ("k3serve.engine.engine", "k3serve.engine.prefill_graphs", "triton.runtime.jit"):
+        importlib.import_module(m)  # (modules that import a timed function by name, rebound below)
+
+    wrapped = {}
     for module, path, label in PHASES:
         owner = importlib.import_module(module)
         *parents, name = path.split(".")
         for p in parents:
             owner = getattr(owner, p)
-        setattr(owner, name, timed(label, getattr(owner, name)))
-    # modules that imported ``compile`` / ``capture_graphs`` by name keep the original: rebind them
-    import triton.compiler as tc
-    import triton.runtime.jit as jit
-    from k3serve.engine import prefill_graphs
-
-    compiler = importlib.import_module("triton.compiler.compiler")
-    for mod in (tc, jit):
-        if getattr(mod, "compile", None) is not None and mod.compile is not compiler.compile:
-            mod.compile = compiler.compile
-    prefill_graphs.capture_graphs = importlib.import_module("k3serve.engine.decode_graphs").capture_graphs
+        original = getattr(owner, name)
+        setattr(owner, name, timed(label, original))
+        if not parents:
+            wrapped[id(original)] = getattr(owner, name)
+    # modules that imported a timed function by name hold the original: point them at the timer
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is not None and mod_name.startswith(("k3serve.", "triton.")):
+            for attr, value in list(vars(mod).items()):
+                if id(value) in wrapped:
+                    setattr(mod, attr, wrapped[id(value)])
 
 
 def report(wall: float) -> None:
