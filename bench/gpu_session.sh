@@ -224,8 +224,11 @@ case "$1" in
     grep -v "^  File\|^    " "$OUT/chain.log" | tail -40 ;;
   tune)  # tune every autotuned kernel the engine reaches (bench/tune_configs.py) and bring back the file to
          # commit under k3serve/ops/tuned/ (then: startprof on a fresh machine, to see the cold start with it)
-    step tune "$(left 585)" python3 -m bench.tune_configs --out "$OUT/tuned.json"
-    grep -v "^  File\|^    " "$OUT/tune.log" | tail -20 ;;
+    step tune "$(left 560)" python3 -m bench.tune_configs --out "$OUT/tuned.json"
+    # the file read back by a fresh process: every entry should apply (none stale)
+    step tune_apply 25 python3 -c "from pathlib import Path; from k3serve.ops import tuned_configs as t; \
+print(t.apply(path=Path('$OUT/tuned.json')))"
+    grep -v "^  File\|^    " "$OUT/tune.log" | tail -20; tail -3 "$OUT/tune_apply.log" ;;
   startprof)  # where an engine start's seconds go (bench/start_profile.py), on the fresh machine's cold Triton
               # cache, then again warm; a server's default batch (8,192 tokens) unless TOKENS is set
     step cold "$(left 400)" python3 -m bench.start_profile --max-num-batched-tokens "${TOKENS:-8192}"
