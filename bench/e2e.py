@@ -391,7 +391,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     # multi-turn chats, 6 turns on a 1,500-token system prompt: one user with context graphs (the
     # default) / off; four users, their next turns arriving while the others decode, with prompts on
-    # context after decode rows in static steps / not
+    # context after decode rows eager / in static steps (the default; the first engine a process
+    # builds reads a little slower on turn 1: RESULTS.md nineteenth session)
     variants = {"turns": [(1, {}), (1, dict(max_prefill_graph_context=0))],
                 "turns4": [(4, dict(prefill_graph_context_decodes=False)), (4, {})]}
     for part, runs in variants.items():
