@@ -138,15 +138,23 @@ class PrefillGraphs:
         cap = self.mixed_max_tokens if decodes else self.buckets[-1]
         return next((b for b in self.buckets if tokens < b <= cap), None)  # < : the padding has a token
 
-    def decode_bucket_for(self, decodes: int) -> int | None:
-        return next((d for d in self.decode_buckets if d >= decodes), None)
+    def decode_bucket_for(self, decodes: int, context: int = 0) -> int | None:
+        return next((d for d in self.decode_buckets_with(context) if d >= decodes), None)
+
+    def decode_buckets_with(self, context: int) -> list[int]:
+        """The decode buckets a step whose prompts are in context bucket ``context`` may take: all
+        for new prompts; before prompts on cached context, none, or with ``context_decodes`` the
+        largest alone (one decode shape per token and context bucket)."""
+        if not context:
+            return self.decode_buckets
+        return [0] + self.decode_buckets[-1:] if self.context_decodes and len(self.decode_buckets) > 1 else [0]
 
     def _split(self, chunks: list[SeqChunk]) -> tuple[int, int, int, int] | None:
         """(real decode rows, decode bucket, token bucket, context bucket) where the step fits,
         else None: decode rows (one token on cached context) first, then 1..max_seqs prompts of 2+
         tokens (a one-token prompt is a decode row in the eager step, run by the decode kernels;
         here it would take the prefill ones), new ones, or on cached context within a context
-        bucket (in a step without decode rows unless ``context_decodes``)."""
+        bucket (``decode_buckets_with``)."""
         nd = 0
         while nd < len(chunks) and len(chunks[nd].token_ids) == 1 and chunks[nd].context_len > 0:
             nd += 1
@@ -157,13 +165,10 @@ class PrefillGraphs:
             return None
         context = sum(c.context_len for c in prompts)
         c = next((c for c in self.context_buckets if c >= context), None)
-        d = self.decode_bucket_for(nd)
-        if c and nd and d is not None:
-            d = self.decode_buckets[-1]
+        d = None if c is None else self.decode_bucket_for(nd, c)
         tokens = sum(len(p.token_ids) for p in prompts)
         b = self.bucket_for(tokens, d or 0)
-        if d is None or b is None or c is None or (c and d and not self.context_decodes) \
-                or not self.faster((d, len(prompts), b, c), tokens):
+        if d is None or b is None or not self.faster((d, len(prompts), b, c), tokens):
             return None
         return nd, d, b, c
 
@@ -247,11 +252,9 @@ class PrefillGraphs:
 
     def keys(self) -> list[tuple[int, int, int, int]]:
         """Every (decode bucket, prompts, token bucket, context bucket) a step can take, largest first."""
-        top = self.decode_buckets[-1]
         return [(d, n, b, c) for c in reversed(self.context_buckets) for b in reversed(self.buckets)
-                for d in reversed(self.decode_buckets) for n in range(1, self.max_seqs + 1)
-                if n < b and (d == 0 or b <= self.mixed_max_tokens)
-                and not (c and d and (not self.context_decodes or d < top))]
+                for d in reversed(self.decode_buckets_with(c)) for n in range(1, self.max_seqs + 1)
+                if n < b and (d == 0 or b <= self.mixed_max_tokens)]
 
     def _scratch_forward(self, key: tuple[int, int, int, int]) -> torch.Tensor:
         """The static step of ``key`` on the scratch buffers (``_fill_scratch``), eagerly."""
