@@ -15,7 +15,9 @@ A kimi-linear-48b batch-1 step is ~350 kernels over 2.5 ms against a 1.45 ms byt
 2-6 us. If the persistent chain streams its weights much nearer the copy ceiling than the
 per-stage launches, a persistent decode layer is the way to the issue's 550 tok/s; if not, not.
 Checked against a float64 chain on fresh random inputs (here on the GPU; tests/test_gemv_chain.py
-on CPU under the interpreter, one program). Not used by the model.
+on CPU under the interpreter, one program). Not used by the model. Answer on the H200 (RESULTS.md
+twentieth session): no; the served GEMV a launch a stage 8.6 us (52 % of copy) at 19 MB, the best
+persistent 11.7 us, the best pre-wait PDL form 11.5 us.
 
     python3 -m bench.gemv_chain [--stages 40] [--dims 2304,4096] [--dims 2304,1024]
 """

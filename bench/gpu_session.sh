@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: prefillgraphs, prefillctx, ctxturns, defaults18, chain, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -222,6 +222,9 @@ case "$1" in
           # persistent decode layer have the headroom batch 1 needs?
     step chain "$(left 585)" python3 -m bench.gemv_chain
     grep -v "^  File\|^    " "$OUT/chain.log" | tail -40 ;;
+  prefetch)  # a side stream hinting the next GEMV's weights into L2 while short kernels run (bench/l2_prefetch.py)
+    step prefetch "$(left 585)" python3 -m bench.l2_prefetch
+    grep -v "^  File\|^    " "$OUT/prefetch.log" | tail -80 ;;
   tune)  # tune every autotuned kernel the engine reaches (bench/tune_configs.py) and bring back the file to
          # commit under k3serve/ops/tuned/ (then: startprof on a fresh machine, to see the cold start with it)
     step tune "$(left 560)" python3 -m bench.tune_configs --out "$OUT/tuned.json"

@@ -310,3 +310,19 @@ def test_gemv_chain_compiles_for_sm90(persistent):
     else:
         assert "griddepcontrol.wait" in ptx
     assert kernel.asm["cubin"]
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_l2_prefetch_compiles_for_sm90(bulk):
+    """bench/l2_prefetch.py's hint kernel: the bulk L2 prefetch or eight line prefetches a lane,
+    kept although they produce nothing the kernel uses."""
+    from bench.l2_prefetch import _prefetch_l2_kernel
+
+    kernel = _compile(_prefetch_l2_kernel, {"PTR": "*u8"}, {"nbytes": "i64"},
+                      dict(CHUNK=16384 if bulk else 1024, LANES=128, BULK=bulk), ("PTR",), num_warps=4)
+    ptx = kernel.asm["ptx"]
+    if bulk:
+        assert "cp.async.bulk.prefetch.L2.global" in ptx
+    else:
+        assert ptx.count("prefetch.global.L2::evict_last") == 8
+    assert kernel.asm["cubin"]

@@ -120,3 +120,40 @@ def test_no_file_or_switched_off_changes_nothing(tmp_path, monkeypatch):
     (tmp_path / "odd.json").write_text(json.dumps({"kernels": {"k3serve.ops.gemv_triton._gemv_tuned": [{"key": [1]}]}}))
     assert tuned_configs.apply(path=tmp_path / "odd.json") == {"applied": 0, "stale": 1}  # (no config: skipped)
     assert tuned_configs._key([1, [2, "a"], "torch.bfloat16"]) == (1, (2, "a"), "torch.bfloat16")
+
+
+SHIPPED_CHECK = textwrap.dedent('''
+    import importlib, json, sys
+    from k3serve.ops import tuned_configs
+    out = {}
+    for path in sorted(tuned_configs.TUNED_DIR.glob("*.json")):
+        data = json.loads(path.read_text())
+        ours = {n: e for n, e in data["kernels"].items() if n.startswith("k3serve.")}
+        for name in ours:  # (fla's kernels do not import without CUDA)
+            importlib.import_module(name.rpartition(".")[0])
+        out[path.name] = {"device": data["device"], "triton": data["triton"],
+                          "ours": sum(len(e) for e in ours.values()),
+                          "counts": tuned_configs.apply(path=path)}
+    print(json.dumps(out))
+''')
+
+
+def test_shipped_files_match_the_kernels_candidate_lists():
+    """Every shipped file is named for the device and Triton minor version it records, and each of
+    its entries for our kernels still names a live kernel and one of its current candidate configs
+    (a changed candidate list or a renamed kernel needs the file re-tuned on that GPU:
+    ``python -m bench.tune_configs``). fla's entries cannot be checked without CUDA."""
+    from k3serve.ops import tuned_configs
+
+    files = sorted(tuned_configs.TUNED_DIR.glob("*.json"))
+    assert files, "no shipped autotuning results under k3serve/ops/tuned/"
+    # (not interpreted: there our autotuners hold a single config; nothing is launched here)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"K3SERVE_TUNED_CONFIGS": ""}
+    res = subprocess.run([sys.executable, "-c", SHIPPED_CHECK], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=os.getcwd())
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name, info in json.loads(res.stdout.strip().splitlines()[-1]).items():
+        assert tuned_configs.file_for(info["device"], info["triton"]).name == name
+        assert info["ours"] > 0
+        # applied = our entries (all live); fla's are stale here only because fla cannot import
+        assert info["counts"]["applied"] == info["ours"], (name, info)

@@ -11,6 +11,9 @@ Files are per device name and Triton minor version (``tuned/<device>-triton<X.Y>
 entry applies only where its kernel still exists and still offers that config (a changed kernel
 or candidate list falls back to tuning, never to a stale tile); keys not in the file tune as before.
 ``K3SERVE_TUNED_CONFIGS=0`` turns it off (tune everything afresh); a path there names another file.
+Shipped: the H200 with Triton 3.6 (57 keys: kimi-linear-48b and the K3 slice, 32K context), which
+took kimi-linear-48b's cold start on a fresh machine from 166-204 s to 86 s (RESULTS.md twentieth
+session); tests/test_tuned_configs.py checks that every shipped entry of ours names a live config.
 """
 
 from __future__ import annotations
