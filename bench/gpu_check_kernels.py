@@ -54,7 +54,7 @@ def record(name: str, shape: str, err: float, tol: float) -> None:
     print(f"| {name} | {shape} | {err:.2e} | {tol:.0e} | {'ok' if err <= tol else 'FAIL'} |", flush=True)
 
 
-def check_short_conv(C: int, layout: list[tuple[int, int]], gen: torch.Generator) -> None:
+def check_short_conv(C: int, layout: list[tuple[int, int]], gen: torch.Generator, head: int = 128) -> None:
     chunks = [SeqChunk([0] * q, ctx, slot, list(range(-(-(q + ctx) // 64)))) for slot, (q, ctx) in enumerate(layout)]
     batch = ForwardBatch.build(chunks, 64, DEV)
     T = batch.num_tokens
@@ -67,10 +67,10 @@ def check_short_conv(C: int, layout: list[tuple[int, int]], gen: torch.Generator
     out = planes.transpose(0, 1).reshape(T, C).float()
     record("short conv + SiLU", f"C={C}, (new, ctx)={layout}", rel(out, ref), 2e-2)
     record("short conv state", f"C={C}", float(not torch.equal(state, ref_state)), 0.0)
-    # q and k (the first two planes) L2-normalised per head of 128 in the kernel (kda.CONV_NORMS_QK)
-    normed = short_conv_triton(x, w, state0, batch, plane=C // 3, norm=(2 * C // 3, 128))
-    ref_n = l2norm_heads(ref, 2 * C // 3, 128)
-    record("short conv + SiLU + q/k L2 norm", f"C={C}", rel(normed.transpose(0, 1).reshape(T, C).float(), ref_n), 2e-2)
+    # q and k (the first two planes) L2-normalised per head in the kernel (kda.CONV_NORMS_QK)
+    normed = short_conv_triton(x, w, state0, batch, plane=C // 3, norm=(2 * C // 3, head))
+    ref_n = l2norm_heads(ref, 2 * C // 3, head)
+    record("short conv + SiLU + q/k L2 norm", f"C={C} heads of {head}", rel(normed.transpose(0, 1).reshape(T, C).float(), ref_n), 2e-2)
 
 
 def check_gated_norm(T: int, H: int, D: int, gen: torch.Generator) -> None:
@@ -347,6 +347,7 @@ def main() -> int:
         return report()
     check_short_conv(12288, [(1, 40), (1, 7), (2, 1), (8192, 0), (300, 129)], gen)  # kimi-linear: 3 x 32 x 128
     check_short_conv(3 * 96 * 128, [(1, 5), (2048, 64), (3, 0)], gen)  # K3 widths
+    check_short_conv(3 * 4 * 48, [(1, 5), (300, 7), (3, 0)], gen, head=48)  # the bundled tiny model
     check_gated_norm(8192, 32, 128, gen)
     check_gated_norm(3, 96, 128, gen)
     for T in (1, 64, 8192):

@@ -24,7 +24,8 @@ SCRIPT = textwrap.dedent('''
     worst = 0.0
     for C, W, plane, dtype, shape in [(96, 4, 32, torch.float32, [(1, 5), (1, 9), (7, 0), (2, 3), (40, 11)]),
                                       (80, 4, None, torch.float32, [(3, 1), (1, 2), (1, 0), (33, 0)]),
-                                      (64, 3, 16, torch.bfloat16, [(1, 4), (5, 2), (1, 1), (2, 0), (70, 6)])]:
+                                      (64, 3, 16, torch.bfloat16, [(1, 4), (5, 2), (1, 1), (2, 0), (70, 6)]),
+                                      (144, 4, 48, torch.bfloat16, [(1, 3), (37, 0), (2, 5)])]:
         slots = 9
         chunks, perm = [], torch.randperm(slots - 1, generator=gen)[: len(shape)].tolist()
         for (q, ctx), slot in zip(shape, perm):
@@ -47,9 +48,12 @@ SCRIPT = textwrap.dedent('''
         assert torch.equal(state, state_ref), "conv states differ"  # copies of inputs: exact
         untouched = [s for s in range(slots) if s not in perm[: len(shape)]]
         assert torch.equal(pool[untouched, 1:1 + C, 1:W], state_ref[untouched])
-        if plane:  # q and k (the first two planes) L2-normalised per head of 16, as KDA's conv may
-            normed = short_conv_triton(x, weight, state_before, batch, silu=True, plane=plane, norm=(2 * plane, 16))
-            heads = ref[:, :2 * plane].unflatten(1, (-1, 16))
+        for head in [h for h in (16, 24) if plane and plane % h == 0]:
+            # q and k (the first two planes) L2-normalised per head, as KDA's conv may; a head of 24
+            # fills 24 lanes of a 32-wide tile (the bundled tiny model's KDA heads are 48 wide)
+            normed = short_conv_triton(x, weight, state_before.clone(), batch, silu=True, plane=plane,
+                                       norm=(2 * plane, head))  # (from the states before: each call updates them)
+            heads = ref[:, :2 * plane].unflatten(1, (-1, head))
             ref_n = torch.cat([l2norm(heads).flatten(1), ref[:, 2 * plane:]], 1)
             out_n = normed.transpose(0, 1).reshape(T, C).float()
             worst = max(worst, ((out_n - ref_n).norm() / ref_n.norm()).item() / tol)

@@ -260,18 +260,19 @@ def test_multi_row_gated_norm_compiles_for_sm90():
     assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])
 
 
-@pytest.mark.parametrize("interior_fast, channels_first, norm", [(False, False, False), (True, True, False),
-                                                                  (True, True, True)])
-def test_short_conv_compiles_for_sm90(interior_fast, channels_first, norm):
+@pytest.mark.parametrize("interior_fast, channels_first, norm, tile", [(False, False, False, 64), (True, True, False, 64),
+                                                                        (True, True, True, 128), (True, True, True, 48)])
+def test_short_conv_compiles_for_sm90(interior_fast, channels_first, norm, tile):
     """The prefill short conv, with the state-free interior-tile branch (a branch on a reduction of
-    the tile's positions), channel-block-first program order and q/k L2 norm (tiles a head wide);
+    the tile's positions), channel-block-first program order and q/k L2 norm (tiles a head wide,
+    48 in a 64-lane tile: the bundled tiny model);
     x's rows are 16-aligned (the fused in_proj's), so its loads are vectors."""
     ptrs = {n: "*bf16" for n in ("X", "STATE", "OUT")} | {"WEIGHT": "*fp32"} | {n: "*i64" for n in ("TOKEN_SEQ", "QSTART", "SLOTS")}
     ptrs["HAS_CTX"] = "*i32"
     ints = {n: "i32" for n in ("T", "C", "PLANE", "stride_xt", "stride_ss", "stride_sc", "stride_sw", "stride_op",
                                "stride_ot")}
     ints.update(NORM_C="i32", NORM_EPS="fp32")
-    consts = dict(W=4, SILU=True, BLOCK_T=32, BLOCK_C=128 if norm else 64, INTERIOR_FAST=interior_fast,
+    consts = dict(W=4, SILU=True, BLOCK_T=32, BLOCK_C=triton.next_power_of_2(tile), TILE_C=tile, INTERIOR_FAST=interior_fast,
                   CHANNELS_FIRST=channels_first, NORM_HEADS=norm)
     kernel = _compile(short_conv_triton._short_conv_kernel, ptrs, ints, consts,
                       ("X", "OUT", "C", "PLANE", "stride_xt", "stride_op", "stride_ot"), num_warps=4)

@@ -26,16 +26,18 @@ from ..model.batch import ForwardBatch
 def _short_conv_kernel(X, WEIGHT, STATE, OUT, TOKEN_SEQ, QSTART, SLOTS, HAS_CTX, T, C, PLANE,
                        stride_xt, stride_ss, stride_sc, stride_sw, stride_op, stride_ot,
                        W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                       INTERIOR_FAST: tl.constexpr = False, CHANNELS_FIRST: tl.constexpr = False,
-                       NORM_C=0, NORM_EPS=1e-6, NORM_HEADS: tl.constexpr = False):
+                       TILE_C: tl.constexpr, INTERIOR_FAST: tl.constexpr = False,
+                       CHANNELS_FIRST: tl.constexpr = False, NORM_C=0, NORM_EPS=1e-6, NORM_HEADS: tl.constexpr = False):
+    """Program: TILE_C channels (<= BLOCK_C, a power of two; with NORM_HEADS one head) of BLOCK_T tokens."""
     if CHANNELS_FIRST:  # neighbouring programs take neighbouring channels of the same tokens
-        n_cb = tl.cdiv(C, BLOCK_C)
+        n_cb = tl.cdiv(C, TILE_C)
         pid_t, pid_c = tl.program_id(0) // n_cb, tl.program_id(0) % n_cb
     else:
         pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    tmask, cmask = t < T, c < C
+    lane = tl.arange(0, BLOCK_C)
+    c = pid_c * TILE_C + lane
+    tmask, cmask = t < T, (c < C) & (lane < TILE_C)
     seq = tl.load(TOKEN_SEQ + t, mask=tmask, other=0)
     pos = t - tl.load(QSTART + seq)  # position among the sequence's new tokens
     live = tmask[:, None] & cmask[None, :]
@@ -61,8 +63,8 @@ def _short_conv_kernel(X, WEIGHT, STATE, OUT, TOKEN_SEQ, QSTART, SLOTS, HAS_CTX,
             acc += (xv + sv) * tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    if NORM_HEADS:  # a tile is one head wide (BLOCK_C = head dim): L2-normalise the first NORM_C channels' heads
-        if pid_c * BLOCK_C < NORM_C:
+    if NORM_HEADS:  # a tile is one head wide (TILE_C = head dim): L2-normalise the first NORM_C channels' heads
+        if pid_c * TILE_C < NORM_C:  # (lanes past the head hold zeros)
             acc = acc / tl.sqrt(tl.sum(acc * acc, 1) + NORM_EPS)[:, None]
     out = OUT + (c // PLANE)[None, :] * stride_op + t.to(tl.int64)[:, None] * stride_ot + (c % PLANE)[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=live)
@@ -107,26 +109,27 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
     [C, W] fp32, conv_state [num_slots, C, W-1] (any strides; updated in place). Returns the
     [T, C] result in x's dtype as C/P contiguous planes [C/P, T, P] (``plane`` P divides C; None: C).
     ``norm`` = (channels N, head dim D): the first N channels L2-normalised per head of D
-    (x / sqrt(sum x^2 + eps), KDA's q and k) before the one rounding; tiles are then D wide."""
+    (x / sqrt(sum x^2 + eps), KDA's q and k) before the one rounding; tiles are then one head wide
+    (D channels in a power-of-two tile: the bundled tiny model's KDA heads are 48 wide)."""
     T, C = x.shape
     W = weight.shape[-1]
     plane = plane or C
     if C % plane or x.stride(-1) != 1:
         raise ValueError(f"plane {plane} must divide {C} channels, and x's channels must be dense")
-    block_c = CONV_BLOCK_C
+    tile_c = block_c = CONV_BLOCK_C
     if norm is not None:
-        block_c = norm[1]
-        if block_c & (block_c - 1) or norm[0] % block_c or plane % block_c:
-            raise ValueError(f"norm heads of {block_c} (a power of two) must tile {norm[0]} channels and planes of {plane}")
+        tile_c, block_c = norm[1], triton.next_power_of_2(norm[1])
+        if norm[0] % tile_c:
+            raise ValueError(f"norm heads of {tile_c} must tile the {norm[0]} normalised channels")
     planes = torch.empty(C // plane, T, plane, dtype=x.dtype, device=x.device)
     if T:
         w = weight.float().contiguous()
         st = conv_state
-        n_t, n_c = triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, block_c)
+        n_t, n_c = triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, tile_c)
         _short_conv_kernel[(n_t * n_c,) if CONV_CHANNELS_FIRST else (n_t, n_c)](
             x, w, st, planes, batch.token_seq, batch.query_start, batch.kda_slots, batch.has_context, T, C, plane,
             x.stride(0), st.stride(0), st.stride(1), st.stride(2), planes.stride(0), planes.stride(1),
-            W=W, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=block_c, INTERIOR_FAST=CONV_INTERIOR_FAST,
+            W=W, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=block_c, TILE_C=tile_c, INTERIOR_FAST=CONV_INTERIOR_FAST,
             CHANNELS_FIRST=CONV_CHANNELS_FIRST, NORM_C=norm[0] if norm else 0, NORM_EPS=eps,
             NORM_HEADS=norm is not None, num_warps=CONV_WARPS)
         _short_conv_state_kernel[(batch.num_seqs, triton.cdiv(C, 256))](
