@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -37,13 +37,15 @@ case "$1" in
       --max-wall-minutes "${WALL:-7.5}" --batch 32 --seq-len 1024
     tail -c 3000 "$OUT/train.log"
     tar czf "$OUT/tiny.tgz" -C /tmp/gpu_work tiny tiny-mxfp4 ;;
-  checks)
-    step kernels_check 120 python3 bench/gpu_check_kernels.py
-    step model 240 python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
-    step graphs "$(left 420)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
-    step engine "$(left 570)" python3 bench/gpu_check_engine.py
-    tail -c 2500 "$OUT/kernels_check.log"; tail -c 2500 "$OUT/model.log"; tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log"
+  checks)  # (a fresh machine compiles everything: in one call the first two steps only; checks2 the others)
+    step kernels_check 240 python3 bench/gpu_check_kernels.py
+    step model "$(left 580)" python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
+    tail -c 2500 "$OUT/kernels_check.log"; tail -c 2500 "$OUT/model.log"
     tar czf "$OUT/checks.tgz" -C /tmp/gpu_work . ;;
+  checks2)  # CUDA graphs vs eager on kimi-linear-48b, then the engine vs the model alone (bundled tiny)
+    step graphs "$(left 360)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
+    step engine "$(left 580)" python3 bench/gpu_check_engine.py
+    tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log" ;;
   kernels)  # then where a K3 decode step's time goes, by kernel family (AttnRes share: target < 2 %)
     step kernels 450 python3 -m bench.kernels
     step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
