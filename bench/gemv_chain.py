@@ -8,16 +8,23 @@ stage's output is the next one's input, as a decode step's projections are) time
   the bytes in registers);
 - ``persistent``: one launch for the whole chain, one program an SM, a grid-wide barrier (a
   counter in global memory) between stages, each program loading its first tile of the next stage
-  before it waits.
+  before it waits;
+- ``ring`` (Gluon): persistent too, but each program streams its rows' weight chunks of every
+  stage through a cp.async ring in shared memory, issued ring-depth chunks ahead and never held
+  by the grid barrier, so the next stage's weights keep arriving while a program waits for the
+  previous stage (a stage's share an SM is ~143 KB at 19 MB: a 64-128 KB ring holds most of it).
+  The twentieth session's question: with the weights streaming across the barrier, does a
+  persistent chain beat one launch a stage? Compiled for sm_90 on CPU; not yet run on a GPU.
 
 A kimi-linear-48b batch-1 step is ~350 kernels over 2.5 ms against a 1.45 ms byte floor
 (RESULTS.md nineteenth session): GEMVs run at ~61 % of copy, and ~0.55 ms goes to launches of
 2-6 us. If the persistent chain streams its weights much nearer the copy ceiling than the
 per-stage launches, a persistent decode layer is the way to the issue's 550 tok/s; if not, not.
 Checked against a float64 chain on fresh random inputs (here on the GPU; tests/test_gemv_chain.py
-on CPU under the interpreter, one program). Not used by the model. Answer on the H200 (RESULTS.md
-twentieth session): no; the served GEMV a launch a stage 8.6 us (52 % of copy) at 19 MB, the best
-persistent 11.7 us, the best pre-wait PDL form 11.5 us.
+on CPU under the interpreter, one program). Not used by the model. Answer on the H200 for the
+Triton forms (RESULTS.md twentieth session): no; the served GEMV a launch a stage 8.6 us (52 % of
+copy) at 19 MB, the best persistent 11.7 us, the best pre-wait PDL form 11.5 us. The ring form is
+the next run (``bash bench/gpu_session.sh chain``).
 
     python3 -m bench.gemv_chain [--stages 40] [--dims 2304,4096] [--dims 2304,1024]
 """
@@ -99,6 +106,122 @@ def _chain_kernel(ACT, W, DIMS, WOFF, AOFF, COUNTER, first_stage, num_stages, BL
                 tl.store(COUNTER, 0)
 
 
+def _ring_kernel_factory():
+    """The Gluon ring form (``ring``), built on first use: Gluon imports need a Triton with it."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    from k3serve.ops.gluon_compat import async_load, cta_barrier
+
+    @gluon.jit
+    def _stage_rows(DIMS, s, pid, P, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """Stage s for program pid: (K, its first row, its row end, its row blocks, K blocks)."""
+        K = gl.load(DIMS + s)
+        N = gl.load(DIMS + s + 1)
+        r_start = (N * pid) // P
+        r_end = (N * (pid + 1)) // P
+        return K, r_start, r_end, gl.cdiv(r_end - r_start, BLOCK_N), gl.cdiv(K, BLOCK_K)
+
+    @gluon.jit
+    def _next(s, rb, kb, n_rb, n_kb):
+        """The chunk after (stage, row block, K block)."""
+        kb += 1
+        rb_done = kb == n_kb
+        kb = gl.where(rb_done, 0, kb)
+        rb = gl.where(rb_done, rb + 1, rb)
+        stage_done = rb == n_rb
+        rb = gl.where(stage_done, 0, rb)
+        return gl.where(stage_done, s + 1, s), rb, kb
+
+    @gluon.jit
+    def _issue(W, DIMS, WOFF, ring, slot, s, rb, kb, end_stage, pid, P, BLOCK_N: gl.constexpr,
+               BLOCK_K: gl.constexpr, layout: gl.constexpr):
+        """Copy chunk (s, rb, kb) of this program's weight rows into ring slot ``slot`` (past the
+        last stage a harmless copy inside the last one, never read: uniform wait counts)."""
+        s_safe = gl.minimum(s, end_stage - 1)
+        K, r_start, r_end, n_rb, n_kb = _stage_rows(DIMS, s_safe, pid, P, BLOCK_N, BLOCK_K)
+        K8 = K // 8  # (dims are multiples of 8, run() checks: written as 8 x K8 so that every Triton
+        # version sees 16-byte aligned rows and copies 16 bytes at a time)
+        rows = r_start + rb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        cols = gl.max_contiguous(gl.multiple_of(kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout)),
+                                                BLOCK_K), BLOCK_K)
+        ptrs = W + (gl.load(WOFF + s_safe) // 8) * 8 + (rows.to(gl.int64)[:, None] * K8) * 8 + cols[None, :]
+        mask = (rows < r_end)[:, None] & (cols < K8 * 8)[None, :]
+        async_load(ring.index(slot), ptrs, mask=mask)
+        async_copy.commit_group()
+        return _next(s, rb, kb, n_rb, n_kb)
+
+    @gluon.jit
+    def _ring_chain_kernel(ACT, W, DIMS, WOFF, AOFF, COUNTER, num_stages, BLOCK_N: gl.constexpr,
+                           BLOCK_K: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr):
+        """The whole chain in one persistent launch: each program streams its rows' weight chunks
+        of every stage, in order, through a RING-slot cp.async ring in shared memory; a chunk's copy
+        is issued RING - 1 chunks ahead and never waits on the grid barrier (weights do not depend
+        on activations), so DRAM keeps streaming the next stage's weights while a program waits
+        for the previous stage's last rows. Only the activation reads wait."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+        smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[1, 0])
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        ring = gl.allocate_shared_memory(W.dtype.element_ty, [RING, BLOCK_N, BLOCK_K], smem_l)
+        total = 0
+        for s in range(0, num_stages):
+            _, _, _, n_rb, n_kb = _stage_rows(DIMS, s, pid, P, BLOCK_N, BLOCK_K)
+            total += n_rb * n_kb
+        s_i = 0  # the issue cursor: (stage, row block, K block)
+        rb_i = 0
+        kb_i = 0
+        for g in gl.static_range(RING - 1):
+            s_i, rb_i, kb_i = _issue(W, DIMS, WOFF, ring, g, s_i, rb_i, kb_i, num_stages, pid, P, BLOCK_N, BLOCK_K,
+                                     layout)
+        s_c = 0  # the compute cursor
+        rb_c = 0
+        kb_c = 0
+        acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, layout))
+        for g in range(0, total):
+            async_copy.wait_group(RING - 2)  # chunk g landed (this thread's copies)
+            cta_barrier()  # (everyone's; and every thread is done with chunk g - 1's slot)
+            s_i, rb_i, kb_i = _issue(W, DIMS, WOFF, ring, (g + RING - 1) % RING, s_i, rb_i, kb_i, num_stages,
+                                     pid, P, BLOCK_N, BLOCK_K, layout)
+            K, r_start, r_end, n_rb, n_kb = _stage_rows(DIMS, s_c, pid, P, BLOCK_N, BLOCK_K)
+            if (rb_c == 0) & (kb_c == 0) & (s_c > 0):  # a stage's first chunk: wait for the previous stage
+                seen = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+                spins = 0
+                while (seen < s_c * P) & (spins < MAX_SPINS):  # (capped, as the Triton form)
+                    seen = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+                    spins += 1
+                cta_barrier()
+            cols = gl.max_contiguous(gl.multiple_of(kb_c * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout)),
+                                                    BLOCK_K), BLOCK_K)
+            x = gl.load(ACT + (gl.load(AOFF + s_c) // 8) * 8 + cols, mask=cols < (K // 8) * 8, other=0.0, cache_modifier=".cg")
+            w = ring.index(g % RING).load(layout)
+            acc += gl.sum(w.to(gl.float32) * x.to(gl.float32)[None, :], 1)
+            if kb_c == n_kb - 1:  # a row block done
+                rows = r_start + rb_c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+                y = ACT + gl.load(AOFF + s_c + 1)
+                gl.store(y + rows, acc.to(ACT.dtype.element_ty), mask=rows < r_end)
+                acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, layout))
+                if rb_c == n_rb - 1:  # this program's rows of the stage done: arrive
+                    cta_barrier()
+                    ticket = gl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
+                    if ticket == num_stages * P - 1:  # the chain's last arrival: zero for the next launch
+                        gl.store(COUNTER, 0)
+            s_c, rb_c, kb_c = _next(s_c, rb_c, kb_c, n_rb, n_kb)
+        async_copy.wait_group(0)
+
+    return _ring_chain_kernel
+
+
+_RING_KERNEL = []
+
+
+def ring_kernel():
+    if not _RING_KERNEL:
+        _RING_KERNEL.append(_ring_kernel_factory())
+    return _RING_KERNEL[0]
+
+
 class Chain:
     """Weights [N_s, K_s] (bf16, scaled to keep activations O(1)) and one activation buffer."""
 
@@ -130,7 +253,7 @@ class Chain:
         return y
 
     def run(self, mode: str, programs: int, block_n: int = 8, block_k: int = 512, block_kf: int = 1024,
-            warps: int = 4) -> torch.Tensor:
+            warps: int = 4, ring: int = 8) -> torch.Tensor:
         """The chain on ``self.acts[0]``; returns the last activation (a view)."""
         args = (self.act, self.flat_w, self.dims_dev, self.woff, self.aoff, self.counter)
         meta = dict(BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KF=block_kf, num_warps=warps)
@@ -140,13 +263,18 @@ class Chain:
         elif mode == "pdl":
             for s in range(stages):
                 _chain_kernel[(programs,)](*args, s, 1, PERSISTENT=False, **meta, **pdl.launch(self.act.device))
+        elif mode == "ring":  # (block_kf unused; the ring's depth in chunks is ``ring``)
+            if min(self.dims[1:]) < programs or any(d % 8 for d in self.dims):
+                raise ValueError("the ring form needs dims that are multiples of 8 and a row a program a stage")
+            ring_kernel()[(programs,)](*args, stages, BLOCK_N=block_n, BLOCK_K=block_k, RING=ring,
+                                       WARPS=warps, num_warps=warps)
         elif mode == "gemv":
             from k3serve.ops.gemv_triton import gemv
 
             for s, w in enumerate(self.weights):
                 gemv(self.acts[s][None], w, out=self.acts[s + 1][None])
         else:
-            raise ValueError(f"mode {mode!r}: persistent, pdl or gemv")
+            raise ValueError(f"mode {mode!r}: persistent, pdl, ring or gemv")
         return self.acts[-1]
 
 
@@ -162,7 +290,7 @@ def main() -> None:
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator("cuda").manual_seed(0)
     print(f"copy {copy:.2f} TB/s, {programs} SMs\n")
-    print("| dims | stage MB | variant | programs | tile (rows, k, first k, warps) | max rel err | us a stage | % of copy |")
+    print("| dims | stage MB | variant | programs | tile (rows, k, first k or ring slots, warps) | max rel err | us a stage | % of copy |")
     print("|---|---|---|---|---|---|---|---|")
     for spec in args.dims or ["2304,4096", "2304,1024"]:
         cycle = [int(d) for d in spec.split(",")]
@@ -177,6 +305,10 @@ def main() -> None:
         variants = [("gemv", 1, {})] + [(m, mult, dict(block_n=bn, block_k=bk, block_kf=bkf, warps=w))
                                         for m in ("pdl", "persistent") for mult in (1, 2)
                                         for bn, bk, bkf, w in tiles]
+        # the ring form: one program an SM (its ring of RING chunks is 64-128 KB of shared memory)
+        variants += [("ring", 1, dict(block_n=bn, block_k=bk, ring=r, warps=w))
+                     for bn, bk, r, w in ((8, 512, 8, 4), (8, 512, 16, 4), (4, 1024, 16, 4), (16, 256, 12, 8),
+                                          (8, 512, 16, 8))]
         for mode, mult, tile in variants:
             n = programs * mult  # (the persistent form needs all co-resident: 1-2 small programs an SM)
             chain.acts[0].copy_(x)
@@ -194,7 +326,7 @@ def main() -> None:
             mb = chain.weight_bytes / args.stages / 1e6
             print(f"| {spec} | {mb:.1f} | {mode} | {n} | {tuple(tile.values()) or 'tuned'} | {err:.1e} | {us:.2f} | "
                   f"{100 * floor_us / us:.0f} % |", flush=True)
-        del chain
+        chain = None  # (freed before the next dims' chain is built)
         torch.cuda.empty_cache()
 
 

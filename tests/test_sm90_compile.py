@@ -327,3 +327,25 @@ def test_l2_prefetch_compiles_for_sm90(bulk):
     else:
         assert ptx.count("prefetch.global.L2::evict_last") == 8
     assert kernel.asm["cubin"]
+
+
+@pytest.mark.parametrize("block_n, block_k, ring", [(8, 512, 8), (4, 1024, 16)])
+def test_gemv_chain_ring_compiles_for_sm90(block_n, block_k, ring):
+    """bench/gemv_chain.py's Gluon ring form: 16-byte cp.async copies into the shared-memory ring
+    and the grid barrier's acquire spin and acq_rel ticket. Timed and checked on the GPU."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench.gemv_chain import ring_kernel
+
+    ptrs = {"ACT": "*bf16", "W": "*bf16", "DIMS": "*i32", "WOFF": "*i64", "AOFF": "*i64", "COUNTER": "*i32"}
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, RING=ring, WARPS=4)
+    sig = {**ptrs, "num_stages": "i32", **{k: "constexpr" for k in consts}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    kernel = triton.compile(GluonASTSource(fn=ring_kernel(), signature=sig, constexprs=consts, attrs=attrs),
+                            target=HOPPER, options=dict(num_warps=4))
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"cp\.async\.c[ag]\.shared\.global(\.\w+)* \[[^]]+\], \[[^]]+\], (16|0x10)", ptx)
+    assert re.search(r"ld\.global\.cg(\.\w+)*\.v4", ptx)  # the activations, 16 bytes a load
+    assert "atom.global.gpu.acq_rel.add" in ptx and re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx)
+    assert kernel.asm["cubin"]
