@@ -48,9 +48,9 @@ SCRIPT = textwrap.dedent('''
         assert torch.equal(state, state_ref), "conv states differ"  # copies of inputs: exact
         untouched = [s for s in range(slots) if s not in perm[: len(shape)]]
         assert torch.equal(pool[untouched, 1:1 + C, 1:W], state_ref[untouched])
-        for head in [h for h in (16, 24) if plane and plane % h == 0]:
+        for head in [h for h in (16, 24, 48) if plane and plane % h == 0]:
             # q and k (the first two planes) L2-normalised per head, as KDA's conv may; a head of 24
-            # fills 24 lanes of a 32-wide tile (the bundled tiny model's KDA heads are 48 wide)
+            # fills 24 lanes of a 32-wide tile, one of 48 (the bundled tiny model's KDA heads) 48 of 64
             normed = short_conv_triton(x, weight, state_before.clone(), batch, silu=True, plane=plane,
                                        norm=(2 * plane, head))  # (from the states before: each call updates them)
             heads = ref[:, :2 * plane].unflatten(1, (-1, head))
