@@ -9,12 +9,15 @@ stage's output is the next one's input, as a decode step's projections are) time
 - ``persistent``: one launch for the whole chain, one program an SM, a grid-wide barrier (a
   counter in global memory) between stages, each program loading its first tile of the next stage
   before it waits;
-- ``ring`` (Gluon): persistent too, but each program streams its rows' weight chunks of every
-  stage through a cp.async ring in shared memory, issued ring-depth chunks ahead and never held
-  by the grid barrier, so the next stage's weights keep arriving while a program waits for the
-  previous stage (a stage's share an SM is ~143 KB at 19 MB: a 64-128 KB ring holds most of it).
-  The twentieth session's question: with the weights streaming across the barrier, does a
-  persistent chain beat one launch a stage? Compiled for sm_90 on CPU; not yet run on a GPU.
+- ``tma`` (Gluon): persistent too, over weights pre-tiled so that each [rows, k] chunk is
+  contiguous; each program streams a balanced run of every stage's chunks through a TMA ring in
+  shared memory (an mbarrier a slot), issued ring-depth chunks ahead and never held by the grid
+  barrier, so the next stage's weights keep arriving while a program waits for the previous
+  stage. Activations fp32, split row blocks summed with fire-and-forget adds; a stage's input is
+  copied into shared memory once; optionally (``mma``) each chunk summed by wgmma. It replaced
+  the twentieth session's cp.async ring (22 us a 19 MB stage on the H200, 20 % of copy: that
+  loop waited on an L2 load of its activation slice and re-read the stage's sizes for every 8 KB
+  chunk). ``trace_summary`` splits a stage's time from the kernel's own global-timer stamps.
 
 A kimi-linear-48b batch-1 step is ~350 kernels over 2.5 ms against a 1.45 ms byte floor
 (RESULTS.md nineteenth session): GEMVs run at ~61 % of copy, and ~0.55 ms goes to launches of
@@ -23,10 +26,13 @@ per-stage launches, a persistent decode layer is the way to the issue's 550 tok/
 Checked against a float64 chain on fresh random inputs (here on the GPU; tests/test_gemv_chain.py
 on CPU under the interpreter, one program). Not used by the model. Answer on the H200 for the
 Triton forms (RESULTS.md twentieth session): no; the served GEMV a launch a stage 8.6 us (52 % of
-copy) at 19 MB, the best persistent 11.7 us, the best pre-wait PDL form 11.5 us. The ring form is
-the next run (``bash bench/gpu_session.sh chain``).
+copy) at 19 MB, the best persistent 11.7 us, the best pre-wait PDL form 11.5 us. For the TMA form
+(twenty-first session): yes, but not by enough: 6.5 us (68 %) at 19 MB and 3.6 us at 4.7 MB
+against the served 8.4 and 4.3-4.7; of a 19 MB stage's 6.1 us, 1.1 go to seeing the barrier,
+0.5 to the input, 3.9 to the chunks although they wait only 0.35 for their copies (the loop, not
+DRAM, limits it: ~0.45 us a 16 KB chunk even with the weights in shared memory and wgmma).
 
-    python3 -m bench.gemv_chain [--stages 40] [--dims 2304,4096] [--dims 2304,1024]
+    python3 -m bench.gemv_chain [--stages 40] [--dims 2304,4096] [--dims 2304,1024] [--modes gemv,tma]
 """
 
 from __future__ import annotations
@@ -108,112 +114,220 @@ def _chain_kernel(ACT, W, DIMS, WOFF, AOFF, COUNTER, first_stage, num_stages, BL
 
 
 @functools.cache
-def ring_kernel():
-    """The Gluon ring form (``ring``), built on first use (the interpreted CPU tests import this
+def tma_kernel():
+    """The Gluon TMA form (``tma``), built on first use (the interpreted CPU tests import this
     module but never build it)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-    from k3serve.ops.gluon_compat import async_load, cta_barrier
-
-    @gluon.jit
-    def _stage_rows(DIMS, s, pid, P, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-        """Stage s for program pid: (K, its first row, its row end, its row blocks, K blocks)."""
-        K = gl.load(DIMS + s)
-        N = gl.load(DIMS + s + 1)
-        r_start = (N * pid) // P
-        r_end = (N * (pid + 1)) // P
-        return K, r_start, r_end, gl.cdiv(r_end - r_start, BLOCK_N), gl.cdiv(K, BLOCK_K)
+    from k3serve.ops.gluon_compat import async_load, cta_barrier, tma_load
 
     @gluon.jit
-    def _next(s, rb, kb, n_rb, n_kb):
-        """The chunk after (stage, row block, K block)."""
-        kb += 1
-        rb_done = kb == n_kb
-        kb = gl.where(rb_done, 0, kb)
-        rb = gl.where(rb_done, rb + 1, rb)
-        stage_done = rb == n_rb
-        rb = gl.where(stage_done, 0, rb)
-        return gl.where(stage_done, s + 1, s), rb, kb
+    def _span(CBASE, s, pid, P):
+        """Program pid's chunks of stage s: [first, end) in the stage's own numbering, and the
+        stage's first chunk in the whole tiled buffer."""
+        base = gl.load(CBASE + s)
+        count = gl.load(CBASE + s + 1) - base
+        return (count * pid) // P, (count * (pid + 1)) // P, base
 
     @gluon.jit
-    def _issue(W, DIMS, WOFF, ring, slot, s, rb, kb, end_stage, pid, P, BLOCK_N: gl.constexpr,
-               BLOCK_K: gl.constexpr, layout: gl.constexpr):
-        """Copy chunk (s, rb, kb) of this program's weight rows into ring slot ``slot`` (past the
-        last stage a harmless copy inside the last one, never read: uniform wait counts)."""
-        s_safe = gl.minimum(s, end_stage - 1)
-        K, r_start, r_end, n_rb, n_kb = _stage_rows(DIMS, s_safe, pid, P, BLOCK_N, BLOCK_K)
-        K8 = K // 8  # (dims are multiples of 8, run() checks: written as 8 x K8 so that every Triton
-        # version sees 16-byte aligned rows and copies 16 bytes at a time)
-        rows = r_start + rb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        cols = gl.max_contiguous(gl.multiple_of(kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout)),
-                                                BLOCK_K), BLOCK_K)
-        ptrs = W + (gl.load(WOFF + s_safe) // 8) * 8 + (rows.to(gl.int64)[:, None] * K8) * 8 + cols[None, :]
-        mask = (rows < r_end)[:, None] & (cols < K8 * 8)[None, :]
-        async_load(ring.index(slot), ptrs, mask=mask)
-        async_copy.commit_group()
-        return _next(s, rb, kb, n_rb, n_kb)
+    def _issue_rows(CBASE, s, num_stages, pid, P, BLOCK_N: gl.constexpr):
+        """The issue cursor at stage s: this program's first and end rows of the tiled matrix."""
+        j0, j1, base = _span(CBASE, gl.minimum(s, num_stages - 1), pid, P)
+        return (base + j0) * BLOCK_N, (base + j1) * BLOCK_N
 
     @gluon.jit
-    def _ring_chain_kernel(ACT, W, DIMS, WOFF, AOFF, COUNTER, num_stages, BLOCK_N: gl.constexpr,
-                           BLOCK_K: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr):
-        """The whole chain in one persistent launch: each program streams its rows' weight chunks
-        of every stage, in order, through a RING-slot cp.async ring in shared memory; a chunk's copy
-        is issued RING - 1 chunks ahead and never waits on the grid barrier (weights do not depend
-        on activations), so DRAM keeps streaming the next stage's weights while a program waits
-        for the previous stage's last rows. Only the activation reads wait."""
+    def _issue(desc, bars, ring, CBASE, g, total, s, row, row_end, num_stages, pid, P, BLOCK_N: gl.constexpr,
+               RING: gl.constexpr):
+        """Chunk g of this program (the tiled rows from ``row``) into its ring slot; none past the last."""
+        live = g < total
+        slot = g % gl.constexpr(RING)  # (gl named here: the closure the annotations are read in)
+        mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=live)
+        tma_load(desc, [row, 0], bars.index(slot), ring.index(slot), pred=live)
+        row += BLOCK_N
+        if row == row_end:
+            s += 1
+            row, row_end = _issue_rows(CBASE, s, num_stages, pid, P, BLOCK_N)
+        return s, row, row_end
+
+    @gluon.jit
+    def _now():
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _red_add_rows(ptrs, vals, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+        """Fire-and-forget fp32 adds (``red``), one a row. (Triton 3.6 lowers ``atomic_add`` to an
+        ``atom`` that waits for the old value, a round trip to L2 a flush.) Moved to a layout whose
+        first BLOCK_N threads hold the rows once each; the copies further up add nothing."""
+        rows_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, $3; "
+            "@p red.relaxed.gpu.global.add.f32 [$1], $2; mov.u32 $0, 0; }", "=r,l,f,r",
+            [gl.convert_layout(ptrs.to(gl.int64), rows_l), gl.convert_layout(vals, rows_l),
+             gl.full([BLOCK_N], BLOCK_N, gl.int32, rows_l)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _arrive(COUNTER):
+        """The grid barrier's arrival, fire-and-forget: thread 0 fences (the CTA barrier before it
+        made every thread's sums its own, cumulatively) and adds 1 without waiting for a reply."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p fence.acq_rel.gpu; @p red.relaxed.gpu.global.add.u32 [$1], 1; mov.u32 $0, 0; }", "=r,l",
+            [COUNTER.to(gl.int64)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tma_chain_kernel(desc, ACT, DIMS, CBASE, AOFF, COUNTER, TIMES, num_stages, BLOCK_N: gl.constexpr,
+                          BLOCK_K: gl.constexpr, MAX_KB: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr,
+                          MMA: gl.constexpr = False, TRACE: gl.constexpr = False):
+        """The whole chain in one persistent launch over pre-tiled weights (each [BLOCK_N, BLOCK_K]
+        chunk contiguous, a stage's chunks row block by row block): program p takes a balanced
+        contiguous run of each stage's chunks and streams them with TMA through a RING-slot ring
+        (one mbarrier a slot), each copy issued RING chunks ahead by one thread and never held by
+        the grid barrier. fp32 activations: row blocks split between programs are summed with
+        atomics into outputs the host zeroed; a stage's input is copied once into shared memory
+        (cp.async, every row in flight at once). A stage's sizes are read once, at its start: the
+        loop a chunk carries no global load of its own. MMA: each chunk summed on the tensor cores
+        (wgmma, the chunk from shared memory as A [BLOCK_N = 64, BLOCK_K], the input as B [BLOCK_K,
+        8] with seven zero columns, one warpgroup), not with a multiply-add a weight a thread. TRACE: the global timer (ns) at each stage's
+        start, barrier passed, input staged, first chunk landed and arrival, and the time its chunks
+        waited for their copies, into TIMES [stages, programs, 6]."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-        smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[1, 0])
+        # a row of the input spread over the whole CTA, no lane copying what another does
+        x_layout: gl.constexpr = gl.BlockedLayout([max(1, BLOCK_K // (32 * WARPS))], [32], [WARPS], [0])
+        if MMA:
+            acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, 8, 16])
+            ACC_W: gl.constexpr = 8
+            xb = gl.allocate_shared_memory(gl.bfloat16, [MAX_KB, 8, BLOCK_K],
+                                           gl.NVMMASharedLayout.get_default_for([8, BLOCK_K], gl.bfloat16))
+        else:
+            acc_l: gl.constexpr = layout
+            ACC_W: gl.constexpr = BLOCK_K
         pid = gl.program_id(0)
         P = gl.num_programs(0)
-        ring = gl.allocate_shared_memory(W.dtype.element_ty, [RING, BLOCK_N, BLOCK_K], smem_l)
+        ring = gl.allocate_shared_memory(desc.dtype, [RING, BLOCK_N, BLOCK_K], desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        x_smem = gl.allocate_shared_memory(gl.float32, [MAX_KB, BLOCK_K],  # (a row a K block)
+                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        for i in gl.static_range(RING):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
         total = 0
         for s in range(0, num_stages):
-            _, _, _, n_rb, n_kb = _stage_rows(DIMS, s, pid, P, BLOCK_N, BLOCK_K)
-            total += n_rb * n_kb
-        s_i = 0  # the issue cursor: (stage, row block, K block)
-        rb_i = 0
-        kb_i = 0
-        for g in gl.static_range(RING - 1):
-            s_i, rb_i, kb_i = _issue(W, DIMS, WOFF, ring, g, s_i, rb_i, kb_i, num_stages, pid, P, BLOCK_N, BLOCK_K,
-                                     layout)
-        s_c = 0  # the compute cursor
-        rb_c = 0
-        kb_c = 0
-        acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, layout))
+            j0, j1, _ = _span(CBASE, s, pid, P)
+            total += j1 - j0
+        s_i = 0  # the issue cursor: stage, tiled row, this program's end row of the stage
+        row_i, row_end_i = _issue_rows(CBASE, 0, num_stages, pid, P, BLOCK_N)
+        for g in gl.static_range(RING):
+            s_i, row_i, row_end_i = _issue(desc, bars, ring, CBASE, g, total, s_i, row_i, row_end_i, num_stages, pid,
+                                           P, BLOCK_N, RING)
+        rows_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+        cols_acc = gl.arange(0, ACC_W, layout=gl.SliceLayout(0, acc_l))
+        ks = gl.arange(0, BLOCK_K, layout=x_layout)
+        acc = gl.zeros([BLOCK_N, ACC_W], gl.float32, acc_l)
+        s_c = 0  # the compute cursor: stage, its chunk, this program's end chunk, the stage's sizes
+        j_c, j_end_c, _ = _span(CBASE, 0, pid, P)
+        first = True
+        K = gl.load(DIMS)
+        n_kb = K // BLOCK_K
+        kb = j_c % n_kb  # (the chunk's K block and row block, carried: no division a chunk)
+        rb = j_c // n_kb
+        y = ACT + gl.load(AOFF + 1)
+        if TRACE:
+            waited = _now() * 0
+        else:
+            waited = 0
         for g in range(0, total):
-            async_copy.wait_group(RING - 2)  # chunk g landed (this thread's copies)
-            cta_barrier()  # (everyone's; and every thread is done with chunk g - 1's slot)
-            s_i, rb_i, kb_i = _issue(W, DIMS, WOFF, ring, (g + RING - 1) % RING, s_i, rb_i, kb_i, num_stages,
-                                     pid, P, BLOCK_N, BLOCK_K, layout)
-            K, r_start, r_end, n_rb, n_kb = _stage_rows(DIMS, s_c, pid, P, BLOCK_N, BLOCK_K)
-            if (rb_c == 0) & (kb_c == 0) & (s_c > 0):  # a stage's first chunk: wait for the previous stage
-                seen = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-                spins = 0
-                while (seen < s_c * P) & (spins < MAX_SPINS):  # (capped, as the Triton form)
+            if first:  # this program's first chunk of the stage: its input, once
+                if TRACE:
+                    gl.store(TIMES + (s_c * P + pid) * 6, _now())
+                if s_c > 0:  # every program's sums of the previous stage are in
                     seen = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-                    spins += 1
-                cta_barrier()
-            cols = gl.max_contiguous(gl.multiple_of(kb_c * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout)),
-                                                    BLOCK_K), BLOCK_K)
-            x = gl.load(ACT + (gl.load(AOFF + s_c) // 8) * 8 + cols, mask=cols < (K // 8) * 8, other=0.0, cache_modifier=".cg")
-            w = ring.index(g % RING).load(layout)
-            acc += gl.sum(w.to(gl.float32) * x.to(gl.float32)[None, :], 1)
-            if kb_c == n_kb - 1:  # a row block done
-                rows = r_start + rb_c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-                y = ACT + gl.load(AOFF + s_c + 1)
-                gl.store(y + rows, acc.to(ACT.dtype.element_ty), mask=rows < r_end)
-                acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, layout))
-                if rb_c == n_rb - 1:  # this program's rows of the stage done: arrive
+                    spins = 0
+                    while (seen < s_c * P) & (spins < MAX_SPINS):  # (capped, as the Triton form)
+                        seen = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+                        spins += 1
                     cta_barrier()
-                    ticket = gl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
-                    if ticket == num_stages * P - 1:  # the chain's last arrival: zero for the next launch
-                        gl.store(COUNTER, 0)
-            s_c, rb_c, kb_c = _next(s_c, rb_c, kb_c, n_rb, n_kb)
-        async_copy.wait_group(0)
+                if TRACE:
+                    gl.store(TIMES + (s_c * P + pid) * 6 + 1, _now())
+                x_in = ACT + gl.multiple_of(gl.load(AOFF + s_c), 16)  # (sizes are multiples of BLOCK_K)
+                for i in gl.static_range(MAX_KB):
+                    async_load(x_smem.index(i), x_in + i * BLOCK_K + ks, mask=(ks * 0 + i * BLOCK_K) < K,
+                               cache_modifier=".cg")  # (a row's mask uniform: 16-byte copies)
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+                cta_barrier()
+                if MMA:  # the B tiles: the input in row 0, bf16, zeros below
+                    r8 = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+                    for kx in range(0, n_kb):
+                        xr = x_smem.index(kx).load(gl.SliceLayout(0, layout))
+                        xb.index(kx).store(gl.where(r8[:, None] == 0, xr[None, :], 0.0).to(gl.bfloat16))
+                    fence_async_shared()
+                    cta_barrier()
+                if TRACE:
+                    gl.store(TIMES + (s_c * P + pid) * 6 + 2, _now())
+            slot = g % RING
+            if TRACE:
+                before = _now()
+            mbarrier.wait(bars.index(slot), (g // RING) & 1)
+            if TRACE:
+                waited += _now() - before
+                if first:
+                    gl.store(TIMES + (s_c * P + pid) * 6 + 3, _now())
+            if MMA:
+                acc = warpgroup_mma(ring.index(slot), xb.index(kb).permute([1, 0]), acc)
+            else:
+                w = ring.index(slot).load(layout)
+                xk = x_smem.index(kb).load(gl.SliceLayout(0, layout))
+                acc += w.to(gl.float32) * xk[None, :]
+            last = j_c == j_end_c - 1
+            if (kb == n_kb - 1) | last:  # a row block's share done: add it in
+                if MMA:
+                    part = gl.sum(gl.where(cols_acc[None, :] == 0, acc, 0.0), 1)
+                else:
+                    part = gl.sum(acc, 1)
+                _red_add_rows(y + rb * BLOCK_N + rows_in, part, BLOCK_N, WARPS)
+                acc = gl.zeros([BLOCK_N, ACC_W], gl.float32, acc_l)
+            cta_barrier()  # every thread done with the slot (and, at a stage's end, with its sums)
+            s_i, row_i, row_end_i = _issue(desc, bars, ring, CBASE, g + RING, total, s_i, row_i, row_end_i,
+                                           num_stages, pid, P, BLOCK_N, RING)
+            first = last
+            if last:  # this program's part of the stage done: arrive, go to the next stage
+                if TRACE:
+                    gl.store(TIMES + (s_c * P + pid) * 6 + 4, _now())
+                    gl.store(TIMES + (s_c * P + pid) * 6 + 5, waited)
+                    waited = waited * 0
+                _arrive(COUNTER)  # (no reply awaited: the host zeroes the counter)
+                s_c += 1
+                s_next = gl.minimum(s_c, num_stages - 1)
+                j_c, j_end_c, _ = _span(CBASE, s_next, pid, P)
+                K = gl.load(DIMS + s_next)
+                n_kb = K // BLOCK_K
+                kb = j_c % n_kb
+                rb = j_c // n_kb
+                y = ACT + gl.load(AOFF + s_next + 1)
+            else:
+                j_c += 1
+                kb += 1
+                if kb == n_kb:
+                    kb = 0
+                    rb += 1
+        for i in gl.static_range(RING):
+            mbarrier.invalidate(bars.index(i))
 
-    return _ring_chain_kernel
+    return _tma_chain_kernel
+
+
+def tile_chunks(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """A weight [N, K] cut into [block_n, block_k] chunks, each contiguous, K block fastest within
+    a row block: [N K / block_k, block_k], chunk c = rows c block_n .. (one TMA box a chunk)."""
+    n, k = w.shape
+    if n % block_n or k % block_k:
+        raise ValueError(f"a weight [{n}, {k}] does not cut into [{block_n}, {block_k}] chunks")
+    return w.view(n // block_n, block_n, k // block_k, block_k).transpose(1, 2).reshape(-1, block_k)
 
 
 class Chain:
@@ -234,6 +348,21 @@ class Chain:
         self.dims_dev = torch.tensor(dims, dtype=torch.int32, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.acts = list(torch.split(self.act, dims))
+        self.act32 = torch.zeros(sum(dims), dtype=torch.float32, device=device)  # (the tma form's)
+        self._tiled = {}
+
+    def tiled(self, block_n: int, block_k: int):
+        """The tma form's weights: every stage cut into [block_n, block_k] chunks, each contiguous,
+        row block by row block, all stages in one [rows, block_k] matrix (one TMA descriptor), and
+        each stage's first chunk (int32, stages + 1 entries)."""
+        if (block_n, block_k) in self._tiled:
+            return self._tiled[block_n, block_k]
+        parts = [tile_chunks(w, block_n, block_k) for w in self.weights]
+        counts = [w.numel() // (block_n * block_k) for w in self.weights]
+        bases = torch.tensor([sum(counts[:i]) for i in range(len(counts) + 1)], dtype=torch.int32,
+                             device=self.act.device)
+        self._tiled = {(block_n, block_k): (torch.cat(parts), bases, min(counts))}  # (one at a time: memory)
+        return self._tiled[block_n, block_k]
 
     @property
     def weight_bytes(self) -> int:
@@ -247,8 +376,9 @@ class Chain:
         return y
 
     def run(self, mode: str, programs: int, block_n: int = 8, block_k: int = 512, block_kf: int = 1024,
-            warps: int = 4, ring: int = 8) -> torch.Tensor:
-        """The chain on ``self.acts[0]``; returns the last activation (a view)."""
+            warps: int = 4, ring: int = 8, mma: bool = False, times: torch.Tensor | None = None) -> torch.Tensor:
+        """The chain on ``self.acts[0]``; returns the last activation (a view). ``times``: the tma
+        form's trace, int64 [stages, programs, 6] (see the kernel)."""
         args = (self.act, self.flat_w, self.dims_dev, self.woff, self.aoff, self.counter)
         meta = dict(BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KF=block_kf, num_warps=warps)
         stages = len(self.weights)
@@ -257,19 +387,59 @@ class Chain:
         elif mode == "pdl":
             for s in range(stages):
                 _chain_kernel[(programs,)](*args, s, 1, PERSISTENT=False, **meta, **pdl.launch(self.act.device))
-        elif mode == "ring":  # (block_kf unused; the ring's depth in chunks is ``ring``)
-            if min(self.dims[1:]) < programs or any(d % 8 for d in self.dims):
-                raise ValueError("the ring form needs dims that are multiples of 8 and a row a program a stage")
-            ring_kernel()[(programs,)](*args, stages, BLOCK_N=block_n, BLOCK_K=block_k, RING=ring,
-                                       WARPS=warps, num_warps=warps)
+        elif mode == "tma":  # (block_kf unused; the ring's depth in chunks is ``ring``): fp32 activations
+            from triton.experimental.gluon import language as gl
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            tiled, bases, fewest = self.tiled(block_n, block_k)
+            if fewest < programs:
+                raise ValueError(f"the tma form needs a chunk a program a stage: {fewest} < {programs}")
+            desc = TensorDescriptor.from_tensor(tiled, [block_n, block_k],
+                                                gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
+            self.act32[self.dims[0]:].zero_()  # (the stages' sums are atomics)
+            self.counter.zero_()  # (the arrivals are fire-and-forget: nobody is there to reset it)
+            self.act32[:self.dims[0]].copy_(self.acts[0])
+            max_kb = triton.next_power_of_2(max(self.dims[:-1]) // block_k)
+            tma_kernel()[(programs,)](desc, self.act32, self.dims_dev, bases, self.aoff, self.counter,
+                                      self.counter if times is None else times, stages, BLOCK_N=block_n,
+                                      BLOCK_K=block_k, MAX_KB=max_kb, RING=ring, WARPS=warps, MMA=mma,
+                                      TRACE=times is not None, num_warps=warps)
+            return self.act32[-self.dims[-1]:]
         elif mode == "gemv":
             from k3serve.ops.gemv_triton import gemv
 
             for s, w in enumerate(self.weights):
                 gemv(self.acts[s][None], w, out=self.acts[s + 1][None])
         else:
-            raise ValueError(f"mode {mode!r}: persistent, pdl, ring or gemv")
+            raise ValueError(f"mode {mode!r}: persistent, pdl, tma or gemv")
         return self.acts[-1]
+
+
+def trace_summary(chain: Chain, programs: int, tile: dict) -> None:
+    """Where a tma stage's time goes, from one traced run (global timer, ns; medians over stages
+    1 .. S-2 of each program's phases, then over programs, and the spread of the arrivals)."""
+    stages = len(chain.weights)
+    times = torch.zeros(stages, programs, 6, dtype=torch.int64, device="cuda")
+    chain.run("tma", programs, **tile)  # (warm)
+    chain.run("tma", programs, **tile, times=times)
+    t = (times - times[0, :, 0].min()).double().cpu() / 1e3  # us from the chain's start
+    mid = slice(1, stages - 1)
+    waited = times[mid, :, 5].double().cpu() / 1e3
+    wait, stage_in = t[mid, :, 1] - t[mid, :, 0], t[mid, :, 2] - t[mid, :, 1]
+    landed, work = t[mid, :, 3] - t[mid, :, 2], t[mid, :, 4] - t[mid, :, 2]
+    last_arrival = t[:, :, 4].max(1).values  # a stage done everywhere
+    passed = t[1:, :, 1]  # the next stage's barrier seen, each program
+    med = lambda v: v.median().item()  # noqa: E731
+    print(f"\ntrace, tile {tuple(tile.values())}: us a stage, medians over stages and programs (max over programs)")
+    print("| period (last arrival to last arrival) | barrier wait | seen after the last arrival | input staged | "
+          "first chunk there after | chunks (input staged .. arrival) | of which waiting for copies | arrivals' spread |")
+    print("|---|---|---|---|---|---|---|---|")
+    spread = (t[mid, :, 4].max(1).values - t[mid, :, 4].min(1).values)
+    print(f"| {med(last_arrival[1:] - last_arrival[:-1]):.2f} | {med(wait):.2f} ({med(wait.max(1).values):.2f}) | "
+          f"{med(passed - last_arrival[:-1, None]):.2f} ({med((passed - last_arrival[:-1, None]).max(1).values):.2f}) "
+          f"| {med(stage_in):.2f} ({med(stage_in.max(1).values):.2f}) | {med(landed):.2f} ({med(landed.max(1).values):.2f})"
+          f" | {med(work):.2f} ({med(work.max(1).values):.2f}) | {med(waited):.2f} ({med(waited.max(1).values):.2f})"
+          f" | {med(spread):.2f} |\n")
 
 
 def main() -> None:
@@ -279,6 +449,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", type=int, default=40)
     ap.add_argument("--dims", action="append", default=None, help="activation sizes the chain alternates through")
+    ap.add_argument("--modes", default="gemv,pdl,persistent,tma", help="which forms to time")
     args = ap.parse_args()
     copy = copy_tbs()
     programs = torch.cuda.get_device_properties(0).multi_processor_count
@@ -299,11 +470,14 @@ def main() -> None:
         variants = [("gemv", 1, {})] + [(m, mult, dict(block_n=bn, block_k=bk, block_kf=bkf, warps=w))
                                         for m in ("pdl", "persistent") for mult in (1, 2)
                                         for bn, bk, bkf, w in tiles]
-        # the ring form: one program an SM (its ring of RING chunks is 64-128 KB of shared memory)
-        variants += [("ring", 1, dict(block_n=bn, block_k=bk, ring=r, warps=w))
-                     for bn, bk, r, w in ((8, 512, 8, 4), (8, 512, 16, 4), (4, 1024, 16, 4), (16, 256, 12, 8),
-                                          (8, 512, 16, 8))]
-        for mode, mult, tile in variants:
+        # the tma form: one program an SM (a ring of RING chunks, 64-128 KB of shared memory)
+        # (mma: wgmma a chunk, one warpgroup, 64-row chunks)
+        variants += [("tma", 1, dict(block_n=bn, block_k=bk, ring=r, warps=w, mma=mma))
+                     for bn, bk, r, w, mma in ((32, 256, 4, 4, False), (32, 256, 6, 4, False), (64, 256, 3, 4, False),
+                                               (64, 256, 3, 4, True), (64, 256, 4, 4, True), (64, 128, 6, 4, True),
+                                               (64, 128, 8, 4, True))]
+        best_tma, best_us = None, float("inf")
+        for mode, mult, tile in [v for v in variants if v[0] in args.modes.split(",")]:
             n = programs * mult  # (the persistent form needs all co-resident: 1-2 small programs an SM)
             chain.acts[0].copy_(x)
             try:
@@ -318,8 +492,12 @@ def main() -> None:
                 print(f"| {spec} | | {mode} | {n} | {tuple(tile.values())} | failed: {repr(exc)[:80]} | | |")
                 continue
             mb = chain.weight_bytes / args.stages / 1e6
+            if mode == "tma" and us < best_us:
+                best_tma, best_us = tile, us
             print(f"| {spec} | {mb:.1f} | {mode} | {n} | {tuple(tile.values()) or 'tuned'} | {err:.1e} | {us:.2f} | "
                   f"{100 * floor_us / us:.0f} % |", flush=True)
+        if best_tma is not None:
+            trace_summary(chain, programs, best_tma)
         chain = None  # (freed before the next dims' chain is built)
         torch.cuda.empty_cache()
 

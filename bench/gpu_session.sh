@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -222,8 +222,20 @@ case "$1" in
     grep -A12 "| prompts" "$OUT/pgk3.log" ;;
   chain)  # persistent kernel vs one launch a stage on a chain of dependent GEMVs (bench/gemv_chain.py): does a
           # persistent decode layer have the headroom batch 1 needs?
-    step chain "$(left 585)" python3 -m bench.gemv_chain
+    step chain "$(left 585)" python3 -m bench.gemv_chain --modes "${MODES:-gemv,pdl,persistent,tma}"
     grep -v "^  File\|^    " "$OUT/chain.log" | tail -40 ;;
+  ncutma)  # Nsight Compute on one launch of the TMA chain (bench/gemv_chain.py), 40 stages of 4.7 MB
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 0; }
+    step ncu_tma "$(left 580)" "$NCU" --kernel-name regex:_tma_chain --launch-skip 1 --launch-count 1 \
+      --section WarpStateStats --section SourceCounters --section SpeedOfLight --section Occupancy \
+      python3 -c "import torch; from bench.gemv_chain import Chain; g = torch.Generator('cuda').manual_seed(0); \
+c = Chain([2304 if i % 2 == 0 else 1024 for i in range(41)], g); \
+[c.run('tma', 132, block_n=32, block_k=256, ring=6, warps=4) for _ in range(3)]; torch.cuda.synchronize()"
+    grep -v "^==PROF==" "$OUT/ncu_tma.log" | tail -c 9000 ;;
+  pgemv)  # a GEMV fetching its weights into shared memory before its PDL wait (bench/prefetch_gemv.py)
+    step pgemv "$(left 585)" python3 -m bench.prefetch_gemv
+    grep -v "^  File\|^    " "$OUT/pgemv.log" | tail -80 ;;
   prefetch)  # a side stream hinting the next GEMV's weights into L2 while short kernels run (bench/l2_prefetch.py)
     step prefetch "$(left 585)" python3 -m bench.l2_prefetch
     grep -v "^  File\|^    " "$OUT/prefetch.log" | tail -80 ;;

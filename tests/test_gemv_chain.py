@@ -42,3 +42,24 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gemv_chain_matches_float64(seed):
     assert worst_error(SCRIPT, str(seed)) < 1e-5
+
+
+def test_tile_chunks_puts_each_chunk_contiguous_in_k_order():
+    """The TMA forms' weight layout (gemv_chain.tile_chunks): chunk c = rows c*bn .. of the tiled
+    matrix holds w[rb*bn:(rb+1)*bn, kb*bk:(kb+1)*bk] with c = rb * (K / bk) + kb; ragged shapes refused."""
+    import torch
+
+    from bench.gemv_chain import tile_chunks
+
+    gen = torch.Generator().manual_seed(0)
+    for n, k, bn, bk in [(64, 96, 16, 32), (24, 256, 8, 128), (8, 8, 8, 8)]:
+        w = torch.randn(n, k, generator=gen)
+        tiled = tile_chunks(w, bn, bk)
+        assert tiled.shape == (n * k // bk, bk) and tiled.is_contiguous()
+        n_kb = k // bk
+        for rb in range(n // bn):
+            for kb in range(n_kb):
+                c = rb * n_kb + kb
+                assert torch.equal(tiled[c * bn:(c + 1) * bn], w[rb * bn:(rb + 1) * bn, kb * bk:(kb + 1) * bk])
+    with pytest.raises(ValueError, match="does not cut"):
+        tile_chunks(torch.zeros(30, 64), 16, 32)

@@ -329,23 +329,63 @@ def test_l2_prefetch_compiles_for_sm90(bulk):
     assert kernel.asm["cubin"]
 
 
-@pytest.mark.parametrize("block_n, block_k, ring", [(8, 512, 8), (4, 1024, 16)])
-def test_gemv_chain_ring_compiles_for_sm90(block_n, block_k, ring):
-    """bench/gemv_chain.py's Gluon ring form: 16-byte cp.async copies into the shared-memory ring
-    and the grid barrier's acquire spin and acq_rel ticket. Timed and checked on the GPU."""
+@pytest.mark.parametrize("block_n, block_k, ring, warps, mma, trace",
+                         [(16, 256, 8, 4, False, False), (64, 128, 8, 8, False, True), (64, 256, 4, 4, True, False)])
+def test_gemv_chain_tma_compiles_for_sm90(block_n, block_k, ring, warps, mma, trace):
+    """bench/gemv_chain.py's Gluon TMA form: bulk tensor copies into the shared-memory ring on
+    mbarriers, the fp32 sums' atomics, the grid barrier's acquire spin and release arrival (and the
+    trace's global timer). Timed and checked on the GPU."""
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from bench.gemv_chain import ring_kernel
+    from bench.gemv_chain import tma_kernel
 
-    ptrs = {"ACT": "*bf16", "W": "*bf16", "DIMS": "*i32", "WOFF": "*i64", "AOFF": "*i64", "COUNTER": "*i32"}
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, RING=ring, WARPS=4)
-    sig = {**ptrs, "num_stages": "i32", **{k: "constexpr" for k in consts}}
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
+    ptrs = {"ACT": "*fp32", "DIMS": "*i32", "CBASE": "*i32", "AOFF": "*i64", "COUNTER": "*i32", "TIMES": "*i64"}
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, MAX_KB=4096 // block_k, RING=ring, WARPS=warps, MMA=mma,
+                  TRACE=trace)
+    sig = {"desc": f"tensordesc<bf16[{block_n}, {block_k}],{layout!r}>", **ptrs, "num_stages": "i32",
+           **{k: "constexpr" for k in consts}}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    kernel = triton.compile(GluonASTSource(fn=ring_kernel(), signature=sig, constexprs=consts, attrs=attrs),
-                            target=HOPPER, options=dict(num_warps=4))
+    kernel = triton.compile(GluonASTSource(fn=tma_kernel(), signature=sig, constexprs=consts, attrs=attrs),
+                            target=HOPPER, options=dict(num_warps=warps))
     ptx = kernel.asm["ptx"]
-    assert re.search(r"cp\.async\.c[ag]\.shared\.global(\.\w+)* \[[^]]+\], \[[^]]+\], (16|0x10)", ptx)
-    assert re.search(r"ld\.global\.cg(\.\w+)*\.v4", ptx)  # the activations, 16 bytes a load
-    assert "atom.global.gpu.acq_rel.add" in ptx and re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::(cta|cluster)\.global", ptx)
+    assert "mbarrier.try_wait.parity" in ptx
+    # fire-and-forget sums and arrival (no atom waiting for an old value), the acquire spin
+    assert "red.relaxed.gpu.global.add.f32" in ptx and "red.relaxed.gpu.global.add.u32" in ptx
+    assert not re.search(r"atom\.global(\.\w+)*\.add", ptx) and re.search(r"(ld|atom)\.global\.gpu\.acquire", ptx)
+    assert ("%globaltimer" in ptx) == trace
+    assert ("wgmma.mma_async" in ptx) == mma
+    assert kernel.asm["cubin"]
+
+
+@pytest.mark.parametrize("block_n, block_k, ring, warps, pdl", [(32, 256, 9, 4, True), (64, 256, 6, 8, False)])
+def test_prefetch_gemv_compiles_for_sm90(block_n, block_k, ring, warps, pdl):
+    """bench/prefetch_gemv.py's Gluon GEMV: its TMA copies issued before the PDL wait, the input
+    row's cp.async copies after it, the split row blocks' fp32 atomics and acq_rel tickets.
+    Timed and checked against float64 on the GPU."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench.prefetch_gemv import prefetch_gemv_kernel
+
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
+    ptrs = {"X": "*bf16", "Y": "*bf16", "S": "*fp32", "TICKETS": "*i32"}
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, MAX_KB=4096 // block_k, RING=ring, WARPS=warps, USE_PDL=pdl)
+    sig = {"desc": f"tensordesc<bf16[{block_n}, {block_k}],{layout!r}>", **ptrs, "N": "i32", "K": "i32",
+           **{k: "constexpr" for k in consts}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, "N", "K")}
+    kernel = triton.compile(GluonASTSource(fn=prefetch_gemv_kernel(), signature=sig, constexprs=consts,
+                                           attrs=attrs), target=HOPPER, options=dict(num_warps=warps))
+    ptx = kernel.asm["ptx"]
+    copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d\.shared::(cta|cluster)\.global", ptx)]
+    assert len(copies) >= 2  # the ring's first fill and its refill
+    if pdl:  # the first fill is issued before the wait
+        assert copies[0] < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+    else:
+        assert "griddepcontrol" not in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx and re.search(r"(red|atom)\.global\.gpu(\.relaxed)?\.add\.f32", ptx)
     assert kernel.asm["cubin"]

@@ -7,3 +7,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 # a CTA-wide barrier: 3.6 thread_barrier, 3.9 barrier
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+def _tma_load():
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    # a TMA tensor copy into shared memory on an mbarrier: 3.6 async_copy_global_to_shared, 3.9 async_load
+    return getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+tma_load = _tma_load()
