@@ -43,6 +43,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl  # (module level: Gluon reads annotations from here)
 
 from k3serve.ops import pdl
 from k3serve.ops.pdl import pdl_start
@@ -117,39 +119,43 @@ def _chain_kernel(ACT, W, DIMS, WOFF, AOFF, COUNTER, first_stage, num_stages, BL
 def tma_kernel():
     """The Gluon TMA form (``tma``), built on first use (the interpreted CPU tests import this
     module but never build it)."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
     from k3serve.ops.gluon_compat import async_load, cta_barrier, tma_load
 
     @gluon.jit
-    def _span(CBASE, s, pid, P):
+    def _entry(tab, s, col: gl.constexpr, WARPS: gl.constexpr):
+        """Column col of the chain table's row s, from its copy in shared memory (each thread reads
+        the row's 4 words and keeps one: no global load, so no L1 miss after the barrier's fence)."""
+        row_l: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
+        row = tab.index(s).load(row_l)
+        return gl.sum(gl.where(gl.arange(0, 4, layout=row_l) == col, row, 0), 0)
+
+    @gluon.jit
+    def _span(tab, s, pid, P, WARPS: gl.constexpr):
         """Program pid's chunks of stage s: [first, end) in the stage's own numbering, and the
         stage's first chunk in the whole tiled buffer."""
-        base = gl.load(CBASE + s)
-        count = gl.load(CBASE + s + 1) - base
+        base = _entry(tab, s, 0, WARPS)
+        count = _entry(tab, s + 1, 0, WARPS) - base
         return (count * pid) // P, (count * (pid + 1)) // P, base
 
     @gluon.jit
-    def _issue_rows(CBASE, s, num_stages, pid, P, BLOCK_N: gl.constexpr):
+    def _issue_rows(tab, s, num_stages, pid, P, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
         """The issue cursor at stage s: this program's first and end rows of the tiled matrix."""
-        j0, j1, base = _span(CBASE, gl.minimum(s, num_stages - 1), pid, P)
+        j0, j1, base = _span(tab, gl.minimum(s, num_stages - 1), pid, P, WARPS)
         return (base + j0) * BLOCK_N, (base + j1) * BLOCK_N
 
     @gluon.jit
-    def _issue(desc, bars, ring, CBASE, g, total, s, row, row_end, num_stages, pid, P, BLOCK_N: gl.constexpr,
-               RING: gl.constexpr):
-        """Chunk g of this program (the tiled rows from ``row``) into its ring slot; none past the last."""
-        live = g < total
-        slot = g % gl.constexpr(RING)  # (gl named here: the closure the annotations are read in)
+    def _issue(desc, bars, ring, tab, slot, live, s, row, row_end, num_stages, pid, P, BLOCK_N: gl.constexpr,
+               WARPS: gl.constexpr):
+        """The chunk at tiled row ``row`` into ring slot ``slot`` if ``live``; the cursor moved on."""
         mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=live)
         tma_load(desc, [row, 0], bars.index(slot), ring.index(slot), pred=live)
         row += BLOCK_N
         if row == row_end:
             s += 1
-            row, row_end = _issue_rows(CBASE, s, num_stages, pid, P, BLOCK_N)
+            row, row_end = _issue_rows(tab, s, num_stages, pid, P, BLOCK_N, WARPS)
         return s, row, row_end
 
     @gluon.jit
@@ -179,8 +185,9 @@ def tma_kernel():
             [COUNTER.to(gl.int64)], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _tma_chain_kernel(desc, ACT, DIMS, CBASE, AOFF, COUNTER, TIMES, num_stages, BLOCK_N: gl.constexpr,
-                          BLOCK_K: gl.constexpr, MAX_KB: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr,
+    def _tma_chain_kernel(desc, ACT, TAB, COUNTER, TIMES, num_stages, BLOCK_N: gl.constexpr,
+                          BLOCK_K: gl.constexpr, MAX_KB: gl.constexpr, MAX_ROWS: gl.constexpr, RING: gl.constexpr,
+                          WARPS: gl.constexpr,
                           MMA: gl.constexpr = False, TRACE: gl.constexpr = False):
         """The whole chain in one persistent launch over pre-tiled weights (each [BLOCK_N, BLOCK_K]
         chunk contiguous, a stage's chunks row block by row block): program p takes a balanced
@@ -188,11 +195,14 @@ def tma_kernel():
         (one mbarrier a slot), each copy issued RING chunks ahead by one thread and never held by
         the grid barrier. fp32 activations: row blocks split between programs are summed with
         atomics into outputs the host zeroed; a stage's input is copied once into shared memory
-        (cp.async, every row in flight at once). A stage's sizes are read once, at its start: the
-        loop a chunk carries no global load of its own. MMA: each chunk summed on the tensor cores
+        (cp.async, every row in flight at once). The chain's table TAB [stages + 1, 4] (int32: first
+        chunk, K, activation offset, 0) is copied into shared memory at the start: the barrier's
+        acquire invalidates L1, and a global read of the table after it would wait for L2 (ncu,
+        twenty-first session; polling with volatile loads and one fence after them instead was
+        slower to see the barrier open: 1.38 vs 1.15 us). MMA: each chunk summed on the tensor cores
         (wgmma, the chunk from shared memory as A [BLOCK_N = 64, BLOCK_K], the input as B [BLOCK_K,
-        8] with seven zero columns, one warpgroup), not with a multiply-add a weight a thread. TRACE: the global timer (ns) at each stage's
-        start, barrier passed, input staged, first chunk landed and arrival, and the time its chunks
+        8] with seven zero columns, one warpgroup), not with a multiply-add a weight a thread.
+        TRACE: the global timer (ns) at each stage's start, barrier passed, input staged, first chunk landed and arrival, and the time its chunks
         waited for their copies, into TIMES [stages, programs, 6]."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
         # a row of the input spread over the whole CTA, no lane copying what another does
@@ -212,30 +222,38 @@ def tma_kernel():
         bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         x_smem = gl.allocate_shared_memory(gl.float32, [MAX_KB, BLOCK_K],  # (a row a K block)
                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        tab = gl.allocate_shared_memory(gl.int32, [MAX_ROWS, 4],  # (a row a stage)
+                                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        tab_cols = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [WARPS], [0]))
+        for r in range(0, num_stages + 1):
+            async_load(tab.index(r), TAB + r * 4 + tab_cols)
+        async_copy.commit_group()
         for i in gl.static_range(RING):
             mbarrier.init(bars.index(i), count=1)
         fence_async_shared()
+        async_copy.wait_group(0)
+        cta_barrier()
         total = 0
         for s in range(0, num_stages):
-            j0, j1, _ = _span(CBASE, s, pid, P)
+            j0, j1, _ = _span(tab, s, pid, P, WARPS)
             total += j1 - j0
         s_i = 0  # the issue cursor: stage, tiled row, this program's end row of the stage
-        row_i, row_end_i = _issue_rows(CBASE, 0, num_stages, pid, P, BLOCK_N)
+        row_i, row_end_i = _issue_rows(tab, 0, num_stages, pid, P, BLOCK_N, WARPS)
         for g in gl.static_range(RING):
-            s_i, row_i, row_end_i = _issue(desc, bars, ring, CBASE, g, total, s_i, row_i, row_end_i, num_stages, pid,
-                                           P, BLOCK_N, RING)
+            s_i, row_i, row_end_i = _issue(desc, bars, ring, tab, g, g < total, s_i, row_i, row_end_i, num_stages,
+                                           pid, P, BLOCK_N, WARPS)
         rows_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
         cols_acc = gl.arange(0, ACC_W, layout=gl.SliceLayout(0, acc_l))
         ks = gl.arange(0, BLOCK_K, layout=x_layout)
         acc = gl.zeros([BLOCK_N, ACC_W], gl.float32, acc_l)
         s_c = 0  # the compute cursor: stage, its chunk, this program's end chunk, the stage's sizes
-        j_c, j_end_c, _ = _span(CBASE, 0, pid, P)
+        j_c, j_end_c, _ = _span(tab, 0, pid, P, WARPS)
         first = True
-        K = gl.load(DIMS)
+        K = _entry(tab, 0, 1, WARPS)
         n_kb = K // BLOCK_K
         kb = j_c % n_kb  # (the chunk's K block and row block, carried: no division a chunk)
         rb = j_c // n_kb
-        y = ACT + gl.load(AOFF + 1)
+        y = ACT + _entry(tab, 1, 2, WARPS)
         if TRACE:
             waited = _now() * 0
         else:
@@ -253,7 +271,7 @@ def tma_kernel():
                     cta_barrier()
                 if TRACE:
                     gl.store(TIMES + (s_c * P + pid) * 6 + 1, _now())
-                x_in = ACT + gl.multiple_of(gl.load(AOFF + s_c), 16)  # (sizes are multiples of BLOCK_K)
+                x_in = ACT + gl.multiple_of(_entry(tab, s_c, 2, WARPS), 16)  # (sizes are multiples of BLOCK_K)
                 for i in gl.static_range(MAX_KB):
                     async_load(x_smem.index(i), x_in + i * BLOCK_K + ks, mask=(ks * 0 + i * BLOCK_K) < K,
                                cache_modifier=".cg")  # (a row's mask uniform: 16-byte copies)
@@ -292,8 +310,8 @@ def tma_kernel():
                 _red_add_rows(y + rb * BLOCK_N + rows_in, part, BLOCK_N, WARPS)
                 acc = gl.zeros([BLOCK_N, ACC_W], gl.float32, acc_l)
             cta_barrier()  # every thread done with the slot (and, at a stage's end, with its sums)
-            s_i, row_i, row_end_i = _issue(desc, bars, ring, CBASE, g + RING, total, s_i, row_i, row_end_i,
-                                           num_stages, pid, P, BLOCK_N, RING)
+            s_i, row_i, row_end_i = _issue(desc, bars, ring, tab, slot, g + RING < total, s_i, row_i, row_end_i,
+                                           num_stages, pid, P, BLOCK_N, WARPS)
             first = last
             if last:  # this program's part of the stage done: arrive, go to the next stage
                 if TRACE:
@@ -303,12 +321,12 @@ def tma_kernel():
                 _arrive(COUNTER)  # (no reply awaited: the host zeroes the counter)
                 s_c += 1
                 s_next = gl.minimum(s_c, num_stages - 1)
-                j_c, j_end_c, _ = _span(CBASE, s_next, pid, P)
-                K = gl.load(DIMS + s_next)
+                j_c, j_end_c, _ = _span(tab, s_next, pid, P, WARPS)
+                K = _entry(tab, s_next, 1, WARPS)
                 n_kb = K // BLOCK_K
                 kb = j_c % n_kb
                 rb = j_c // n_kb
-                y = ACT + gl.load(AOFF + s_next + 1)
+                y = ACT + _entry(tab, s_next + 1, 2, WARPS)
             else:
                 j_c += 1
                 kb += 1
@@ -353,15 +371,19 @@ class Chain:
 
     def tiled(self, block_n: int, block_k: int):
         """The tma form's weights: every stage cut into [block_n, block_k] chunks, each contiguous,
-        row block by row block, all stages in one [rows, block_k] matrix (one TMA descriptor), and
-        each stage's first chunk (int32, stages + 1 entries)."""
+        row block by row block, all stages in one [rows, block_k] matrix (one TMA descriptor); the
+        kernel's table (int32 [stages + 1, 4]: a stage's first chunk, K, activation offset, 0); and the
+        fewest chunks of a stage."""
         if (block_n, block_k) in self._tiled:
             return self._tiled[block_n, block_k]
         parts = [tile_chunks(w, block_n, block_k) for w in self.weights]
         counts = [w.numel() // (block_n * block_k) for w in self.weights]
-        bases = torch.tensor([sum(counts[:i]) for i in range(len(counts) + 1)], dtype=torch.int32,
-                             device=self.act.device)
-        self._tiled = {(block_n, block_k): (torch.cat(parts), bases, min(counts))}  # (one at a time: memory)
+        table = torch.zeros(len(self.dims), 4, dtype=torch.int32)
+        table[:, 0] = torch.tensor([sum(counts[:i]) for i in range(len(counts) + 1)])
+        table[:, 1] = torch.tensor(self.dims)
+        table[:, 2] = self.aoff.cpu()
+        self._tiled = {(block_n, block_k): (torch.cat(parts), table.to(self.act.device), min(counts))}  # (one at
+        # a time: memory)
         return self._tiled[block_n, block_k]
 
     @property
@@ -388,10 +410,9 @@ class Chain:
             for s in range(stages):
                 _chain_kernel[(programs,)](*args, s, 1, PERSISTENT=False, **meta, **pdl.launch(self.act.device))
         elif mode == "tma":  # (block_kf unused; the ring's depth in chunks is ``ring``): fp32 activations
-            from triton.experimental.gluon import language as gl
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-            tiled, bases, fewest = self.tiled(block_n, block_k)
+            tiled, table, fewest = self.tiled(block_n, block_k)
             if fewest < programs:
                 raise ValueError(f"the tma form needs a chunk a program a stage: {fewest} < {programs}")
             desc = TensorDescriptor.from_tensor(tiled, [block_n, block_k],
@@ -400,9 +421,10 @@ class Chain:
             self.counter.zero_()  # (the arrivals are fire-and-forget: nobody is there to reset it)
             self.act32[:self.dims[0]].copy_(self.acts[0])
             max_kb = triton.next_power_of_2(max(self.dims[:-1]) // block_k)
-            tma_kernel()[(programs,)](desc, self.act32, self.dims_dev, bases, self.aoff, self.counter,
+            tma_kernel()[(programs,)](desc, self.act32, table, self.counter,
                                       self.counter if times is None else times, stages, BLOCK_N=block_n,
-                                      BLOCK_K=block_k, MAX_KB=max_kb, RING=ring, WARPS=warps, MMA=mma,
+                                      BLOCK_K=block_k, MAX_KB=max_kb, MAX_ROWS=triton.next_power_of_2(stages + 1),
+                                      RING=ring, WARPS=warps, MMA=mma,
                                       TRACE=times is not None, num_warps=warps)
             return self.act32[-self.dims[-1]:]
         elif mode == "gemv":
