@@ -4,12 +4,15 @@
    fresh random inputs, several shapes, both gate forms, a mixed decode + prefill batch with
    initial states in slots; untouched slots must stay untouched.
 2. tiny preset: bf16 on CUDA (fla for KDA) vs the fp32 CPU reference, prefill of 3 sequences in
-   one flat batch + 8 batched decode steps.
+   one flat batch + 8 batched decode steps. Then the same for kimi-linear-48b's config at small
+   widths (``kimi_linear_small``: the layer path without AttnRes, one expert group, joined shared
+   experts), and each model's sublayers teacher-forced.
 3. k3-slice preset (true K3 widths, MXFP4 experts, dummy weights generated on the GPU): bf16 +
    fla vs the fp32 plain-torch reference path run on the same GPU (the fp32 model does not fit
    the machine's host RAM; the reference code is the same one CI runs on CPU).
 
-Usage: python bench/gpu_check_model.py [--out DIR] [--skip-slice] [--skip-tiny] [--skip-kda] [--backends auto,triton]
+Usage: python bench/gpu_check_model.py [--out DIR] [--skip-slice] [--skip-tiny] [--skip-linear-small] [--skip-kda]
+       [--backends auto,triton]
        [--set module.CONST=value,...]
 Prints a table; writes results.json under --out.
 """
@@ -26,7 +29,11 @@ from pathlib import Path
 import torch
 
 from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk
-from k3serve.model.loader import load_model
+from k3serve.config import ModelConfig
+from k3serve.model.k3 import K3ForCausalLM
+from k3serve.model.loader import load_model, resolve_dtype
+from k3serve.model.weights import load_dummy
+from k3serve.presets import preset_config
 from k3serve.ops import backend as kernel_backend
 from k3serve.ops import fla_backend
 from k3serve.ops import kda as kda_ops
@@ -148,6 +155,23 @@ def compare_models(name: str, ref_model_fn, test_model_fn, lens, steps: int) -> 
     torch.cuda.empty_cache()
 
 
+def kimi_linear_small(device, dtype) -> "K3ForCausalLM":
+    """kimi-linear-48b's config at small widths: the layer path the tiny preset does not take (no
+    AttnRes: pre-norm residual adds, fused into the sublayers' last kernels at decode; one expert
+    group: the router launch routes; bf16 experts with the shared one joined; low-rank KDA gates).
+    Dummy weights drawn on the CPU, as the tiny preset's (both runs see the same weights)."""
+    raw = preset_config("kimi-linear-48b")
+    raw.update(vocab_size=2048, hidden_size=256, num_hidden_layers=5, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               num_experts=32, num_experts_per_token=4, moe_intermediate_size=128, bos_token_id=1900,
+               eos_token_id=1902, pad_token_id=2047)
+    raw["linear_attn_config"].update(kda_layers=[1, 2, 4], full_attn_layers=[3, 5], num_heads=4, head_dim=64)
+    net = K3ForCausalLM(ModelConfig.from_dict(raw), resolve_dtype(dtype, torch.device("cpu")), "cpu")
+    load_dummy(net, 0)
+    net.fuse_projections()
+    return net.eval().to(device)
+
+
 def _ffn(layer):
     return layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
 
@@ -207,6 +231,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-slice", action="store_true")
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--skip-linear-small", action="store_true", help="skip kimi-linear-48b's config at small widths")
     ap.add_argument("--backends", default="auto,triton", help="model runs to compare: auto (fla), triton (every kernel)")
     ap.add_argument("--skip-kda", action="store_true", help="skip the kda_core checks (fla autotuning takes a while)")
     ap.add_argument("--dump-stacks-after", type=float, default=0, help="print every thread's stack after N s "
@@ -250,6 +275,13 @@ def main() -> None:
             print(ROWS[-1], flush=True)
         sublayer_errors(label, with_backend(tiny, "cpu", "float32", "torch"),
                         with_backend(tiny, "cuda", "bfloat16", "auto"), 150)
+    for backend in () if args.skip_linear_small else backends:
+        compare_models(f"kimi-linear-small [{backend}]", with_backend(kimi_linear_small, "cpu", "float32", "torch"),
+                       with_backend(kimi_linear_small, "cuda", "bfloat16", backend), [13, 100, 41], 8)
+        print(ROWS[-1], flush=True)
+    if not args.skip_linear_small:
+        sublayer_errors("kimi-linear-small", with_backend(kimi_linear_small, "cpu", "float32", "torch"),
+                        with_backend(kimi_linear_small, "cuda", "bfloat16", "auto"), 150)
     if not args.skip_slice:
         sl = lambda dev, dt: load_model(preset="k3-slice", device=dev, dtype=dt, seed=0)  # noqa: E731
         for backend in backends:

@@ -193,6 +193,18 @@ def test_kda_fused_decode_compiles_for_sm90(block_v, blocks):
         assert "atom." not in ptx
 
 
+def test_mla_split_merge_compiles_for_sm90():
+    from k3serve.ops import mla_decode_triton
+
+    args = {"PARTIAL": "*fp32", "LSE": "*fp32", "OUT": "*fp32"} | {
+        n: "i32" for n in ("S", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh", "stride_ob",
+                           "stride_oh", "C")}
+    ptx = _compile(mla_decode_triton._merge_splits_kernel, args, {}, dict(S_P=64, BLOCK_C=128, USE_PDL=True),
+                   num_warps=4).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 <= wait < ptx.find("ld.global")
+
+
 def test_router_logits_kernel_compiles_for_sm90():
     ptrs = {"X": "*bf16", "W": "*bf16", "OUT": "*fp32"}
     scalars = {n: "i32" for n in ("T", "E", "D", "stride_x")}

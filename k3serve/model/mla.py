@@ -87,10 +87,12 @@ class MLAMixer(nn.Module):
         c, k_pe = kv.split([self.rkv, self.rope], dim=-1)
         cache.latent[page, offset] = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1).to(cache.latent.dtype)
 
-    def attend(self, q: torch.Tensor, batch: ForwardBatch, latent_pages: torch.Tensor) -> torch.Tensor:
-        """Attention of every new token over its sequence's cached latents (new rows already written)."""
+    def attend(self, q: torch.Tensor, batch: ForwardBatch, latent_pages: torch.Tensor,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Attention of every new token over its sequence's cached latents (new rows already written),
+        computed in fp32 and rounded once to ``out_dtype`` as each part is written."""
         T = q.shape[0]
-        out = torch.empty(T, self.num_heads, self.dv, dtype=torch.float32, device=q.device)
+        out = torch.empty(T, self.num_heads, self.dv, dtype=out_dtype, device=q.device)
         nd = batch.num_decodes
         w = self.kv_b_proj.weight
         w_dec = self.w_kv_b_f32 if self.w_kv_b_f32 is not None else w  # absorbed decode runs in fp32
@@ -141,7 +143,9 @@ class MLAMixer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         q, kv, gate = self.project(x)
         self.write_latent(kv, batch, cache)
-        o = self.attend(q, batch, cache.latent).reshape(x.shape[0], -1)
+        # fp32 for the output gate; without it straight in the model dtype (the same single rounding
+        # as a cast after, without the cast's launch at decode)
+        o = self.attend(q, batch, cache.latent, torch.float32 if gate is not None else x.dtype).reshape(x.shape[0], -1)
         if gate is not None:  # sigmoid(gate) * o in fp32, rounded once to the gate's (model) dtype
             o = glu_activation(gate, o, "sigmoid")
         return self.o_proj(o.to(x.dtype))

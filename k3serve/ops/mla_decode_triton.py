@@ -171,7 +171,48 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
             D_C=kv_lora_rank, D_PE=d_pe, D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)),
             D_PE_P=max(16, triton.next_power_of_2(d_pe)), **tiles, **pdl.launch(partial.device),
         )
-    # Merge the splits by their log-sum-exp (empty splits carry -inf and weigh nothing): one
-    # batched GEMV [S] x [S, rkv] per (sequence, head), no [B, H, S, rkv] product in memory.
-    w = torch.softmax(lse, dim=-1)
-    return torch.matmul(w.unsqueeze(2), partial).squeeze(2)
+    if not MERGE_KERNEL:
+        return torch.matmul(torch.softmax(lse, dim=-1).unsqueeze(2), partial).squeeze(2)
+    return merge_splits(partial, lse)
+
+
+# The splits merged by ``merge_splits`` (one PDL launch); False: torch's softmax and batched GEMV (A/B timing).
+MERGE_KERNEL = True
+
+
+@triton.jit
+def _merge_splits_kernel(PARTIAL, LSE, OUT, S, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
+                         stride_oh, C, S_P: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Program (sequence, head, column block): sum_s softmax(lse)_s * partial_s over the splits."""
+    pdl_start(USE_PDL)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, S_P)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=s < S, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))  # (every sequence attends to >= 1 token: some split is finite)
+    w = w / tl.sum(w, 0)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    part = tl.load(PARTIAL + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + cols[None, :],
+                   mask=(s < S)[:, None] & (cols < C)[None, :], other=0.0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + cols, tl.sum(part * w[:, None], 0), mask=cols < C)
+
+
+# Columns a merge program: a batch-1 step's 32 heads x 512 latent columns as 128 programs.
+MERGE_BLOCK_C = 128
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The split outputs partial [B, H, S, C] merged by their log-sum-exp lse [B, H, S] (empty
+    splits carry -inf and weigh nothing) -> [B, H, C] fp32: one launch in the decode step's PDL
+    chain, where torch took two (softmax, then a batched [1, S] x [S, C] GEMV; RESULTS.md
+    twenty-second session)."""
+    B, H, S, C = partial.shape
+    out = torch.empty(B, H, C, dtype=torch.float32, device=partial.device)
+    if partial.stride(3) != 1 or lse.stride(2) != 1:
+        raise ValueError("merge_splits needs partial rows and lse contiguous along their last dim")
+    if out.numel():
+        _merge_splits_kernel[(B, H, triton.cdiv(C, MERGE_BLOCK_C))](
+            partial, lse, out, S, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+            lse.stride(1), out.stride(0), out.stride(1), C, S_P=max(2, triton.next_power_of_2(S)),
+            BLOCK_C=MERGE_BLOCK_C, **pdl.launch(out.device))
+    return out
