@@ -223,6 +223,7 @@ ROUTE_SCRIPT = textwrap.dedent('''
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.ops.moe_ref import route
     from k3serve.ops.expert_sort import sort_by_expert
+    from k3serve.ops import moe_triton
     from k3serve.ops.moe_triton import route_triton
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
@@ -238,7 +239,8 @@ ROUTE_SCRIPT = textwrap.dedent('''
         # partial sums over chunks of D (router_logits(split=True)), exact in fp32 here: added first
         exact = torch.stack([torch.randperm(E, generator=gen) - E // 2 for _ in range(T)]) / 64.0  # no ties
         w_ref, ids_ref = route(exact, bias, K, 1, 1, renorm, scaling, func)
-        for n in (3, 19):  # a few parts, and as many as a decode step's router writes (18 for kimi-linear)
+        for n, unrolled in ((3, 32), (19, 32), (19, 0)):  # a few parts, and as many as kimi-linear's router
+            moe_triton.ROUTE_STATIC_PARTS = unrolled  # writes (18), summed unrolled and in a loop
             parts = torch.randint(-64, 64, (n, T, E), generator=gen) / 16.0
             parts[-1] = exact - parts[:-1].sum(0)  # multiples of 1/64: every sum exact in any order
             w, ids = route_triton(parts, bias, K, renorm, scaling, func, num_shared=2)

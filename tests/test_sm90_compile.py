@@ -213,11 +213,17 @@ def test_router_logits_kernel_compiles_for_sm90():
     assert "griddepcontrol.wait" in ptx and "atom." not in ptx
 
 
-def test_route_kernel_compiles_for_sm90():
+@pytest.mark.parametrize("static_parts", [0, 18])
+def test_route_kernel_compiles_for_sm90(static_parts):
+    """The routing; ``static_parts``: its partial sums' loop unrolled (each part's loads in the code
+    once: ptxas may then issue them all before the sum needs them)."""
     ptrs = {"LOGITS": "*fp32", "BIAS": "*fp32", "W_OUT": "*fp32", "ID_OUT": "*i64"}
     scalars = {n: "i32" for n in ("num_parts", "stride_part", "stride_l", "E")} | {"scaling": "fp32"}
-    consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1, USE_PDL=True)
-    assert _compile(moe_triton._route_kernel, ptrs, scalars, consts, num_warps=4).asm["cubin"]
+    consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1,
+                  STATIC_PARTS=static_parts, USE_PDL=True)
+    ptx = _compile(moe_triton._route_kernel, ptrs, scalars, consts, num_warps=1).asm["ptx"]
+    loads = len(re.findall(r"ld\.global", ptx))  # (a part's 256 logits: 8 loads a lane of one warp)
+    assert loads >= 8 * static_parts and (static_parts or loads < 8 * 4)
 
 
 @pytest.mark.parametrize("sizes", [(64,), (16, 32, 64, 128)])
@@ -403,3 +409,15 @@ def test_prefetch_gemv_compiles_for_sm90(block_n, block_k, ring, warps, pdl):
         assert "griddepcontrol" not in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and re.search(r"(red|atom)\.global\.gpu(\.relaxed)?\.add\.f32", ptx)
     assert kernel.asm["cubin"]
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_hop_cost_link_compiles_for_sm90(read):
+    """bench/hop_cost.py's link kernel: the PDL wait before any memory access."""
+    from bench.hop_cost import _link_kernel
+
+    ptx = _compile(_link_kernel, {"IN": "*bf16", "OUT": "*bf16"}, {"D": "i32"},
+                   dict(READ=read, BLOCK=4096, USE_PDL=True), num_warps=4).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert wait >= 0 and all(ptx.find(op) == -1 or ptx.find(op) > wait for op in ("ld.global", "st.global"))
+    assert ("ld.global" in ptx) == read

@@ -393,7 +393,7 @@ _grouped_gemm_tuned = autotuned(
 def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr,
-                  USE_PDL: tl.constexpr = False):
+                  STATIC_PARTS: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
     """One token's routing (``moe_ref.route`` with one expert group): logits as the sum of
     ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores,
     bias-corrected choice, top-k by K rounds of argmax (descending, as torch.topk), weights from
@@ -404,8 +404,12 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l,
     e = tl.arange(0, E_P)
     live = e < E
     logit = tl.zeros([E_P], tl.float32)
-    for part in range(num_parts):  # a fixed order: the same logits every run
-        logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
+    if STATIC_PARTS:  # unrolled: every part's load in flight at once
+        for part in tl.static_range(STATIC_PARTS):
+            logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
+    else:
+        for part in range(num_parts):  # a fixed order: the same logits every run
+            logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
     logit = tl.where(live, logit, float("-inf"))
     if SIGMOID:
         score = tl.sigmoid(logit)
@@ -565,6 +569,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
 # One warp made kimi-linear-48b's graph-replayed step 0.05-0.1 ms faster than four at batch 1 and
 # 16 (RESULTS.md tenth session); bench/kernels_small.py --route-warps times the kernel alone.
 ROUTE_WARPS = 1
+# Up to this many partial sums (``router_logits(split=True)``: 18 for kimi-linear, 28 for K3) the
+# route kernel's loop over them is unrolled, all their loads in flight together; 0: a loop (A/B).
+ROUTE_STATIC_PARTS = 32
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
@@ -583,7 +590,9 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
                             parts.stride(1), E, float(scaling),
                             K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
                             HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
-                            NUM_SHARED=num_shared, num_warps=ROUTE_WARPS, **pdl.launch(w.device))
+                            NUM_SHARED=num_shared, num_warps=ROUTE_WARPS,
+                            STATIC_PARTS=parts.shape[0] if parts.shape[0] <= ROUTE_STATIC_PARTS else 0,
+                            **pdl.launch(w.device))
     return w, ids
 
 
