@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -236,6 +236,11 @@ c = Chain([2304 if i % 2 == 0 else 1024 for i in range(41)], g); \
   pgemv)  # a GEMV fetching its weights into shared memory before its PDL wait (bench/prefetch_gemv.py)
     step pgemv "$(left 585)" python3 -m bench.prefetch_gemv
     grep -v "^  File\|^    " "$OUT/pgemv.log" | tail -80 ;;
+  hops)  # the floor of one dependency between small kernels in a graph (bench/hop_cost.py), then the
+        # one-token MoE with the down projection fused into the gate/up kernel vs the served form (bench/moe_fused_down.py)
+    step hops 120 python3 -m bench.hop_cost
+    step fuseddown "$(left 585)" python3 -m bench.moe_fused_down
+    cat "$OUT/hops.log"; grep -v "^  File\|^    " "$OUT/fuseddown.log" | tail -30 ;;
   prefetch)  # a side stream hinting the next GEMV's weights into L2 while short kernels run (bench/l2_prefetch.py)
     step prefetch "$(left 585)" python3 -m bench.l2_prefetch
     grep -v "^  File\|^    " "$OUT/prefetch.log" | tail -80 ;;
