@@ -404,12 +404,13 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l,
     e = tl.arange(0, E_P)
     live = e < E
     logit = tl.zeros([E_P], tl.float32)
+    row = LOGITS + t * stride_l + e
     if STATIC_PARTS:  # unrolled: every part's load in flight at once
         for part in tl.static_range(STATIC_PARTS):
-            logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
+            logit += tl.load(row + part * stride_part, mask=live, other=0.0).to(tl.float32)
     else:
         for part in range(num_parts):  # a fixed order: the same logits every run
-            logit += tl.load(LOGITS + part * stride_part + t * stride_l + e, mask=live, other=0.0).to(tl.float32)
+            logit += tl.load(row + part * stride_part, mask=live, other=0.0).to(tl.float32)
     logit = tl.where(live, logit, float("-inf"))
     if SIGMOID:
         score = tl.sigmoid(logit)
