@@ -465,7 +465,7 @@ def trace_summary(chain: Chain, programs: int, tile: dict) -> None:
 
 
 def main() -> None:
-    from .ceilings import copy_tbs
+    from .ceilings import copy_bench_setup
     from .timing import gpu_ms
 
     ap = argparse.ArgumentParser()
@@ -473,10 +473,7 @@ def main() -> None:
     ap.add_argument("--dims", action="append", default=None, help="activation sizes the chain alternates through")
     ap.add_argument("--modes", default="gemv,pdl,persistent,tma", help="which forms to time")
     args = ap.parse_args()
-    copy = copy_tbs()
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator("cuda").manual_seed(0)
-    print(f"copy {copy:.2f} TB/s, {programs} SMs\n")
+    copy, programs, gen = copy_bench_setup()
     print("| dims | stage MB | variant | programs | tile (rows, k, first k or ring slots, warps) | max rel err | us a stage | % of copy |")
     print("|---|---|---|---|---|---|---|---|")
     for spec in args.dims or ["2304,4096", "2304,1024"]:

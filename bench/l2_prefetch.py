@@ -86,7 +86,7 @@ class Layers:
 
 
 def main() -> None:
-    from .ceilings import copy_tbs
+    from .ceilings import copy_bench_setup
     from .timing import gpu_ms
 
     ap = argparse.ArgumentParser()
@@ -94,9 +94,7 @@ def main() -> None:
     ap.add_argument("--dims", action="append", default=None, help="N,K of the GEMV weight")
     ap.add_argument("--small", default="1,2", help="route launches before each GEMV")
     args = ap.parse_args()
-    copy = copy_tbs()
-    gen = torch.Generator("cuda").manual_seed(0)
-    print(f"copy {copy:.2f} TB/s\n")
+    copy, _, gen = copy_bench_setup()
     variants = [("none", None)] + [
         (f"{'bulk' if bulk else 'lines'} {frac:g} x{programs}", dict(bulk=bulk, fraction=frac, programs=programs))
         for bulk in (True, False) for frac in (1.0, 0.5) for programs in (8, 32)]

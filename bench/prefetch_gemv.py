@@ -182,7 +182,7 @@ class Layers:
 
 
 def main() -> None:
-    from .ceilings import copy_tbs
+    from .ceilings import copy_bench_setup
     from .timing import gpu_ms
 
     ap = argparse.ArgumentParser()
@@ -190,10 +190,7 @@ def main() -> None:
     ap.add_argument("--dims", action="append", default=None, help="N,K of the GEMV weight")
     ap.add_argument("--small", default="0,1,2", help="route launches before each GEMV")
     args = ap.parse_args()
-    copy = copy_tbs()
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator("cuda").manual_seed(0)
-    print(f"copy {copy:.2f} TB/s, {programs} SMs\n")
+    copy, programs, gen = copy_bench_setup()
     # (rows, k, ring slots, warps): rings of 128-192 KB, a 19 MB weight's whole share an SM at 9 x 16 KB
     tiles = ((32, 256, 9, 4), (32, 256, 12, 4), (16, 256, 16, 4), (64, 256, 6, 8))
     forms = [("served", None)] + [
