@@ -236,7 +236,8 @@ def timing(model, rng, sizes, contexts, pool_bytes, iters) -> list[dict]:
     return rows
 
 
-def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: int = 1) -> list[dict]:
+def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: int = 1,
+              charged: int = 0) -> list[dict]:
     """Graph-replayed decode steps under variants of module constants, in one process (one model
     load): ``variants`` "name:module.CONST=value,...;name2:..." (values Python literals; "base" with
     nothing after the colon keeps the code's own). Each variant sets its constants, forgets the
@@ -246,7 +247,9 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
     write it; timing does not care what they find there), then timed in ``rounds`` alternating
     passes, each figure the median of its rounds with their spread: drift over a call then hits
     every variant alike (sequential variants that could not differ differed by up to 2 % within
-    one call, RESULTS.md tenth session)."""
+    one call, RESULTS.md tenth session). ``charged`` > 0 (with rounds): each variant's replays also
+    go through ``charged_kernels`` (that many replays), its per-kernel charges in the row: a
+    kernel's change is then read off its own line, out of the whole step's noise."""
     import functools
     import importlib
 
@@ -268,7 +271,12 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
         saved = set_constants(assigns)
         forget_tuning()
         pool, slots, pages = shared or new_pool(model, pool_bytes, ctx, max(sizes))
-        graphs = DecodeGraphs(model, pool, max(sizes), len(pages[0]), capture=True)
+        try:
+            graphs = DecodeGraphs(model, pool, max(sizes), len(pages[0]), capture=True)
+        except Exception as e:  # (a tile past the shared memory, say: the variant is reported, the rest go on)
+            restore(saved)
+            print(f"variant {name.strip()} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
         runs = []
         for n in sizes:
             chunks = [SeqChunk([rng.randrange(1000)], ctx, slots[i], pages[i]) for i in range(n)]
@@ -293,6 +301,11 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
         rows.append({"variant": name, "set": assigns, "context": ctx, "batch": n,
                      "graph_ms": round(statistics.median(ts), 3), "spread_ms": round(max(ts) - min(ts), 3)})
         print(rows[-1], flush=True)
+    for name, assigns, runs, _graphs in (kept if charged else []):
+        for n, run in runs:
+            by = charged_kernels(run, charged)["by_name"]
+            row = next(r for r in rows if (r["variant"], r["set"], r["batch"]) == (name, assigns, n))
+            row["charged_us"] = {r["kernel"][:40]: r["charged_us"] for r in by[:12]}
     del kept, shared
     torch.cuda.empty_cache()
     forget_tuning()
@@ -452,6 +465,55 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
             "top": rows[:top]}
 
 
+def charged_kernels(fn, reps: int = 1, show: range = range(0)) -> dict:
+    """Where the time of ``fn`` (a graph replay) goes on its critical path: ``reps`` runs under the
+    profiler, kernels in start order; each kernel is charged the time from the latest end before it
+    to its own end (with PDL a kernel starts, and waits, while its predecessor drains: its own
+    duration holds that wait, and start-to-start deltas would charge it its predecessor's work).
+    A run's charges add up to its span. Per run, summed by kernel name; the kernels at the positions
+    ``show`` of the first run as a list."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            torch.cuda.synchronize()
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+                 and "memset" not in e.name.lower()), key=lambda r: r[0])
+    per: dict[str, list] = {}
+    run = []
+    done = ev[0][0] if ev else 0.0
+    span = 0.0
+    for i, (s, e, name) in enumerate(ev):
+        if s - done > 50:  # the next run (runs are apart by a host sync)
+            done = s
+        step = max(0.0, e - done)
+        done = max(done, e)
+        span += step
+        acc = per.setdefault(name[:80], [0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += step
+        acc[2] += e - s
+        if i in show:
+            run.append({"kernel": name[:60], "index": i, "start_us": round(s - ev[0][0], 2), "own_us": round(e - s, 2),
+                        "charged_us": round(step, 2)})
+    rows = sorted(({"kernel": k, "count": c / reps, "charged_us": round(t / reps, 1), "own_us": round(o / reps, 1),
+                    "charged_us_each": round(t / c, 2)} for k, (c, t, o) in per.items()), key=lambda r: -r["charged_us"])
+    return {"kernels": len(ev) / max(reps, 1), "span_ms": round(span / reps / 1e3, 3), "by_name": rows, "run": run}
+
+
+def graph_timeline(model, rng, batch: int, ctx: int, pool_bytes: int, show: range = range(25, 75)) -> dict:
+    """``charged_kernels`` of one graph-replayed decode step, plus the replay's timed wall."""
+    pool, slots, pages, graphs = captured_pool(model, pool_bytes, ctx, batch)
+    chunks = [SeqChunk([rng.randrange(1000)], ctx, slots[i], pages[i]) for i in range(batch)]
+    wall = timed(lambda: graphs.run(chunks), 20)
+    res = charged_kernels(lambda: graphs.run(chunks), 1, show)
+    del graphs, pool
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": ctx, "graph_ms": round(wall, 3), **res}
+
+
 # Kernel name fragments by what they serve: the share of a decode step each family takes
 # ([gpu-kernels] asks the AttnRes mixers to stay under 2 % of the layer time).
 FAMILIES = (("attn_res", ("attn_res",)), ("glu", ("_glu_kernel",)),
@@ -466,12 +528,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="check,timing,engine,profile",
-                    help="comma-separated subset of check, timing, prefill_graphs, prefill_graphs_context, prefill_graphs_context_decodes, prefill_calibration, engine, profile, profile_prefill, host_prefill, op_sources, ab, "
+                    help="comma-separated subset of check, timing, prefill_graphs, prefill_graphs_context, prefill_graphs_context_decodes, prefill_calibration, engine, profile, profile_prefill, host_prefill, op_sources, ab, timeline (at --ab-batches), "
                          "prefill_ab (eager prefill steps under --ab's variants)")
-    ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;...")
+    ap.add_argument("--ab", default="base:", help="the ab part's variants: name:module.CONST=value,...;... "
+                    "(or @FILE: one variant a line)")
     ap.add_argument("--ab-batches", default="1,16")
     ap.add_argument("--ab-rounds", type=int, default=1,
                     help="> 1: capture every variant first, then time them in this many alternating rounds")
+    ap.add_argument("--ab-charged", type=int, default=0, help="> 0 (with --ab-rounds > 1): also each variant's "
+                    "kernels charged on the step's critical path, over this many profiled replays")
     ap.add_argument("--ab-pool-gib", type=float, default=4.0, help="the shared pool of --ab-rounds > 1 "
                     "(kimi-linear-48b: ~40 MB of KDA state a sequence; 64 sequences of 528 tokens fit 4 GiB)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per profile")
@@ -483,6 +548,8 @@ def main() -> None:
 
         print("set", args.set, set_constants(args.set), flush=True)
     parts = set(args.parts.split(","))
+    if args.ab.startswith("@"):
+        args.ab = ";".join(line.strip() for line in Path(args.ab[1:]).read_text().splitlines() if line.strip())
     rng = random.Random(0)
     model = load_model(preset=args.preset, dtype="bfloat16", device="cuda", seed=0, progress=False)
     pool_bytes = int(args.pool_gib * 2**30)
@@ -497,11 +564,17 @@ def main() -> None:
     if "ab" in parts:
         res["ab"] = ab_timing(model, rng, args.ab, [int(b) for b in args.ab_batches.split(",")], 512,
                               int(args.ab_pool_gib * 2**30) if args.ab_rounds > 1 else pool_bytes, args.iters,
-                              args.ab_rounds)
+                              args.ab_rounds, args.ab_charged)
         print("\n| variant | set | batch | graph ms | spread over rounds ms |\n|---|---|---|---|---|")
         for r in res["ab"]:
             spread = r.get("spread_ms", "-")
             print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} | {spread} |")
+        charged_rows = [r for r in res["ab"] if "charged_us" in r]
+        if charged_rows:  # the kernels' charged us a step, variant by variant (the base's top kernels)
+            names = list(charged_rows[0]["charged_us"])[:10]
+            print("\n| variant | batch | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
+            for r in charged_rows:
+                print(f"| {r['variant']} | {r['batch']} | " + " | ".join(str(r["charged_us"].get(k, "-")) for k in names) + " |")
     if "prefill_graphs" in parts:
         res["prefill_graphs"] = prefill_graphs_check(
             model, rng, [([37], 0, 0), ([500], 0, 0), ([1100], 0, 0), ([300, 700], 0, 0), ([37], 4, 0), ([200], 1, 0),
@@ -534,6 +607,17 @@ def main() -> None:
     if "profile_prefill" in parts:  # the engine's default 8192-token step: 4 prompts of 2048, 1 of 8192; one of 512
         res["profile"] = res.get("profile", []) + [kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
                                                    for b, n in ((1, 512), (4, 2048), (1, 8192))]
+    if "timeline" in parts:  # batch 1 and 16, context 4096: the replayed step's kernels on its critical path
+        for b in (int(x) for x in args.ab_batches.split(",")):
+            tl_ = graph_timeline(model, rng, b, 4096, pool_bytes)
+            res.setdefault("timeline", []).append(tl_)
+            print(f"\nbatch {b}, context 4096, graph replay {tl_['graph_ms']} ms, {tl_['kernels']} kernels over "
+                  f"{tl_.get('span_ms')} ms\n| kernel | count | charged us | own us | charged us each |\n|---|---|---|---|---|")
+            for r in tl_["by_name"][:args.top]:
+                print(f"| {r['kernel']} | {r['count']} | {r['charged_us']} | {r['own_us']} | {r['charged_us_each']} |")
+            print("\n| # | kernel | start us | own us | charged us |\n|---|---|---|---|---|")
+            for r in tl_["run"]:
+                print(f"| {r['index']} | {r['kernel']} | {r['start_us']} | {r['own_us']} | {r['charged_us']} |")
     if "prefill_ab" in parts:
         res["prefill_ab"] = prefill_ab(model, rng, args.ab, pool_bytes)
         print("\n| variant | round | tokens | kernels | kernel ms | step wall ms |\n|---|---|---|---|---|---|")

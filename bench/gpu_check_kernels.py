@@ -36,7 +36,7 @@ from k3serve.ops.expert_sort import sort_by_expert, sort_by_expert_sizes
 from k3serve.ops.moe_triton import combine_experts, grouped_gemm, route_triton, router_logits
 from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4, to_mma_layout
 from k3serve.ops.moe_ref import route
-from k3serve.ops.norm_triton import latent_to_cache, rms_norm_triton
+from k3serve.ops.norm_triton import add_rms_norm_triton, latent_to_cache, rms_norm_triton
 from k3serve.ops.short_conv import l2norm_heads, short_conv_ref
 from k3serve.ops.short_conv_triton import short_conv_triton
 
@@ -80,6 +80,18 @@ def check_gated_norm(T: int, H: int, D: int, gen: torch.Generator) -> None:
     out = rms_norm_triton(x, w, 1e-6, torch.bfloat16, gate=gate)
     ref = rms_norm(x.float(), w, 1e-6, torch.float32) * torch.sigmoid(gate.float().view(T, H, D))
     record("gated RMSNorm", f"T={T} H={H} D={D}", rel(out, ref), 1e-2)
+
+
+def check_add_norm(T: int, D: int, gen: torch.Generator) -> None:
+    """The residual add + RMSNorm a layer boundary runs (``norm_triton.ADD_NORM_WARPS`` warps a row):
+    the sum bit-equal to torch's bf16 add, the norm vs float64 of that sum (bf16 output)."""
+    h, delta = (torch.randn(T, D, generator=gen, device=DEV).bfloat16() for _ in range(2))
+    w = (torch.rand(D, generator=gen, device=DEV) + 0.5).bfloat16()
+    h_out, y = add_rms_norm_triton(h, delta, w, 1e-6)
+    s = (h + delta).double()
+    ref = s / (s.square().mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
+    record("add + RMSNorm" + ("" if torch.equal(h_out, h + delta) else " (SUM DIFFERS)"), f"T={T} D={D}",
+           rel(y, ref) if torch.equal(h_out, h + delta) else float("inf"), 1e-2)
 
 
 def check_combine(T: int, k: int, D: int, norm: bool, gen: torch.Generator) -> None:
@@ -315,6 +327,30 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
                    rel(out, exact[glu]), 1e-4)
 
 
+def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator) -> None:
+    """bf16 experts (kimi-linear's) through every bf16 tile of the grouped GEMM: gate / up with the
+    SiLU-GLU epilogue, and a plain GEMM with the routing weights on its rows (the down projection),
+    against float64 of the same bf16 values."""
+    w, w_up = ((torch.randn(E, N, K, generator=gen, device=DEV) * K ** -0.5).bfloat16() for _ in range(2))
+    ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
+    x = torch.randn(T, K, device=DEV, generator=gen).bfloat16()
+    row_scale = torch.rand(T * top, device=DEV, generator=gen) + 0.5
+    rows, blocks = sort_by_expert(ids, E, 16)
+    xa, a = x.double()[torch.arange(T * top, device=DEV) // top], ids.flatten()
+    gate = torch.einsum("ak,ank->an", xa, w.double()[a])
+    exact = {False: gate * row_scale.double()[:, None],
+             True: F.silu(gate) * torch.einsum("ak,ank->an", xa, w_up.double()[a])}
+    for tile in sorted(moe_triton._TILES):
+        for glu in (False, True):
+            out = torch.empty(T * top, N, device=DEV)
+            grouped_gemm(x, rows, blocks, T * top, top, w, None, N, 16, up=(w_up, None) if glu else None,
+                         row_scale=None if glu else row_scale, out=out,
+                         tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3]))
+            record("bf16 grouped GEMM" + (" + GLU" if glu else " + row scale"),
+                   f"T={T} E={E} N={N} K={K} tile {tile[0]}{'s' if tile[1] else ''}/{tile[2]}w/{tile[3]}s",
+                   rel(out, exact[glu]), 1e-4)
+
+
 def gluon_checks(family: str, gen: torch.Generator) -> None:
     """The Gluon kernels' rows, by family (``--gluon FAMILY`` runs one alone: a kernel that faults
     takes only its own process down)."""
@@ -348,6 +384,8 @@ def main() -> int:
     check_short_conv(12288, [(1, 40), (1, 7), (2, 1), (8192, 0), (300, 129)], gen)  # kimi-linear: 3 x 32 x 128
     check_short_conv(3 * 96 * 128, [(1, 5), (2048, 64), (3, 0)], gen)  # K3 widths
     check_short_conv(3 * 4 * 48, [(1, 5), (300, 7), (3, 0)], gen, head=48)  # the bundled tiny model
+    for T, D in ((1, 2304), (16, 2304), (3, 7168), (8192, 2304)):
+        check_add_norm(T, D, gen)
     check_gated_norm(8192, 32, 128, gen)
     check_gated_norm(3, 96, 128, gen)
     for T in (1, 64, 8192):
@@ -378,6 +416,8 @@ def main() -> int:
         check_kda_fused(N, H, 128, lb, gen)
     for T, E, N, K, top in ((1, 64, 3072, 3584, 16), (16, 64, 3584, 3072, 16), (200, 32, 1024, 2304, 8)):
         check_mxfp4_mma(T, E, N, K, top, gen, "mma")
+    for T, N, K in ((1, 1024, 2304), (1, 2304, 1024), (16, 2304, 1024)):  # kimi-linear's gate / up and down
+        check_bf16_grouped(T, 64, N, K, 9, gen)
     if "--no-gluon" not in args:
         for family in ("moe", "kda", "mla"):
             gluon_checks(family, gen)

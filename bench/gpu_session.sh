@@ -236,11 +236,17 @@ c = Chain([2304 if i % 2 == 0 else 1024 for i in range(41)], g); \
   pgemv)  # a GEMV fetching its weights into shared memory before its PDL wait (bench/prefetch_gemv.py)
     step pgemv "$(left 585)" python3 -m bench.prefetch_gemv
     grep -v "^  File\|^    " "$OUT/pgemv.log" | tail -80 ;;
-  hops)  # the floor of one dependency between small kernels in a graph (bench/hop_cost.py), then the
-        # one-token MoE with the down projection fused into the gate/up kernel vs the served form (bench/moe_fused_down.py)
+  hops)  # the floor of one dependency between small kernels in a graph (bench/hop_cost.py)
     step hops 120 python3 -m bench.hop_cost
-    step fuseddown "$(left 585)" python3 -m bench.moe_fused_down
-    cat "$OUT/hops.log"; grep -v "^  File\|^    " "$OUT/fuseddown.log" | tail -30 ;;
+    cat "$OUT/hops.log" ;;
+  tiles)  # batch-1 tiles inside the graph-replayed step (bench/ab/tiles_batch1.txt: pinned GEMV and
+          # grouped-GEMM tiles, MLA split counts), each variant's kernels charged on the critical path;
+          # then the step's timeline (each kernel's share at batch 1 and 16)
+    step tiles "$(left 400)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts ab \
+        --ab @bench/ab/tiles_batch1.txt --ab-batches 1 --ab-rounds 5 --ab-charged 4 --iters 30 --out /tmp/gpu_work
+    step timeline "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts timeline \
+        --ab-batches 1,16 --top 40 --out /tmp/gpu_work
+    grep "^|" "$OUT/tiles.log"; grep "^|\|^batch" "$OUT/timeline.log" ;;
   prefetch)  # a side stream hinting the next GEMV's weights into L2 while short kernels run (bench/l2_prefetch.py)
     step prefetch "$(left 585)" python3 -m bench.l2_prefetch
     grep -v "^  File\|^    " "$OUT/prefetch.log" | tail -80 ;;

@@ -10,7 +10,7 @@ import importlib
 def set_constants(assigns: str) -> list[tuple]:
     """Set each constant; returns (module, name, old value) triples for ``restore``."""
     saved = []
-    for a in filter(None, assigns.split(",")):
+    for a in filter(None, _top_level_split(assigns)):
         target, _, value = a.partition("=")
         mod_name, _, const = target.strip().rpartition(".")
         mod = importlib.import_module(mod_name)
@@ -19,6 +19,19 @@ def set_constants(assigns: str) -> list[tuple]:
         saved.append((mod, const, getattr(mod, const)))
         setattr(mod, const, ast.literal_eval(value.strip()))
     return saved
+
+
+def _top_level_split(assigns: str) -> list[str]:
+    """``assigns`` split at the commas outside brackets (a value may be a dict or a tuple)."""
+    parts, depth, cur = [], 0, ""
+    for ch in assigns:
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
 
 
 def restore(saved: list[tuple]) -> None:

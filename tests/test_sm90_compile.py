@@ -29,17 +29,32 @@ def _compile(fn, pointers: dict, scalars: dict, consts: dict, divisible: tuple[s
     return triton.compile(src, target=HOPPER, options=options)
 
 
-def _grouped_gemm(weights: str, block_n: int, warps: int, swap: bool = True, use_pdl: bool = False):
-    """The grouped GEMM (MXFP4 gate + up with SiTU-GLU, 16-row blocks, K tiles of 128) for sm_90."""
-    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
+def _grouped_gemm(weights: str, block_n: int, warps: int, swap: bool = True, use_pdl: bool = False,
+                  static_tail: int = 0):
+    """The grouped GEMM (MXFP4, or bf16 for ``weights`` "bf16", gate + up with SiTU-GLU, 16-row
+    blocks, K tiles of 128) for sm_90."""
+    w = "*bf16" if weights == "bf16" else "*u8"
+    ptrs = {"X": "*bf16", "W": w, "S": w, "W_UP": w, "S_UP": w, "OUT": "*bf16", "ROWS": "*i64",
             "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
     ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
                                "stride_se", "stride_sn", "stride_on")}
-    ints.update(beta="fp32", linear_beta="fp32")
+    ints.update(beta="fp32", linear_beta="fp32", static_expert0="i32")
     consts = dict(WEIGHTS=weights, GLU=True, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=False, BLOCK_M=16,
-                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, COLS_FIRST=False, USE_PDL=use_pdl)
+                  BLOCK_N=block_n, BLOCK_K=128, SWAP_AB=swap, INTERPRETED=False, COLS_FIRST=False,
+                  STATIC_TAIL=static_tail, USE_PDL=use_pdl)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
     return _compile(moe_triton._grouped_gemm_kernel, ptrs, ints, consts, divisible, num_warps=warps, num_stages=3)
+
+
+def test_static_tail_grouped_gemm_waits_only_to_store():
+    """A one-token step's joined shared expert (STATIC_TAIL): its blocks let the next kernel launch,
+    stream and multiply before the PDL wait, then wait to store; the routed blocks wait first."""
+    ptx = _grouped_gemm("bf16", 64, 4, True, use_pdl=True, static_tail=1).asm["ptx"]
+    assert ptx.count("griddepcontrol.wait") == 2 and ptx.count("griddepcontrol.launch_dependents") == 2
+    plain = _grouped_gemm("bf16", 64, 4, True, use_pdl=True).asm["ptx"]
+    assert plain.count("griddepcontrol.wait") == 1
+    first_wait = plain.find("griddepcontrol.wait")
+    assert "ld.global" not in plain[:first_wait]
 
 
 @pytest.mark.parametrize("swap, block_n, warps", [(True, 32, 2), (False, 64, 4)])
@@ -147,16 +162,20 @@ def test_gluon_mla_decode_compiles_keys_major_on_wgmma(seq_len_type):
                                "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")}
     ints.update(scale="fp32", H="i32", NUM_SPLITS="i32")
     block_h = mla_decode_gluon.BLOCK_H
-    consts = dict(PAGE=64, BLOCK_H=block_h)
+    consts = dict(PAGE=64, BLOCK_H=block_h, USE_PDL=True)
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_ob",
                                "stride_oh", "stride_os")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = GluonASTSource(fn=mla_decode_gluon._mla_decode_split_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    sass = sass_text(triton.compile(src, target=HOPPER, options=dict(num_warps=4)))
+    compiled = triton.compile(src, target=HOPPER, options=dict(num_warps=4))
+    sass = sass_text(compiled)
     assert len(re.findall(r"HGMMA\.64x%dx16" % block_h, sass)) == 32 + 4 + 8 * 4
     assert re.search(r"LDGSTS\.E(\.BYPASS)?\.128", sass) and "STL" not in sass
+    ptx = compiled.asm["ptx"]  # in the decode step's PDL chain: nothing read before the wait
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 <= wait < ptx.find("ld.global") and "griddepcontrol.launch_dependents" in ptx
 
 
 def _add_rms_norm_ptx(use_pdl: bool) -> str:
@@ -191,6 +210,8 @@ def test_kda_fused_decode_compiles_for_sm90(block_v, blocks):
         assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     else:  # one program per head: no ticket
         assert "atom." not in ptx
+    wait = ptx.find("griddepcontrol.wait")
+    assert "ld.global" not in ptx[:wait] and "st.global" not in ptx[:wait]
 
 
 def test_mla_split_merge_compiles_for_sm90():
@@ -208,20 +229,29 @@ def test_mla_split_merge_compiles_for_sm90():
 def test_router_logits_kernel_compiles_for_sm90():
     ptrs = {"X": "*bf16", "W": "*bf16", "OUT": "*fp32"}
     scalars = {n: "i32" for n in ("T", "E", "D", "stride_x")}
-    consts = dict(BLOCK_T=16, BLOCK_E=32, BLOCK_D=128, BF16_MMA=True, USE_PDL=True)
+    consts = dict(BLOCK_T=16, BLOCK_E=32, BLOCK_D=128, BF16_MMA=True, PRELOAD=False, USE_PDL=True)
     ptx = _compile(moe_triton._router_logits_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "atom." not in ptx
+    assert "ld.global" not in ptx[:ptx.find("griddepcontrol.wait")]
+    # PRELOAD: the weight tile's loads before the wait, x's after it
+    ptx = _compile(moe_triton._router_logits_kernel, ptrs, scalars, {**consts, "PRELOAD": True},
+                   num_warps=4).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 <= ptx.find("ld.global") < wait and "ld.global" in ptx[wait:] and "st.global" not in ptx[:wait]
 
 
-@pytest.mark.parametrize("static_parts", [0, 18])
-def test_route_kernel_compiles_for_sm90(static_parts):
+@pytest.mark.parametrize("static_parts, packed", [(0, False), (18, False), (18, True)])
+def test_route_kernel_compiles_for_sm90(static_parts, packed):
     """The routing; ``static_parts``: its partial sums' loop unrolled (each part's loads in the code
-    once: ptxas may then issue them all before the sum needs them)."""
+    once: ptxas may then issue them all before the sum needs them); ``packed``: top-k by one int64
+    max a round (64-bit shuffles), the winners' scores gathered after the rounds."""
     ptrs = {"LOGITS": "*fp32", "BIAS": "*fp32", "W_OUT": "*fp32", "ID_OUT": "*i64"}
     scalars = {n: "i32" for n in ("num_parts", "stride_part", "stride_l", "E")} | {"scaling": "fp32"}
     consts = dict(K=8, K_P=8, E_P=256, HAS_BIAS=True, RENORM=True, SIGMOID=True, NUM_SHARED=1,
-                  STATIC_PARTS=static_parts, USE_PDL=True)
+                  STATIC_PARTS=static_parts, PACKED=packed, USE_PDL=True)
     ptx = _compile(moe_triton._route_kernel, ptrs, scalars, consts, num_warps=1).asm["ptx"]
+    if packed:
+        assert "shfl.sync.bfly.b32" in ptx and "max.s64" in ptx
     loads = len(re.findall(r"ld\.global", ptx))  # (a part's 256 logits: 8 loads a lane of one warp)
     assert loads >= 8 * static_parts and (static_parts or loads < 8 * 4)
 

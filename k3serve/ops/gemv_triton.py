@@ -83,6 +83,12 @@ GEMV_MAX_TOKENS = 4
 GEMV_MAX_WEIGHT = 32 << 20
 
 
+# Tiles pinned per (N, K) ahead of the autotuner's choice, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages):
+# the autotuner times a GEMV alone, cold, but in a decode step it runs inside a PDL chain; an A/B of
+# the graph-replayed step (bench/gpu_check_graphs.py --ab) sets this to try tiles where they serve.
+PINNED: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+
+
 # Batched GEMVs (``batched_linear``) in place of torch.bmm at a few tokens; for A/B timing.
 BATCHED = True
 
@@ -114,6 +120,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
     args = (xb, wb, ob, part, tickets(x.device, B * triton.cdiv(N, 16)), T, N, K, xb.stride(0), xb.stride(1),
             wb.stride(0), wb.stride(1), wb.stride(2), ob.stride(0), ob.stride(1))
     consts = dict(BLOCK_T=16, IEEE=ieee, **pdl.launch(out.device))
+    if config is None and (N, K) in PINNED:
+        config = dict(zip(("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), PINNED[N, K]))
     if config is None:
         _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], B)](*args, **consts)
     else:

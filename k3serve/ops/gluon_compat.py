@@ -1,5 +1,6 @@
 """Gluon names that moved between Triton 3.6 (the device's) and 3.9 (CI's): one place for both."""
 
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
@@ -17,3 +18,14 @@ def _tma_load():
 
 
 tma_load = _tma_load()
+
+
+@gluon.jit
+def gluon_pdl_start(USE_PDL: gl.constexpr):
+    """``pdl.pdl_start`` for Gluon kernels (which have no ``gdc_*`` builtins in 3.6): wait for the
+    previous kernel's completion and memory, then let the next kernel launch."""
+    if USE_PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)

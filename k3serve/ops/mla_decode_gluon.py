@@ -26,13 +26,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_compat import async_load, cta_barrier
+from .gluon_compat import async_load, cta_barrier, gluon_pdl_start
 
+from . import pdl
 from .mla_decode_triton import split_range
 
 
 BLOCK_N = gl.constexpr(64)  # keys a tile: the wgmma's M, one page of the latent cache
 BLOCK_H = 32  # heads a program: the wgmma's N
+# Launched with PDL (``gluon_compat.gluon_pdl_start``), in the decode step's chain; for A/B timing.
+PDL = True
 D_C = gl.constexpr(512)  # latent (kv_lora_rank) width the layouts are written for
 D_PE = gl.constexpr(64)  # its rotary part
 
@@ -55,7 +58,7 @@ def _mla_decode_split_kernel(
     QC, QP, KV, BT, SL, O, LSE,
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, scale, H, NUM_SPLITS,
-    PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+    PAGE: gl.constexpr, BLOCK_H: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):
     """Program (sequence, head block, split): the split's keys in tiles of BLOCK_N, the partial
     output [heads, D_C] and its log-sum-exp as ``mla_decode_triton``'s split kernel writes them."""
@@ -68,6 +71,7 @@ def _mla_decode_split_kernel(
     qp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], gl.bfloat16)
     p_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
     copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies along a row
+    gluon_pdl_start(USE_PDL)
     b = gl.program_id(0)
     hb = gl.program_id(1)
     sp = gl.program_id(2)
@@ -150,4 +154,5 @@ def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages
         q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0),
         block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-        lse.stride(1), scale, H, partial.shape[2], PAGE=page, BLOCK_H=BLOCK_H, num_warps=4)
+        lse.stride(1), scale, H, partial.shape[2], PAGE=page, BLOCK_H=BLOCK_H, num_warps=4,
+        **(pdl.launch(partial.device) if PDL else {}))

@@ -121,13 +121,20 @@ _mla_decode_tuned = autotuned(
 GLUON_SPLIT = True
 
 
+# The most splits of one sequence (and head block). At batch 1 each split writes a [heads, 512] fp32
+# partial that the merge reads back (64 splits at 32 heads: 4.2 MB, as much as 4K tokens of latent),
+# yet 16, 32 and 64 gave the same kimi-linear batch-1 step at 4K context (RESULTS.md twenty-third
+# session): the split kernel's ~9.5 us there is latency (a tile's copy, three wgmmas, the store).
+MAX_SPLITS = 64
+
+
 def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) -> int:
     """Enough (sequence, split) programs for about two waves over the SMs once heads are blocked
     by 32, but no split shorter than 64 tokens of the table's width; a power of two, so eager
     steps whose tables grow see a handful of values (each is tuned once), not one per width.
     (256-token splits left a batch-1 step at 4K context with 16 programs on 132 SMs: 37 us a
     kimi-linear MLA layer for 4.7 MB of latent, RESULTS.md sixth session.)"""
-    n = max(1, min(-(-2 * sms // (batch * -(-heads // 32))), 64, max_tokens // 64))
+    n = max(1, min(-(-2 * sms // (batch * -(-heads // 32))), MAX_SPLITS, max_tokens // 64))
     return 1 << (n.bit_length() - 1)
 
 

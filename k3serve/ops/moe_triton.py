@@ -284,11 +284,11 @@ def _weight_tile_product(a, W, S, e, cols, cmask, k0, stride_we, stride_wn, stri
 def _grouped_gemm_kernel(
     X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     num_assign, rows_class, top_k, N, K,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on, beta, linear_beta, static_expert0,
     WEIGHTS: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_CLIP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, COLS_FIRST: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    STATIC_TAIL: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """out = x_rows @ W[e]^T, or with GLU: act(x_rows @ W[e]^T, x_rows @ W_UP[e]^T) fused in the
     epilogue (SiLU-GLU, or SiTU-GLU with its tanh clips). WEIGHTS: "bf16"; or MXFP4 upcast in
@@ -297,11 +297,27 @@ def _grouped_gemm_kernel(
     32-wide scale group at a time ("mx_decode": the exact path the CPU tests hold to 1e-5).
     ``rows_class`` only keys the autotuner (a batch-1 step and a batch-64 step want different
     tiles). (A K split over programs for one- and two-token steps, and the combine with the
-    residual add + norm as this kernel's tail, both lost on the H200: RESULTS.md ninth session.)"""
-    pdl_start(USE_PDL)
+    residual add + norm as this kernel's tail, both lost on the H200: RESULTS.md ninth session.)
+    STATIC_TAIL: the last row blocks (one assignment each: a one-token step's joined shared
+    experts) have the constant experts static_expert0, static_expert0 + 1, ...: they need nothing
+    the previous kernels wrote but x, so they run their K loop before the PDL wait (during the
+    routing that the other blocks wait for) and wait only to store (the output buffer may be
+    memory the previous kernel still reads)."""
     pid_m = tl.program_id(1 if COLS_FIRST else 0)  # (COLS_FIRST: ``TRITON_COLS_FIRST_MIN_ROWS``)
     pid_n = tl.program_id(0 if COLS_FIRST else 1)
-    e = tl.load(EXPERTS + pid_m).to(tl.int64)
+    if STATIC_TAIL:
+        first_static = tl.num_programs(1 if COLS_FIRST else 0) - STATIC_TAIL
+        static = pid_m >= first_static
+        if static:
+            if USE_PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+        else:
+            pdl_start(USE_PDL)
+        e = tl.where(static, static_expert0 + pid_m - first_static,
+                     tl.load(EXPERTS + pid_m, mask=not static, other=0)).to(tl.int64)
+    else:
+        pdl_start(USE_PDL)
+        e = tl.load(EXPERTS + pid_m).to(tl.int64)
     rows = tl.load(ROWS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < num_assign
     tok = tl.where(valid, rows // top_k, 0).to(tl.int64)
@@ -353,6 +369,10 @@ def _grouped_gemm_kernel(
         acc = tl.trans(acc)
     if HAS_ROW_SCALE:  # the routing weight of each assignment, applied in the epilogue
         acc = acc * tl.load(ROW_SCALE + tl.where(valid, rows, 0), mask=valid, other=0.0)[:, None]
+    if STATIC_TAIL:
+        if static:
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
     tl.store(OUT + rows[:, None] * stride_on + cols[None, :], acc.to(OUT.dtype.element_ty),
              mask=valid[:, None] & cmask[None, :])
 
@@ -369,7 +389,11 @@ def _grouped_gemm_kernel(
 # with BLOCK_N a multiple of 16 rows a warp, and whole warpgroups: with 2 warps (mma.sync) Triton
 # sends the tile through shared memory, 0.33 ms at 1 token against 0.18 (twelfth session). Two
 # stages beat three at decode (71 registers and 16 KB a program: 7 programs an SM instead of 5).
-_TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4)}
+# (64, True, 4, 4): the one-token down projection (K = 1024) inside the decode step's PDL chain,
+# where the tile the autotuner picks alone (32, False, 4, 3) lost 1.9 us a layer (RESULTS.md
+# twenty-third session: an A/B of the graph-replayed step, each kernel's share of its critical path).
+_TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4),
+          (64, True, 4, 4)}
 _ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
 _MMA_TILES = {(64, True, 4, 2), (64, True, 4, 3), (128, True, 4, 2), (128, True, 8, 2), (128, True, 8, 3)}
 GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
@@ -393,7 +417,7 @@ _grouped_gemm_tuned = autotuned(
 def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr,
-                  STATIC_PARTS: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
+                  STATIC_PARTS: tl.constexpr = 0, PACKED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """One token's routing (``moe_ref.route`` with one expert group): logits as the sum of
     ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores,
     bias-corrected choice, top-k by K rounds of argmax (descending, as torch.topk), weights from
@@ -425,12 +449,25 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l,
     choice = tl.where(live & (choice == choice), choice, float("-inf"))
     ks = tl.arange(0, K_P)
     ids = tl.zeros([K_P], tl.int32)
-    ws = tl.zeros([K_P], tl.float32)
-    for j in tl.static_range(K):
-        best = tl.argmax(choice, 0)
-        ids = tl.where(ks == j, best, ids)
-        ws = tl.where(ks == j, tl.sum(tl.where(e == best, score, 0.0), 0), ws)
-        choice = tl.where(e == best, float("-inf"), choice)
+    if PACKED:
+        # One int64 max a round: the choice's bits made order-preserving as a signed int (negative
+        # floats get their magnitude bits flipped) in the high word, the expert reversed in the low
+        # one (ties go to the lower id, as argmax's); the scores of the K winners gathered after.
+        bits = choice.to(tl.int32, bitcast=True)
+        order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        key = tl.where(live, order * 4294967296 + (E_P - 1 - e), -9223372036854775807)
+        for j in tl.static_range(K):
+            best_key = tl.max(key, 0)
+            ids = tl.where(ks == j, (E_P - 1 - (best_key & 0xFFFFFFFF)).to(tl.int32), ids)
+            key = tl.where(key == best_key, -9223372036854775807, key)
+        ws = tl.where(ks < K, tl.gather(score, ids, 0), 0.0)  # (K_P > K: the padding weighs nothing)
+    else:
+        ws = tl.zeros([K_P], tl.float32)
+        for j in tl.static_range(K):
+            best = tl.argmax(choice, 0)
+            ids = tl.where(ks == j, best, ids)
+            ws = tl.where(ks == j, tl.sum(tl.where(e == best, score, 0.0), 0), ws)
+            choice = tl.where(e == best, float("-inf"), choice)
     if RENORM:
         ws = ws / (tl.sum(ws, 0) + 1e-20)
     row = t * (K + NUM_SHARED)
@@ -443,19 +480,24 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l,
 
 @triton.jit
 def _router_logits_kernel(X, W, OUT, T, E, D, stride_x, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BF16_MMA: tl.constexpr, USE_PDL: tl.constexpr = False):
+                          BLOCK_D: tl.constexpr, BF16_MMA: tl.constexpr, PRELOAD: tl.constexpr = False,
+                          USE_PDL: tl.constexpr = False):
     """Program (expert block, D chunk, token block): the partial logits of one BLOCK_D-wide chunk,
     OUT[chunk, t, e] = x[t, chunk] . W[e, chunk], in fp32. bf16 x and W go through the tensor
     cores: a product of two bf16 values is exact in fp32 and the MMA accumulates in fp32, so this
-    is the fp32 product of the casts up to summation order. Other dtypes: IEEE fp32 (no TF32)."""
-    pdl_start(USE_PDL)
+    is the fp32 product of the casts up to summation order. Other dtypes: IEEE fp32 (no TF32).
+    PRELOAD: the (model) weight tile is read before the wait on the previous kernel."""
+    if not PRELOAD:
+        pdl_start(USE_PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     chunk = tl.program_id(1)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     tmask, emask, dmask = t < T, e < E, d < D
-    x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
     w = tl.load(W + e.to(tl.int64)[:, None] * D + d[None, :], mask=emask[:, None] & dmask[None, :], other=0.0)
+    if PRELOAD:
+        pdl_start(USE_PDL)
+    x = tl.load(X + t.to(tl.int64)[:, None] * stride_x + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
     if BF16_MMA:
         acc = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
     else:
@@ -543,8 +585,17 @@ def _logits_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float())
 
 
+# The router weight's tile read before the PDL wait (``_router_logits_kernel``'s PRELOAD): the kernel
+# follows a short one (the add + RMSNorm), which its 1.2 MB of weight reads now overlap: 2.2 -> 1.1 us
+# a call on the H200, -0.029 ms a kimi-linear batch-1 step (RESULTS.md twenty-third session).
+# (The same for the GEMVs' first weight tile and the fused KDA step's first state tile lost: the
+# tile needs a pipeline stage's shared memory or holds registers across the convs.)
+ROUTER_PRELOAD = True
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) -> torch.Tensor:
-    """F.linear(x.float(), weight.float()) for a router weight [E, D]: fp32 logits [T, E]; with
+    """F.linear(x.float(), weight.float()) for a router weight [E, D] (a model weight, not written
+    by the step: ``ROUTER_PRELOAD`` reads it before the wait on the previous kernel): fp32 logits [T, E]; with
     ``split``, decode-sized batches return the partial sums over chunks of D instead, [S, T, E]
     (S >= 1), which ``route_triton`` adds up. The split spreads a decode step's GEMV over ~150
     programs (one program per 32 experts over all of D took 85 us a layer on kimi-linear's
@@ -561,7 +612,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
         bf16 = x.dtype == weight.dtype == torch.bfloat16 and not interpreted()  # (the interpreter's bf16 dot is not exact)
         _router_logits_kernel[(triton.cdiv(E, 32), parts, triton.cdiv(T, 16))](
             x, weight, out, T, E, D, x.stride(0), BLOCK_T=16, BLOCK_E=32, BLOCK_D=block_d, BF16_MMA=bf16,
-            **pdl.launch(out.device))
+            PRELOAD=ROUTER_PRELOAD, **pdl.launch(out.device))
     return out if split else out.sum(0)
 
 
@@ -573,6 +624,9 @@ ROUTE_WARPS = 1
 # Up to this many partial sums (``router_logits(split=True)``: 18 for kimi-linear, 28 for K3) the
 # route kernel's loop over them is unrolled, all their loads in flight together; 0: a loop (A/B).
 ROUTE_STATIC_PARTS = 32
+# Top-k by one packed int64 max a round and a gather of the winners' scores, instead of an argmax
+# and a masked sum a round (two reductions); for A/B timing.
+ROUTE_PACKED = True
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
@@ -593,6 +647,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
                             HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
                             NUM_SHARED=num_shared, num_warps=ROUTE_WARPS,
                             STATIC_PARTS=parts.shape[0] if parts.shape[0] <= ROUTE_STATIC_PARTS else 0,
+                            PACKED=ROUTE_PACKED,
                             **pdl.launch(w.device))
     return w, ids
 
@@ -661,12 +716,18 @@ def weights_mode(mx: bool, act_dtype: torch.dtype, device: torch.device, block_m
     return "mx_decode" if act_dtype != torch.bfloat16 else "mx_dot_scaled"
 
 
+# Tiles pinned per (N, K, rows class) ahead of the autotuner's (bf16 and upcast-in-registers weights),
+# (BLOCK_N, SWAP_AB, warps, stages): the autotuner times a GEMM alone, cold; in a decode step it runs
+# inside a PDL chain. For A/B timing of the graph-replayed step (bench/gpu_check_graphs.py --ab).
+PINNED: dict[tuple[int, int, int], tuple[int, bool, int, int]] = {}
+
+
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
                  block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
                  row_scale: torch.Tensor | None = None, mx_upcast: str | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, static_tail: int = 0, static_expert0: int = 0) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``, into ``out`` where given (only the rows of ``rows`` are written). ``weight``:
     bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale`` [E, N, K/32]. ``up`` = (weight,
@@ -679,7 +740,10 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     ``ASM_MIN_ASSIGNMENTS`` up), tl.dot_scaled elsewhere; for weights in the MMA layout "mma"
     (``_mx_tile_mma``) or "gluon" (``moe_gluon``, E8M0 bytes <= 128). ``tiles["cols_first"]``:
     programs column tile fastest (by default from row blocks of ``TRITON_COLS_FIRST_MIN_ROWS``, the
-    Gluon kernel's ``moe_gluon.COLS_FIRST_MIN_ROWS``)."""
+    Gluon kernel's ``moe_gluon.COLS_FIRST_MIN_ROWS``). ``static_tail``: the last row blocks, one
+    assignment each (a one-token layout), are of the experts static_expert0, static_expert0 + 1,
+    ... whatever ``block_expert`` says, and run before the wait on the previous kernel (``rows``
+    must then be a constant, not written in the step: ``one_row_blocks``)."""
     mx = scale is not None
     K = x.shape[1]
     if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon)
@@ -706,16 +770,20 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     # and number at most num_assign: at batch 1 that is 16 blocks of the ~840 the buffer has room
     # for (K3, top-16 of 896), so ~98 % of the programs are never launched.
     row_blocks = min(rows.numel() // block_m, num_assign)
+    rows_class = min(triton.next_power_of_2(num_assign), 4096)
+    if tiles is None and (n_out, K, rows_class) in PINNED:
+        tiles = dict(zip(("BLOCK_N", "SWAP_AB", "num_warps", "num_stages"), PINNED[n_out, K, rows_class]))
     kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, dict(tiles))
     cols_first = tiles.pop("cols_first", block_m >= TRITON_COLS_FIRST_MIN_ROWS) and row_blocks < 65536
     kernel[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), row_blocks)[::1 if cols_first else -1]](
         x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
-        num_assign, min(triton.next_power_of_2(num_assign), 4096), top_k, n_out, K,
+        num_assign, rows_class, top_k, n_out, K,
         x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), out.stride(0),
-        float(beta), float(linear_beta or 1.0),
+        float(beta), float(linear_beta or 1.0), static_expert0,
         WEIGHTS=weights, INTERPRETED=interpreted(), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None,
-        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, COLS_FIRST=cols_first, **tiles,
+        HAS_ROW_SCALE=row_scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, COLS_FIRST=cols_first,
+        STATIC_TAIL=static_tail, **tiles,
         **pdl.launch(out.device),
     )
     return out
@@ -741,6 +809,11 @@ def mma_upcast(block_m: int, gluon_ok: bool) -> str:
     16, ``GLUON_DECODE``) and prefill ones (32 to 128, ``GLUON_PREFILL``); "mma" elsewhere."""
     gluon = gluon_ok and ((GLUON_DECODE and block_m <= 16) or (GLUON_PREFILL and block_m >= 32))
     return "gluon" if gluon else "mma"
+
+
+# A one-token step's joined shared experts computed by their gate / up programs before the PDL
+# wait, i.e. during the routing (``_grouped_gemm_kernel``'s STATIC_TAIL); for A/B timing.
+SHARED_BEFORE_WAIT = True
 
 
 def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, block_m: int | None = None,
@@ -777,13 +850,16 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     h = torch.empty(num_assign, experts.intermediate, dtype=experts.dtype, device=x.device)
     y = torch.empty(num_assign, experts.out_features, dtype=torch.float32, device=x.device)
     row_scale = weights.float().flatten().contiguous()
+    # a one-token step's joined shared experts (the last ids) run before its routing is known
+    static = experts.num_shared if T == 1 and SHARED_BEFORE_WAIT and not block_sizes and s1 is None else 0
     for bm, rows, block_expert in layouts:  # (each layout's rows are its own: h's rows are written, then read)
         opts = blocks
         if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
             opts = dict(blocks, mx_upcast=mma_upcast(bm, gluon_ok))
         # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
         grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, experts.intermediate, bm,
-                     up=stored("w3"), act=experts.act, out_dtype=experts.dtype, out=h, **opts)
+                     up=stored("w3"), act=experts.act, out_dtype=experts.dtype, out=h, static_tail=static,
+                     static_expert0=experts.num_experts, **opts)
         # rows of h are assignments already; the routing weights scale the rows in the epilogue
         grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, bm,
                      row_scale=row_scale, out=y, **opts)

@@ -83,6 +83,10 @@ def _add_rms_norm_kernel(H, DELTA, W, H_OUT, Y, stride_h, stride_d, stride_ho, s
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+# Warps of the add + RMSNorm's program a row (its sum of squares crosses warps through shared memory).
+ADD_NORM_WARPS = 8
+
+
 def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, RMSNorm(h + delta) * weight) for [T, D] rows, both in h's dtype, one launch."""
@@ -91,7 +95,8 @@ def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     if T:
         _add_rms_norm_kernel[(T,)](h, delta, weight, h_out, y, h.stride(0), delta.stride(0), h_out.stride(0),
-                                   y.stride(0), D, eps, BLOCK=triton.next_power_of_2(D), **pdl.launch(y.device))
+                                   y.stride(0), D, eps, BLOCK=triton.next_power_of_2(D), num_warps=ADD_NORM_WARPS,
+                                   **pdl.launch(y.device))
     return h_out, y
 
 
