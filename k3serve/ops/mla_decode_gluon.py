@@ -34,7 +34,8 @@ from .mla_decode_triton import split_range
 
 BLOCK_N = gl.constexpr(64)  # keys a tile: the wgmma's M, one page of the latent cache
 BLOCK_H = 32  # heads a program: the wgmma's N
-# Launched with PDL (``gluon_compat.gluon_pdl_start``), in the decode step's chain; for A/B timing.
+# Launched with PDL (``gluon_compat.gluon_pdl_start``), in the decode step's chain (-1 to -3 us a
+# kimi-linear batch-1 step's 7 calls, RESULTS.md twenty-third session); False: a plain launch (A/B).
 PDL = True
 D_C = gl.constexpr(512)  # latent (kv_lora_rank) width the layouts are written for
 D_PE = gl.constexpr(64)  # its rotary part

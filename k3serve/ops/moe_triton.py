@@ -625,7 +625,8 @@ ROUTE_WARPS = 1
 # route kernel's loop over them is unrolled, all their loads in flight together; 0: a loop (A/B).
 ROUTE_STATIC_PARTS = 32
 # Top-k by one packed int64 max a round and a gather of the winners' scores, instead of an argmax
-# and a masked sum a round (two reductions); for A/B timing.
+# and a masked sum a round (two reductions): the route 3.99 -> 3.73 us a call at batch 1, 3.81 ->
+# 3.49 at 16 on the H200 (RESULTS.md twenty-third session); False: the argmax form (A/B).
 ROUTE_PACKED = True
 
 
@@ -812,7 +813,8 @@ def mma_upcast(block_m: int, gluon_ok: bool) -> str:
 
 
 # A one-token step's joined shared experts computed by their gate / up programs before the PDL
-# wait, i.e. during the routing (``_grouped_gemm_kernel``'s STATIC_TAIL); for A/B timing.
+# wait, i.e. during the routing (``_grouped_gemm_kernel``'s STATIC_TAIL): kimi-linear batch 1 on the
+# H200, grouped GEMMs 962.9 -> 947.6 us a step, the route +6 (RESULTS.md twenty-third session).
 SHARED_BEFORE_WAIT = True
 
 
