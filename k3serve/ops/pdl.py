@@ -2,11 +2,22 @@
 back to back, and each one's launch and ramp-up used to start only once the previous one's last
 block had drained. A kernel launched with PDL may be scheduled while its predecessor finishes;
 its first act is ``griddepcontrol.wait`` (``pdl_start``), which returns once the predecessor has
-completed and its memory is visible, so only the launch latency overlaps: every read and write
-still follows the previous kernel's. (Hinting a kernel's weights into L2 before its wait, so their
-streaming would overlap the predecessor's tail, was measured and lost: whole slabs thrash L2, the
-first tiles alone gain nothing; RESULTS.md tenth session.) It then lets its own successor launch early. Kernels that
-take no part (cuBLAS, torch) are ordered as before. ``K3SERVE_PDL=0`` turns it off (A/B timing).
+completed and its memory is visible, so by default only the launch latency overlaps: every read
+and write still follows the previous kernel's. It then lets its own successor launch early.
+Kernels that take no part (cuBLAS, torch) are ordered as before. ``K3SERVE_PDL=0`` turns it off
+(A/B timing).
+
+Work before the wait. A kernel starts while its predecessor runs, once every earlier kernel has
+completed (each waited on its own predecessor before letting the next launch). Before its wait it
+may therefore *read* what no kernel of the step writes, or what an earlier step or a kernel two
+or more launches back wrote: model weights, constant tables (``expert_sort.one_row_blocks``), the
+step's inputs; it must *write* nothing (its output may be memory the caching allocator took back
+from a tensor the predecessor still reads). Where the predecessor is short and latency-bound this
+pays: the router logits' weight tile (2.2 -> 1.1 us a call), a one-token step's joined shared
+expert computed during the routing (``moe_triton`` STATIC_TAIL). Where it was tried against a
+bandwidth-bound or register-hungry kernel it lost: weights hinted into L2 over whole slabs (L2
+thrash), a GEMV's first tile (a pipeline stage of shared memory), the fused KDA step's first state
+tile (registers held across the convs) (RESULTS.md tenth and twenty-third sessions).
 """
 
 from __future__ import annotations
