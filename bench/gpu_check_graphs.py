@@ -303,9 +303,10 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
         print(rows[-1], flush=True)
     for name, assigns, runs, _graphs in (kept if charged else []):
         for n, run in runs:
-            by = charged_kernels(run, charged)["by_name"]
+            got = charged_kernels(run, charged)
             row = next(r for r in rows if (r["variant"], r["set"], r["batch"]) == (name, assigns, n))
-            row["charged_us"] = {r["kernel"][:40]: r["charged_us"] for r in by[:12]}
+            row["charged_us"] = {r["kernel"][:40]: r["charged_us"] for r in got["by_name"][:12]}
+            row["charged_pairs_us"] = {r["kernel"]: r["charged_us"] for r in got["by_pair"][:16]}
     del kept, shared
     torch.cuda.empty_cache()
     forget_tuning()
@@ -466,41 +467,18 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
 
 
 def charged_kernels(fn, reps: int = 1, show: range = range(0)) -> dict:
-    """Where the time of ``fn`` (a graph replay) goes on its critical path: ``reps`` runs under the
-    profiler, kernels in start order; each kernel is charged the time from the latest end before it
-    to its own end (with PDL a kernel starts, and waits, while its predecessor drains: its own
-    duration holds that wait, and start-to-start deltas would charge it its predecessor's work).
-    A run's charges add up to its span. Per run, summed by kernel name; the kernels at the positions
-    ``show`` of the first run as a list."""
+    """``bench.charge.charge`` of ``reps`` runs of ``fn`` (a graph replay) under the profiler."""
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.charge import charge
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
             torch.cuda.synchronize()
-    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
-                 and "memset" not in e.name.lower()), key=lambda r: r[0])
-    per: dict[str, list] = {}
-    run = []
-    done = ev[0][0] if ev else 0.0
-    span = 0.0
-    for i, (s, e, name) in enumerate(ev):
-        if s - done > 50:  # the next run (runs are apart by a host sync)
-            done = s
-        step = max(0.0, e - done)
-        done = max(done, e)
-        span += step
-        acc = per.setdefault(name[:80], [0, 0.0, 0.0])
-        acc[0] += 1
-        acc[1] += step
-        acc[2] += e - s
-        if i in show:
-            run.append({"kernel": name[:60], "index": i, "start_us": round(s - ev[0][0], 2), "own_us": round(e - s, 2),
-                        "charged_us": round(step, 2)})
-    rows = sorted(({"kernel": k, "count": c / reps, "charged_us": round(t / reps, 1), "own_us": round(o / reps, 1),
-                    "charged_us_each": round(t / c, 2)} for k, (c, t, o) in per.items()), key=lambda r: -r["charged_us"])
-    return {"kernels": len(ev) / max(reps, 1), "span_ms": round(span / reps / 1e3, 3), "by_name": rows, "run": run}
+    return charge([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+                   and "memset" not in e.name.lower()], reps, show)
 
 
 def graph_timeline(model, rng, batch: int, ctx: int, pool_bytes: int, show: range = range(25, 75)) -> dict:
@@ -571,10 +549,11 @@ def main() -> None:
             print(f"| {r['variant']} | {r['set'] or '-'} | {r['batch']} | {r['graph_ms']} | {spread} |")
         charged_rows = [r for r in res["ab"] if "charged_us" in r]
         if charged_rows:  # the kernels' charged us a step, variant by variant (the base's top kernels)
-            names = list(charged_rows[0]["charged_us"])[:10]
-            print("\n| variant | batch | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
-            for r in charged_rows:
-                print(f"| {r['variant']} | {r['batch']} | " + " | ".join(str(r["charged_us"].get(k, "-")) for k in names) + " |")
+            for field in ("charged_us", "charged_pairs_us"):  # by kernel, then by kernel after its predecessor
+                names = list(charged_rows[0][field])[:10]
+                print("\n| variant | batch | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
+                for r in charged_rows:
+                    print(f"| {r['variant']} | {r['batch']} | " + " | ".join(str(r[field].get(k, "-")) for k in names) + " |")
     if "prefill_graphs" in parts:
         res["prefill_graphs"] = prefill_graphs_check(
             model, rng, [([37], 0, 0), ([500], 0, 0), ([1100], 0, 0), ([300, 700], 0, 0), ([37], 4, 0), ([200], 1, 0),
@@ -612,9 +591,11 @@ def main() -> None:
             tl_ = graph_timeline(model, rng, b, 4096, pool_bytes)
             res.setdefault("timeline", []).append(tl_)
             print(f"\nbatch {b}, context 4096, graph replay {tl_['graph_ms']} ms, {tl_['kernels']} kernels over "
-                  f"{tl_.get('span_ms')} ms\n| kernel | count | charged us | own us | charged us each |\n|---|---|---|---|---|")
-            for r in tl_["by_name"][:args.top]:
-                print(f"| {r['kernel']} | {r['count']} | {r['charged_us']} | {r['own_us']} | {r['charged_us_each']} |")
+                  f"{tl_.get('span_ms')} ms")
+            for field in ("by_name", "by_pair"):  # by kernel, then by kernel after its predecessor
+                print("\n| kernel | count | charged us | own us | charged us each |\n|---|---|---|---|---|")
+                for r in tl_[field][:args.top]:
+                    print(f"| {r['kernel']} | {r['count']} | {r['charged_us']} | {r['own_us']} | {r['charged_us_each']} |")
             print("\n| # | kernel | start us | own us | charged us |\n|---|---|---|---|---|")
             for r in tl_["run"]:
                 print(f"| {r['index']} | {r['kernel']} | {r['start_us']} | {r['own_us']} | {r['charged_us']} |")
