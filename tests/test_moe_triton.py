@@ -230,9 +230,7 @@ ROUTE_SCRIPT = textwrap.dedent('''
     cases = [(1, 256, 8, True, True, "sigmoid", 2.446), (7, 64, 6, False, True, "sigmoid", 1.0),
              (5, 896, 16, True, True, "sigmoid", 2.5), (4, 60, 4, True, False, "softmax", 1.0),
              (3, 16, 1, False, False, "sigmoid", 1.0)]
-    # each case with the packed top-k (ROUTE_PACKED) and the argmax form
-    for (T, E, K, biased, renorm, func, scaling), packed in [(c, p) for c in cases for p in (True, False)]:
-        moe_triton.ROUTE_PACKED = packed
+    for T, E, K, biased, renorm, func, scaling in cases:
         logits = torch.randn(T, E, generator=gen) * 2
         bias = torch.randn(E, generator=gen) * 0.3 if biased else None
         w_ref, ids_ref = route(logits, bias, K, 1, 1, renorm, scaling, func)
@@ -250,15 +248,14 @@ ROUTE_SCRIPT = textwrap.dedent('''
             assert torch.equal(ids[:, :K], ids_ref) and (ids[:, K:] == torch.tensor([E, E + 1])).all()
             assert (w[:, K:] == 1).all()
             worst = max(worst, ((w[:, :K] - w_ref).norm() / w_ref.norm()).item())
-    for (E, K), packed in [(c, p) for c in ((256, 8), (896, 16)) for p in (True, False)]:  # NaN scores (an
-        moe_triton.ROUTE_PACKED = packed  # overflowed activation): ids stay real experts
+    for E, K in ((256, 8), (896, 16)):  # NaN scores (an overflowed activation): ids stay real experts
         logits = torch.randn(3, E, generator=gen)
         logits[0] = float("nan")
         logits[1, ::3] = float("nan")
         w, ids = route_triton(logits, None, K, True, 1.0)
         assert ids.min() >= 0 and ids.max() < E, ids
         assert not set(ids[1].tolist()) & set(range(0, E, 3)), ids[1]  # a NaN score is never chosen
-        assert not packed or sorted(ids[0].tolist()) == list(range(K))  # all NaN: distinct experts
+        assert sorted(ids[0].tolist()) == list(range(K))  # all NaN: distinct experts
         rows, blocks = sort_by_expert(torch.tensor([[0, E + 5, -3, E - 1]]), E, 16)  # bad ids: stay in bounds
         assert blocks.min() >= 0 and blocks.max() < E and sorted(rows[rows < 4].tolist()) == [0, 1, 2, 3]
     print(worst)

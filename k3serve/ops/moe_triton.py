@@ -417,12 +417,12 @@ _grouped_gemm_tuned = autotuned(
 def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l, E, scaling,
                   K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, SIGMOID: tl.constexpr, NUM_SHARED: tl.constexpr,
-                  STATIC_PARTS: tl.constexpr = 0, PACKED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                  STATIC_PARTS: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
     """One token's routing (``moe_ref.route`` with one expert group): logits as the sum of
     ``num_parts`` partial sums (``router_logits(split=True)``; 1 for plain logits), scores,
-    bias-corrected choice, top-k by K rounds of argmax (descending, as torch.topk), weights from
-    the unbiased scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ... of
-    weight 1."""
+    bias-corrected choice, top-k by K rounds of a packed max (descending, as torch.topk), weights
+    from the unbiased scores, renormalised, scaled; then NUM_SHARED always-on experts E, E + 1, ...
+    of weight 1."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)
@@ -449,25 +449,19 @@ def _route_kernel(LOGITS, BIAS, W_OUT, ID_OUT, num_parts, stride_part, stride_l,
     choice = tl.where(live & (choice == choice), choice, float("-inf"))
     ks = tl.arange(0, K_P)
     ids = tl.zeros([K_P], tl.int32)
-    if PACKED:
-        # One int64 max a round: the choice's bits made order-preserving as a signed int (negative
-        # floats get their magnitude bits flipped) in the high word, the expert reversed in the low
-        # one (ties go to the lower id, as argmax's); the scores of the K winners gathered after.
-        bits = choice.to(tl.int32, bitcast=True)
-        order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-        key = tl.where(live, order * 4294967296 + (E_P - 1 - e), -9223372036854775807)
-        for j in tl.static_range(K):
-            best_key = tl.max(key, 0)
-            ids = tl.where(ks == j, (E_P - 1 - (best_key & 0xFFFFFFFF)).to(tl.int32), ids)
-            key = tl.where(key == best_key, -9223372036854775807, key)
-        ws = tl.where(ks < K, tl.gather(score, ids, 0), 0.0)  # (K_P > K: the padding weighs nothing)
-    else:
-        ws = tl.zeros([K_P], tl.float32)
-        for j in tl.static_range(K):
-            best = tl.argmax(choice, 0)
-            ids = tl.where(ks == j, best, ids)
-            ws = tl.where(ks == j, tl.sum(tl.where(e == best, score, 0.0), 0), ws)
-            choice = tl.where(e == best, float("-inf"), choice)
+    # One int64 max a round: the choice's bits made order-preserving as a signed int (negative
+    # floats get their magnitude bits flipped) in the high word, the expert reversed in the low one
+    # (ties go to the lower id); the scores of the K winners gathered after. (An argmax and a masked
+    # sum a round, two reductions, took 3.99 / 3.81 us a call at batch 1 / 16 against 3.73 / 3.49 on
+    # the H200: RESULTS.md twenty-third session.)
+    bits = choice.to(tl.int32, bitcast=True)
+    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    key = tl.where(live, order * 4294967296 + (E_P - 1 - e), -9223372036854775807)
+    for j in tl.static_range(K):
+        best_key = tl.max(key, 0)
+        ids = tl.where(ks == j, (E_P - 1 - (best_key & 0xFFFFFFFF)).to(tl.int32), ids)
+        key = tl.where(key == best_key, -9223372036854775807, key)
+    ws = tl.where(ks < K, tl.gather(score, ids, 0), 0.0)  # (K_P > K: the padding weighs nothing)
     if RENORM:
         ws = ws / (tl.sum(ws, 0) + 1e-20)
     row = t * (K + NUM_SHARED)
@@ -624,10 +618,6 @@ ROUTE_WARPS = 1
 # Up to this many partial sums (``router_logits(split=True)``: 18 for kimi-linear, 28 for K3) the
 # route kernel's loop over them is unrolled, all their loads in flight together; 0: a loop (A/B).
 ROUTE_STATIC_PARTS = 32
-# Top-k by one packed int64 max a round and a gather of the winners' scores, instead of an argmax
-# and a masked sum a round (two reductions): the route 3.99 -> 3.73 us a call at batch 1, 3.81 ->
-# 3.49 at 16 on the H200 (RESULTS.md twenty-third session); False: the argmax form (A/B).
-ROUTE_PACKED = True
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
@@ -648,7 +638,6 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
                             HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
                             NUM_SHARED=num_shared, num_warps=ROUTE_WARPS,
                             STATIC_PARTS=parts.shape[0] if parts.shape[0] <= ROUTE_STATIC_PARTS else 0,
-                            PACKED=ROUTE_PACKED,
                             **pdl.launch(w.device))
     return w, ids
 
