@@ -340,15 +340,18 @@ def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Gene
     gate = torch.einsum("ak,ank->an", xa, w.double()[a])
     exact = {False: gate * row_scale.double()[:, None],
              True: F.silu(gate) * torch.einsum("ak,ank->an", xa, w_up.double()[a])}
-    for tile in sorted(moe_triton._TILES):
+    # the autotuner's tiles (K tiles of 64), then wider K tiles (moe_triton.PINNED's fifth entry)
+    k_tiles = [(32, True, 2, 4, 128), (32, True, 4, 3, 256), (16, True, 2, 4, 256), (64, True, 4, 4, 128),
+               (64, True, 4, 3, 256), (32, True, 4, 4, 256)]
+    for tile in sorted(moe_triton._TILES) + k_tiles:
         for glu in (False, True):
             out = torch.empty(T * top, N, device=DEV)
             grouped_gemm(x, rows, blocks, T * top, top, w, None, N, 16, up=(w_up, None) if glu else None,
                          row_scale=None if glu else row_scale, out=out,
-                         tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3]))
+                         tiles=dict(zip(("BLOCK_N", "SWAP_AB", "num_warps", "num_stages", "BLOCK_K"), tile)))
             record("bf16 grouped GEMM" + (" + GLU" if glu else " + row scale"),
-                   f"T={T} E={E} N={N} K={K} tile {tile[0]}{'s' if tile[1] else ''}/{tile[2]}w/{tile[3]}s",
-                   rel(out, exact[glu]), 1e-4)
+                   f"T={T} E={E} N={N} K={K} tile {tile[0]}{'s' if tile[1] else ''}/{tile[2]}w/{tile[3]}s"
+                   + (f"/k{tile[4]}" if len(tile) > 4 else ""), rel(out, exact[glu]), 1e-4)
 
 
 def gluon_checks(family: str, gen: torch.Generator) -> None:

@@ -83,21 +83,13 @@ def test_gemv_compiles_for_sm90_with_bf16_mma_and_a_ticket():
     strides = ("stride_xb", "stride_xt", "stride_wb", "stride_wn", "stride_wk", "stride_ob", "stride_ot")
     sig = {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "PART": "*fp32", "TICKETS": "*i32",
            **{n: "i32" for n in ("T", "N", "K", *strides)}}
-    consts = dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, IEEE=False, L2_HINT=False, USE_PDL=True)
+    consts = dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, IEEE=False, USE_PDL=True)
     src = triton.compiler.ASTSource(fn=gemv_triton._gemv_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                                     constexprs=consts)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "wgmma" in ptx or "mma.sync" in ptx  # the tensor cores, not FMA
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
     wait = ptx.find("griddepcontrol.wait")  # nothing touches memory before the PDL wait
-    assert all(ptx.find(op) > wait for op in ("ld.global", "st.global"))
-    # L2_HINT: one bulk L2 prefetch a weight row before the wait, still no load or store before it
-    consts["L2_HINT"] = True
-    src = triton.compiler.ASTSource(fn=gemv_triton._gemv_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
-                                    constexprs=consts)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    assert 0 <= ptx.find("cp.async.bulk.prefetch.L2.global") < wait
     assert all(ptx.find(op) > wait for op in ("ld.global", "st.global"))
 
 
@@ -109,19 +101,18 @@ def test_which_linears_take_the_gemv(monkeypatch):
 
     taken = []
     monkeypatch.setattr(g, "triton_enabled", lambda op, device: op == "GEMV")
-    monkeypatch.setattr(g, "gemv", lambda x, w, l2_hint=False: taken.append(tuple(x.shape) + (l2_hint,))
-                        or torch.nn.functional.linear(x, w))
+    monkeypatch.setattr(g, "gemv", lambda x, w: taken.append(tuple(x.shape)) or torch.nn.functional.linear(x, w))
     w = torch.randn(8, 16)
     with torch.no_grad():
         x = torch.randn(4, 16)
         assert torch.allclose(g.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
-        g.linear(torch.randn(2, 16).double(), w, l2_hint=True)  # cast to the weight's dtype first; the hint passed on
+        g.linear(torch.randn(2, 16).double(), w)  # cast to the weight's dtype first
         g.linear(torch.randn(5, 16), w)  # too many tokens
         g.linear(torch.randn(1, 2, 16), w)  # not a token matrix
         monkeypatch.setattr(g, "GEMV_MAX_WEIGHT", 100)
         g.linear(torch.randn(1, 16), w)  # weight too large
     g.linear(torch.randn(1, 16), torch.randn(4, 16))  # gradients recorded
-    assert taken == [(4, 16, False), (2, 16, True)]
+    assert taken == [(4, 16), (2, 16)]
 
 
 def test_batched_linear_takes_the_gemv_for_decode_batches(monkeypatch):

@@ -36,9 +36,11 @@ SCRIPT = textwrap.dedent('''
         w, ids = moe.gate(torch.randn(T, model.config.hidden_size, generator=gen).to(moe.experts.dtype))
         ref = experts_ref(x.float(), w, ids, expert_fp32, *moe.experts.act)
         # the bundled model takes the default path (autotuned tile; one config when interpreted);
-        # the others both orientations of the MMA (weights as its M side or as its N side)
+        # the others both orientations of the MMA (weights as its M side or as its N side), and
+        # at 23 tokens in row blocks of 16 a K tile of 32 instead of the widest (64)
         tiles = {} if sys.argv[1].startswith("bundled") else dict(
-            block_m=bm, tiles=dict(BLOCK_N=32, SWAP_AB=T != 1 and bm == 16))
+            block_m=bm, tiles=dict(BLOCK_N=32, SWAP_AB=T != 1 and bm == 16, **({"BLOCK_K": 32} if T == 23 and bm == 16
+                                                                               else {})))
         out = experts_triton(x, w, ids, moe.experts, **tiles)
         worst = max(worst, ((out - ref).norm() / ref.norm()).item())
         rows, blocks = sort_by_expert(ids, moe.experts.num_experts, 16)
@@ -618,3 +620,18 @@ def test_row_blocks_and_the_mma_layout_kernel_follow_the_measured_choices(monkey
     assert m.mma_upcast(64, True) == "mma"
     monkeypatch.setattr(m, "GLUON_DECODE", False)
     assert m.row_block(16, E, True, True) == 16 and m.mma_upcast(16, True) == "mma"
+
+
+def test_pinned_tile_sets_the_k_tile(monkeypatch):
+    """A tile pinned per (N, K, rows class) with a fifth entry sets BLOCK_K: one that does not
+    divide K is refused before launch, naming it."""
+    import torch
+
+    from k3serve.ops import moe_triton
+
+    x = torch.randn(1, 64)
+    w = torch.randn(4, 32, 64)
+    rows = torch.arange(16, dtype=torch.int32)
+    monkeypatch.setattr(moe_triton, "PINNED", {(32, 64, 1): (32, False, 4, 3, 48)})
+    with pytest.raises(ValueError, match="BLOCK_K=48"):
+        moe_triton.grouped_gemm(x, rows, torch.zeros(1, dtype=torch.int32), 1, 1, w, None, 32)

@@ -46,7 +46,6 @@ class KDAMixer(nn.Module):
             self.g_b_proj = lin(D, P)
         self.o_norm = nn.Parameter(torch.empty(D, **f32), requires_grad=False)
         self.o_proj = lin(P, d, 1)
-        self.o_proj.l2_hint = True  # after the fused decode kernel (latency-bound): gemv_triton.L2_HINT
         # Everything that reads the layer input x, as one GEMM once fused: [q|k|v, f_a, b, gate]
         # with a full-rank gate, [q|k|v, f_a|g_a, b] with a low-rank one (the two rank-D inputs
         # side by side, so both up-projections run as one batched GEMM).

@@ -88,13 +88,13 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float =
     return y.to(gate.dtype)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, l2_hint: bool = False) -> torch.Tensor:
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T in the weight's dtype: cuBLAS, or on the GPU our split-K GEMV for decode-sized
-    batches (``ops.gemv_triton.linear`` decides; ``l2_hint``: ``gemv``'s)."""
+    batches (``ops.gemv_triton.linear`` decides)."""
     if x.is_cuda:
         from ..ops.gemv_triton import linear
 
-        return linear(x, weight, l2_hint)
+        return linear(x, weight)
     return F.linear(x.to(weight.dtype), weight)
 
 
@@ -131,9 +131,6 @@ class Linear(nn.Module):
         if tp_dim is not None:
             shape[tp_dim] //= tp_size
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-        # a decode step's GEMV may hint this weight into L2 before waiting on the previous kernel
-        # (set where that kernel is latency-bound: the mixers' o_proj; ``gemv_triton.L2_HINT``)
-        self.l2_hint = False
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint matrix."""
@@ -142,7 +139,7 @@ class Linear(nn.Module):
         return full.chunk(self.tp_size, dim=self.tp_dim)[self.tp_rank]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.l2_hint)
+        return dense_linear(x, self.weight)
 
 
 def fuse_as_views(params: list[nn.Parameter]) -> torch.Tensor:

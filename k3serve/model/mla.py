@@ -44,7 +44,6 @@ class MLAMixer(nn.Module):
         if self.output_gate:
             self.g_proj = Linear(d, Ha * self.dv, dtype, device, tp_dim=0)
         self.o_proj = Linear(Ha * self.dv, d, dtype, device, tp_dim=1)
-        self.o_proj.l2_hint = True  # after W_UV's small GEMV (latency-bound): gemv_triton.L2_HINT
         # What reads the layer input x, one GEMM once fused: [q_a or q, kv_a (+ k_pe), output gate].
         self.in_proj = LinearGroup(self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa,
                                    *([self.g_proj] if self.output_gate else []))

@@ -25,11 +25,9 @@ from .tickets import last_arrival, tickets
 @triton.jit
 def _gemv_kernel(X, W, OUT, PART, TICKETS, T, N, K, stride_xb, stride_xt, stride_wb, stride_wn, stride_wk,
                  stride_ob, stride_ot, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, IEEE: tl.constexpr, L2_HINT: tl.constexpr = False,
-                 USE_PDL: tl.constexpr = False):
-    """Program (column block, K split, batch): partial [BLOCK_N, tokens] over its K range in fp32.
-    L2_HINT: before the wait on the previous kernel, each of its weight rows' K range is hinted
-    into L2 (one bulk prefetch a row; rows dense along K, 16-byte aligned, ``gemv`` checks)."""
+                 SPLIT_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Program (column block, K split, batch): partial [BLOCK_N, tokens] over its K range in fp32."""
+    pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -43,12 +41,6 @@ def _gemv_kernel(X, W, OUT, PART, TICKETS, T, N, K, stride_xb, stride_xt, stride
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_rows = W + n.to(tl.int64) * stride_wn
-    if L2_HINT:  # (a model weight: no kernel of the step writes it, so it may be read before the wait)
-        nbytes = (k_end - k_start) * W.dtype.element_ty.primitive_bitwidth // 8
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [W + tl.minimum(n, N - 1).to(tl.int64) * stride_wn + k_start,
-                                   tl.full([BLOCK_N], 0, tl.int32) + nbytes], dtype=tl.int32, is_pure=False, pack=1)
-    pdl_start(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -97,37 +89,18 @@ GEMV_MAX_WEIGHT = 32 << 20
 PINNED: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 
 
-# Model weights flagged ``l2_hint`` (``layers.Linear.l2_hint``: the mixers' o_proj, whose predecessor
-# is a latency-bound attention kernel with the memory bus mostly idle) hinted into L2 before the PDL
-# wait. UNTIMED (written in the twenty-third session after its device time was spent): off until an
-# A/B of the graph-replayed step says otherwise (``--ab "base:;l2:k3serve.ops.gemv_triton.L2_HINT=True"``).
-# An o_proj already in L2 ran 6.7 us against 8.5 alone (RESULTS.md twentieth session); hinting every
-# GEMV's whole slab lost (tenth session: the 58 MB input projection and the MoE experts exceed L2).
-L2_HINT = False
-
-
-def _bulk_rows(w: torch.Tensor) -> bool:
-    """Whether [B, N, K] weight rows can be bulk-prefetched: dense along K, rows and K splits 16-byte
-    aligned (a split starts at a multiple of BLOCK_K >= 16 elements)."""
-    size = w.element_size()
-    return (w.stride(-1) == 1 and w.data_ptr() % 16 == 0 and (w.stride(-2) * size) % 16 == 0
-            and (w.shape[-1] * size) % 16 == 0 and (w.dim() < 3 or (w.stride(0) * size) % 16 == 0))
-
-
 # Batched GEMVs (``batched_linear``) in place of torch.bmm at a few tokens; for A/B timing.
 BATCHED = True
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
-         out: torch.Tensor | None = None, l2_hint: bool = False) -> torch.Tensor:
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] (T <= 16) @ weight [N, K]^T -> [T, N], or batched: x [B, T, K] @ weight [B, N, K]^T
     -> [B, T, N] (any strides but a unit one along K for x; weights may also be N-contiguous).
     x is multiplied in the weight's dtype (fp32 accumulation): bf16 weights through the tensor
     cores, fp32 ones exactly. The output is written into ``out`` if given (any dtype, any strides
     with a unit one along N), else into a new tensor of the weight's dtype. ``config`` (BLOCK_N,
-    BLOCK_K, SPLIT_K, num_warps, num_stages as keys) pins the tile (benches). ``l2_hint``: a model
-    weight (not written in the step) whose rows are hinted into L2 before the wait on the previous
-    kernel, where ``L2_HINT`` is on and the rows allow bulk prefetches (``_gemv_kernel``)."""
+    BLOCK_K, SPLIT_K, num_warps, num_stages as keys) pins the tile (benches)."""
     flat = x.dim() == 2
     xb, wb = (x[None], weight[None]) if flat else (x, weight)
     B, T, K = xb.shape
@@ -146,8 +119,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None,
     part = torch.empty(B * _MAX_SPLIT_K * 16, N, dtype=torch.float32, device=x.device)
     args = (xb, wb, ob, part, tickets(x.device, B * triton.cdiv(N, 16)), T, N, K, xb.stride(0), xb.stride(1),
             wb.stride(0), wb.stride(1), wb.stride(2), ob.stride(0), ob.stride(1))
-    launch = pdl.launch(out.device)  # (a hint overlaps the previous kernel only in a PDL chain)
-    consts = dict(BLOCK_T=16, IEEE=ieee, L2_HINT=l2_hint and L2_HINT and bool(launch) and _bulk_rows(wb), **launch)
+    consts = dict(BLOCK_T=16, IEEE=ieee, **pdl.launch(out.device))
     if config is None and (N, K) in PINNED:
         config = dict(zip(("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"), PINNED[N, K]))
     if config is None:
@@ -169,7 +141,7 @@ def batched_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and triton_enabled("GEMV", x.device) and x.stride(-1) == 1 and 1 in weight.stride()[1:])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, l2_hint: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) (x cast to the weight's dtype), through ``gemv`` for a few tokens on
     the GPU where the GEMV backend is on, the weight is at most GEMV_MAX_WEIGHT elements and no
     gradient is being recorded."""
@@ -177,5 +149,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, l2_hint: bool = False) -> torc
     if (x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and weight.numel() <= GEMV_MAX_WEIGHT
             and not torch.is_grad_enabled()  # (no backward: training keeps cuBLAS)
             and triton_enabled("GEMV", x.device) and x.stride(-1) == 1 and weight.stride(-1) == 1):
-        return gemv(x, weight, l2_hint=l2_hint)
+        return gemv(x, weight)
     return F.linear(x, weight)

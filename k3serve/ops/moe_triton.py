@@ -707,9 +707,9 @@ def weights_mode(mx: bool, act_dtype: torch.dtype, device: torch.device, block_m
 
 
 # Tiles pinned per (N, K, rows class) ahead of the autotuner's (bf16 and upcast-in-registers weights),
-# (BLOCK_N, SWAP_AB, warps, stages): the autotuner times a GEMM alone, cold; in a decode step it runs
-# inside a PDL chain. For A/B timing of the graph-replayed step (bench/gpu_check_graphs.py --ab).
-PINNED: dict[tuple[int, int, int], tuple[int, bool, int, int]] = {}
+# (BLOCK_N, SWAP_AB, warps, stages[, BLOCK_K]): the autotuner times a GEMM alone, cold; in a decode
+# step it runs inside a PDL chain. For A/B timing of the graph-replayed step (bench/gpu_check_graphs.py --ab).
+PINNED: dict[tuple[int, int, int], tuple] = {}
 
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
@@ -723,7 +723,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale`` [E, N, K/32]. ``up`` = (weight,
     scale) of the up projection fuses the GLU ``act`` into the epilogue; ``row_scale`` [num_assign]
     fp32 multiplies each output row (the routing weights). ``tiles`` (BLOCK_N, SWAP_AB, num_warps,
-    num_stages) None: autotuned for this shape. MXFP4 with bf16 activations goes through
+    num_stages, optionally BLOCK_K) None: ``PINNED``'s, else autotuned for this shape. MXFP4 with bf16 activations goes through
     tl.dot_scaled with K tiles of up to 128 (64 packed bytes a weight row); fp32 activations take
     the exact hand-decoded path. ``mx_upcast``: "asm" for our PTX upcast ("mx_asm") instead,
     "dot_scaled", or None: ``MX_UPCAST`` where it was measured to win (decode row blocks from
@@ -745,6 +745,11 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
         return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
                                   act=act, out_dtype=out_dtype, row_scale=row_scale, out=out, **opts)
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
+    rows_class = min(triton.next_power_of_2(num_assign), 4096)
+    if tiles is None and (n_out, K, rows_class) in PINNED:
+        tiles = dict(zip(("BLOCK_N", "SWAP_AB", "num_warps", "num_stages", "BLOCK_K"), PINNED[n_out, K, rows_class]))
+    tiles = dict(tiles) if tiles is not None else None
+    block_k = tiles.pop("BLOCK_K", block_k) if tiles is not None else block_k
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
         block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
@@ -760,10 +765,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     # and number at most num_assign: at batch 1 that is 16 blocks of the ~840 the buffer has room
     # for (K3, top-16 of 896), so ~98 % of the programs are never launched.
     row_blocks = min(rows.numel() // block_m, num_assign)
-    rows_class = min(triton.next_power_of_2(num_assign), 4096)
-    if tiles is None and (n_out, K, rows_class) in PINNED:
-        tiles = dict(zip(("BLOCK_N", "SWAP_AB", "num_warps", "num_stages"), PINNED[n_out, K, rows_class]))
-    kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, dict(tiles))
+    kernel, tiles = (_grouped_gemm_tuned, {}) if tiles is None else (_grouped_gemm_kernel, tiles)
     cols_first = tiles.pop("cols_first", block_m >= TRITON_COLS_FIRST_MIN_ROWS) and row_blocks < 65536
     kernel[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), row_blocks)[::1 if cols_first else -1]](
         x, weight, s, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
