@@ -341,8 +341,8 @@ def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Gene
     exact = {False: gate * row_scale.double()[:, None],
              True: F.silu(gate) * torch.einsum("ak,ank->an", xa, w_up.double()[a])}
     # the autotuner's tiles (K tiles of 64), then wider K tiles (moe_triton.PINNED's fifth entry)
-    k_tiles = [(32, True, 2, 4, 128), (32, True, 4, 3, 256), (16, True, 2, 4, 256), (64, True, 4, 4, 128),
-               (64, True, 4, 3, 256), (32, True, 4, 4, 256)]
+    k_tiles = [(32, True, 2, 3, 128), (64, True, 4, 3, 128), (64, False, 4, 3, 128), (32, True, 2, 4, 128),
+               (128, False, 4, 4, 128), (32, True, 4, 3, 256), (16, True, 2, 4, 256), (64, True, 4, 3, 256)]
     for tile in sorted(moe_triton._TILES) + k_tiles:
         for glu in (False, True):
             out = torch.empty(T * top, N, device=DEV)

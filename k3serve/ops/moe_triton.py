@@ -392,8 +392,10 @@ def _grouped_gemm_kernel(
 # (64, True, 4, 4): the one-token down projection (K = 1024) inside the decode step's PDL chain,
 # where the tile the autotuner picks alone (32, False, 4, 3) lost 1.9 us a layer (RESULTS.md
 # twenty-third session: an A/B of the graph-replayed step, each kernel's share of its critical path).
+# (32, True, 2, 3) and (64, True, 4, 3): the one-token gate/up and down with K tiles of 128
+# (``BF16_WIDE_K_MAX_ROWS``), picked the same way (twenty-fourth session).
 _TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8, 3), (128, False, 4, 4),
-          (64, True, 4, 4)}
+          (64, True, 4, 4), (32, True, 2, 3), (64, True, 4, 3)}
 _ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
 _MMA_TILES = {(64, True, 4, 2), (64, True, 4, 3), (128, True, 4, 2), (128, True, 8, 2), (128, True, 8, 3)}
 GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
@@ -711,6 +713,13 @@ def weights_mode(mx: bool, act_dtype: torch.dtype, device: torch.device, block_m
 # step it runs inside a PDL chain. For A/B timing of the graph-replayed step (bench/gpu_check_graphs.py --ab).
 PINNED: dict[tuple[int, int, int], tuple] = {}
 
+# bf16 experts take K tiles of 128 (instead of 64) up to this rows class (decode steps of up to ~28
+# tokens at top-9): twice the weight bytes in flight a program, where few rows leave the GEMM
+# latency-bound. Kimi-linear-48b on the H200, graph-replayed steps, the shipped H200 tiles picked in
+# the chain: batch 1 grouped GEMMs 981 -> 950 us a step, batch 16 7,700 -> 7,380 us (10.17 -> 9.87 ms
+# a step; RESULTS.md twenty-fourth session).
+BF16_WIDE_K_MAX_ROWS = 256
+
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
                  weight: torch.Tensor, scale: torch.Tensor | None, n_out: int, block_m: int = 16,
@@ -752,6 +761,8 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     block_k = tiles.pop("BLOCK_K", block_k) if tiles is not None else block_k
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
+        if weights == "bf16" and rows_class <= BF16_WIDE_K_MAX_ROWS:
+            widths = (128,) + widths
         block_k = next((b for b in widths if K % b == 0 and not (mx and b % 32)), 64)
     if K % block_k or (mx and block_k % 32):
         raise ValueError(f"the reduction width {K} must be a multiple of BLOCK_K={block_k} (and of 32 for MXFP4)")
