@@ -17,6 +17,7 @@ Record the printed tables in bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -297,6 +298,67 @@ def engine_turns(turns: int, system_len: int, user_len: int, new_tokens: int, us
     return res
 
 
+def engine_profile(batch: int, prompt_len: int = 512, new_tokens: int = 24, top: int = 12) -> dict:
+    """Where an engine decode step's wall goes beyond its graph replay: kimi-linear-48b through
+    LLMEngine at ``batch``, the decode steps after the first tokens under the profiler. The GPU's
+    idle gaps (> 1 us) are summed by the names around them (the host feeding the queue late, or a
+    step boundary), and every kernel and copy by name, a step (the sampler and the input copies
+    run outside the graph); the host's CUDA runtime calls by name, a step (a call that waits on
+    the GPU there, ``cudaStreamSynchronize`` or a pageable ``cudaMemcpy``, idles the GPU after it).
+    ``wall_ms_a_step``: the same steps unprofiled (the warm-up pass)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = engine_48b(batch, prompt_len + new_tokens + 64, "auto")
+    vocab = eng.model.config.vocab_size - 300
+    for attempt in ("warm-up", "profiled"):
+        for _ in range(batch):
+            eng.add_request(torch.randint(0, vocab, (prompt_len,)).tolist(),
+                            SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+        firsts = set()
+        while len(firsts) < batch:
+            firsts.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
+        torch.cuda.synchronize()
+        steps, t0 = 0, time.perf_counter()
+        prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) if attempt == "profiled" \
+            else contextlib.nullcontext()
+        with prof:
+            while eng.has_unfinished_requests():
+                eng.step()
+                steps += 1
+            torch.cuda.synchronize()
+        if attempt == "warm-up":
+            wall = (time.perf_counter() - t0) / steps
+    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    runtime = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
+            n, total = runtime.get(e.name, (0, 0.0))
+            runtime[e.name] = (n + 1, total + e.time_range.end - e.time_range.start)
+    gaps, own, reach, prev = {}, {}, events[0][1], events[0][2]
+    for start, end, name in events:
+        if start - reach > 1.0:
+            pair = f"{prev[:48]} -> {name[:48]}"
+            n, total = gaps.get(pair, (0, 0.0))
+            gaps[pair] = (n + 1, total + start - reach)
+        if end > reach:
+            reach, prev = end, name
+        n, total = own.get(name[:60], (0, 0.0))
+        own[name[:60]] = (n + 1, total + end - start)
+    span = (events[-1][1] - events[0][0]) / steps
+    per_step = lambda d: sorted(((k, round(n / steps, 2), round(t / steps, 1)) for k, (n, t) in d.items()),  # noqa: E731
+                                key=lambda r: -r[2])[:top]
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"batch": batch, "steps": steps, "wall_ms_a_step": round(wall * 1e3, 3),
+            "gpu_span_ms_a_step": round(span / 1e3, 3),
+            "idle_us_a_step": round(sum(t for _, t in gaps.values()) / steps, 1),
+            "gaps (pair, count a step, us a step)": per_step(gaps),
+            "kernels (name, count a step, us a step)": per_step(own),
+            "host CUDA calls (name, count a step, us a step)": per_step(runtime)}
+
+
 def hf_generate(batches, prompt_len, new_tokens) -> list[dict] | str:
     """HF transformers KimiLinearForCausalLM.generate on the same shape (random weights, bf16)."""
     try:
@@ -354,7 +416,8 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="slice,engine,hf", help="comma list of slice, engine, arrivals, turns, turns4, hf")
+    ap.add_argument("--parts", default="slice,engine,hf",
+                    help="comma list of slice, engine, engine_profile, arrivals, turns, turns4, hf")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--prefill", default="8192,32768")
@@ -383,6 +446,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "engine" in parts:
         res["engine_48b"] = engine_generate(ints(args.engine_batches), 512, 32, args.prefill_graphs)
+    if "engine_profile" in parts:  # (at the engine batches; not in the default parts)
+        res["engine_profile"] = [engine_profile(b) for b in ints(args.engine_batches)]
+        for r in res["engine_profile"]:
+            print(json.dumps(r, indent=1), flush=True)
     if "arrivals" in parts:  # 12 decoding, a 500-token prompt every 4th step, prefill graphs on / off
         res["arrivals_48b"] = []
         for mode in ("auto", "off"):
