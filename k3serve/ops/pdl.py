@@ -16,8 +16,9 @@ from a tensor the predecessor still reads). Where the predecessor is short and l
 pays: the router logits' weight tile (2.2 -> 1.1 us a call), a one-token step's joined shared
 expert computed during the routing (``moe_triton`` STATIC_TAIL). Where it was tried against a
 bandwidth-bound or register-hungry kernel it lost: weights hinted into L2 over whole slabs (L2
-thrash), a GEMV's first tile (a pipeline stage of shared memory), the fused KDA step's first state
-tile (registers held across the convs) (RESULTS.md tenth and twenty-third sessions).
+thrash), the mixers' o_proj rows hinted during the fused KDA step (that step +2.9 us a layer),
+a GEMV's first tile (a pipeline stage of shared memory), the fused KDA step's first state tile
+(registers held across the convs) (RESULTS.md tenth, twenty-third and twenty-fourth sessions).
 """
 
 from __future__ import annotations
