@@ -757,8 +757,9 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     rows_class = min(triton.next_power_of_2(num_assign), 4096)
     if tiles is None and (n_out, K, rows_class) in PINNED:
         tiles = dict(zip(("BLOCK_N", "SWAP_AB", "num_warps", "num_stages", "BLOCK_K"), PINNED[n_out, K, rows_class]))
-    tiles = dict(tiles) if tiles is not None else None
-    block_k = tiles.pop("BLOCK_K", block_k) if tiles is not None else block_k
+    if tiles is not None:  # (a copy: the caller's dict stays whole)
+        tiles = dict(tiles)
+        block_k = tiles.pop("BLOCK_K", block_k)
     if block_k is None:  # the widest tile that divides K (MXFP4 tiles hold whole 32-value scale groups)
         widths = (64, 32, 16) if weights in ("bf16", "mx_decode") else (128, 64, 32)
         if weights == "bf16" and rows_class <= BF16_WIDE_K_MAX_ROWS:
