@@ -162,19 +162,29 @@ def engine_48b(max_seqs: int, max_model_len: int, prefill_graphs: str, **config)
                                          prefill_graphs=prefill_graphs) | config)))
 
 
+def greedy_requests(eng: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> list[tuple]:
+    """``batch`` (random prompt of ``prompt_len`` tokens, ``new_tokens`` greedy tokens) requests."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return [(p, params) for p in torch.randint(0, eng.model.config.vocab_size - 300, (batch, prompt_len)).tolist()]
+
+
+def _tally(counts: dict, key: str, us: float) -> None:
+    """counts[key] = (occurrences, total us)."""
+    n, total = counts.get(key, (0, 0.0))
+    counts[key] = (n + 1, total + us)
+
+
 def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto") -> list[dict]:
     """kimi-linear-48b through LLMEngine: TTFT (all B first tokens) and decode tok/s after it."""
     eng = engine_48b(max(batches), prompt_len + new_tokens + 64, prefill_graphs)
-    vocab = eng.model.config.vocab_size - 300
     rows = []
     for B in batches:
         for attempt in ("warm-up", "timed"):
-            prompts = torch.randint(0, vocab, (B, prompt_len)).tolist()
-            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            requests = greedy_requests(eng, B, prompt_len, new_tokens)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for p in prompts:
-                eng.add_request(p, params)
+            for prompt, params in requests:
+                eng.add_request(prompt, params)
             firsts, t_first = set(), None
             while eng.has_unfinished_requests():
                 for out in eng.step():
@@ -305,15 +315,14 @@ def engine_profile(batch: int, prompt_len: int = 512, new_tokens: int = 24, top:
     step boundary), and every kernel and copy by name, a step (the sampler and the input copies
     run outside the graph); the host's CUDA runtime calls by name, a step (a call that waits on
     the GPU there, ``cudaStreamSynchronize`` or a pageable ``cudaMemcpy``, idles the GPU after it).
-    ``wall_ms_a_step``: the same steps unprofiled (the warm-up pass)."""
+    ``wall_ms_a_step``: the same steps unprofiled (the warm-up pass; engine steps, the last of which
+    only reads tokens back, so ~1/steps under the GPU's step)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = engine_48b(batch, prompt_len + new_tokens + 64, "auto")
-    vocab = eng.model.config.vocab_size - 300
     for attempt in ("warm-up", "profiled"):
-        for _ in range(batch):
-            eng.add_request(torch.randint(0, vocab, (prompt_len,)).tolist(),
-                            SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+        for prompt, params in greedy_requests(eng, batch, prompt_len, new_tokens):
+            eng.add_request(prompt, params)
         firsts = set()
         while len(firsts) < batch:
             firsts.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
@@ -330,21 +339,16 @@ def engine_profile(batch: int, prompt_len: int = 512, new_tokens: int = 24, top:
             wall = (time.perf_counter() - t0) / steps
     events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA)
-    runtime = {}
+    runtime, gaps, own, reach, prev = {}, {}, {}, events[0][1], events[0][2]
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
-            n, total = runtime.get(e.name, (0, 0.0))
-            runtime[e.name] = (n + 1, total + e.time_range.end - e.time_range.start)
-    gaps, own, reach, prev = {}, {}, events[0][1], events[0][2]
+            _tally(runtime, e.name, e.time_range.end - e.time_range.start)
     for start, end, name in events:
         if start - reach > 1.0:
-            pair = f"{prev[:48]} -> {name[:48]}"
-            n, total = gaps.get(pair, (0, 0.0))
-            gaps[pair] = (n + 1, total + start - reach)
+            _tally(gaps, f"{prev[:48]} -> {name[:48]}", start - reach)
         if end > reach:
             reach, prev = end, name
-        n, total = own.get(name[:60], (0, 0.0))
-        own[name[:60]] = (n + 1, total + end - start)
+        _tally(own, name[:60], end - start)
     span = (events[-1][1] - events[0][0]) / steps
     per_step = lambda d: sorted(((k, round(n / steps, 2), round(t / steps, 1)) for k, (n, t) in d.items()),  # noqa: E731
                                 key=lambda r: -r[2])[:top]
