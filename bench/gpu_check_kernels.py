@@ -226,14 +226,15 @@ def check_expert_sort(T: int, E: int, top: int, sizes: tuple, gen: torch.Generat
 
 def check_gemv(T: int, K: int, N: int, gen: torch.Generator) -> None:
     """bf16 through the tensor cores vs float64, autotuned and every pinned tile (split-K partials
-    summed by the last program of each column block; each tile run twice: tickets reset)."""
+    summed by the last program of each column block; each tile run twice: tickets reset), the
+    weight also as a static one (read before the PDL wait where a program's K range is one tile)."""
     x = torch.randn(T, K, generator=gen, device=DEV).bfloat16()
     w = (torch.randn(N, K, generator=gen, device=DEV) * K ** -0.5).bfloat16()
     ref = F.linear(x.double(), w.double())
-    worst = rel(gemv(x, w), ref)
+    worst = max(rel(gemv(x, w), ref), rel(gemv(x, w, static_weight=True), ref))
     for c in GEMV_CONFIGS:
         cfg = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-        worst = max(worst, rel(gemv(x, w, cfg), ref), rel(gemv(x, w, cfg), ref))
+        worst = max(worst, *(rel(gemv(x, w, cfg, static_weight=s), ref) for s in (False, True, False, True)))
     record("dense GEMV (split-K, all tiles)", f"T={T} K={K} N={N}", worst, 1e-2)
 
 
@@ -246,7 +247,7 @@ def check_gemv_batched(B: int, T: int, K: int, N: int, fp32_x: bool, gen: torch.
     w = (torch.randn(B, N + 32, K, generator=gen, device=DEV) * K ** -0.5).bfloat16()[:, 32:]
     ref = x.bfloat16().double() @ w.double().transpose(1, 2)
     out = torch.full((T, B, N), float("nan"), device=DEV, dtype=torch.float32 if fp32_x else torch.bfloat16)
-    worst = max(rel(gemv(x, w, out=out.transpose(0, 1)), ref) for _ in range(2))
+    worst = max(rel(gemv(x, w, out=out.transpose(0, 1), static_weight=s), ref) for s in (False, True, True))
     record("batched GEMV (strided x / out" + (", fp32 x and out)" if fp32_x else ")"), f"B={B} T={T} K={K} N={N}",
            worst, 1e-5 if fp32_x else 1e-2)
 
@@ -408,7 +409,8 @@ def main() -> int:
         check_router_prefill(8192, 256, 2304, flag, tol, gen)
         check_router_prefill(2048, 896, 7168, flag, tol, gen)
     check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen)
-    for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304)):
+    for T, K, N in ((1, 2304, 12576), (3, 4096, 2304), (4, 2304, 6144), (16, 9216, 2304), (1, 128, 4096),
+                    (2, 512, 512)):
         check_gemv(T, K, N, gen)
     for T, E, top, sizes in ((8192, 896, 16, (16, 32, 64, 128)), (8192, 256, 8, (128,)), (700, 64, 8, (64,))):
         check_expert_sort(T, E, top, sizes, gen)

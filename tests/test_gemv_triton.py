@@ -27,6 +27,17 @@ SCRIPT = textwrap.dedent('''
             y = gemv(x, w, cfg)
             assert y.shape == (T, N) and y.dtype == w.dtype
             worst = max(worst, ((y.double() - ref).norm() / ref.norm()).item())
+    # a static weight (read before the PDL wait where a program's K range is one tile): one tile
+    # with one and two splits (the second split empty), and several tiles (the loop as before)
+    for T, N, K, cfg in [(2, 40, 100, dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=1)),
+                         (1, 24, 120, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
+                         (3, 20, 64, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=4)),
+                         (1, 36, 300, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2))]:
+        x = torch.randn(T, K, generator=gen)
+        w = torch.randn(N, K, generator=gen)
+        ref = x.double() @ w.double().T
+        for _ in range(2):
+            worst = max(worst, ((gemv(x, w, cfg, static_weight=True).double() - ref).norm() / ref.norm()).item())
     # a strided row view (a column slice of a fused projection output) as x
     wide = torch.randn(2, 400, generator=gen)
     x, w = wide[:, 50:350], torch.randn(70, 300, generator=gen)
@@ -83,7 +94,8 @@ def test_gemv_compiles_for_sm90_with_bf16_mma_and_a_ticket():
     strides = ("stride_xb", "stride_xt", "stride_wb", "stride_wn", "stride_wk", "stride_ob", "stride_ot")
     sig = {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "PART": "*fp32", "TICKETS": "*i32",
            **{n: "i32" for n in ("T", "N", "K", *strides)}}
-    consts = dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, IEEE=False, USE_PDL=True)
+    consts = dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, IEEE=False, USE_PDL=True, W_STATIC=False,
+                  PRELOAD=False)
     src = triton.compiler.ASTSource(fn=gemv_triton._gemv_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                                     constexprs=consts)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
@@ -91,6 +103,23 @@ def test_gemv_compiles_for_sm90_with_bf16_mma_and_a_ticket():
     assert "atom.global.gpu.acq_rel.add" in ptx and "griddepcontrol.wait" in ptx
     wait = ptx.find("griddepcontrol.wait")  # nothing touches memory before the PDL wait
     assert all(ptx.find(op) > wait for op in ("ld.global", "st.global"))
+    # a static weight of one K tile a program: the weight read before the wait, nothing written
+    consts.update(BLOCK_K=128, SPLIT_K=1, W_STATIC=True, PRELOAD=True)
+    src = triton.compiler.ASTSource(fn=gemv_triton._gemv_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
+                                    constexprs=consts)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3)).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 <= ptx.find("ld.global") < wait < ptx.find("st.global") and "st.global" not in ptx[:wait]
+
+
+def test_weights_are_read_before_the_wait_only_when_static_and_one_tile():
+    from k3serve.ops.gemv_triton import _preload_applies
+
+    tile = dict(BLOCK_K=256, SPLIT_K=1, K=128)
+    assert _preload_applies(dict(tile, W_STATIC=True))
+    assert not _preload_applies(dict(tile, W_STATIC=False))  # an activation as the weight
+    assert _preload_applies(dict(BLOCK_K=256, SPLIT_K=2, K=512, W_STATIC=True))  # one tile a split
+    assert not _preload_applies(dict(BLOCK_K=256, SPLIT_K=2, K=513, W_STATIC=True))  # two tiles in a split
 
 
 def test_which_linears_take_the_gemv(monkeypatch):
@@ -101,18 +130,19 @@ def test_which_linears_take_the_gemv(monkeypatch):
 
     taken = []
     monkeypatch.setattr(g, "triton_enabled", lambda op, device: op == "GEMV")
-    monkeypatch.setattr(g, "gemv", lambda x, w: taken.append(tuple(x.shape)) or torch.nn.functional.linear(x, w))
+    monkeypatch.setattr(g, "gemv", lambda x, w, static_weight: taken.append((tuple(x.shape), static_weight))
+                        or torch.nn.functional.linear(x, w))
     w = torch.randn(8, 16)
     with torch.no_grad():
         x = torch.randn(4, 16)
         assert torch.allclose(g.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
-        g.linear(torch.randn(2, 16).double(), w)  # cast to the weight's dtype first
+        g.linear(torch.randn(2, 16).double(), w, static_weight=True)  # cast to the weight's dtype first
         g.linear(torch.randn(5, 16), w)  # too many tokens
         g.linear(torch.randn(1, 2, 16), w)  # not a token matrix
         monkeypatch.setattr(g, "GEMV_MAX_WEIGHT", 100)
         g.linear(torch.randn(1, 16), w)  # weight too large
     g.linear(torch.randn(1, 16), torch.randn(4, 16))  # gradients recorded
-    assert taken == [(4, 16), (2, 16)]
+    assert taken == [((4, 16), False), ((2, 16), True)]
 
 
 def test_batched_linear_takes_the_gemv_for_decode_batches(monkeypatch):

@@ -72,7 +72,8 @@ class KDAMixer(nn.Module):
         D = self.head_dim
         if self.fg_b is None or torch.is_grad_enabled():
             return qkv, self.f_b_proj(fg_a[:, :D]), b, self.g_b_proj(fg_a[:, D:])
-        f, gate = batched_linear(fg_a.unflatten(1, (2, D)).transpose(0, 1), self.fg_b.to(fg_a.dtype))
+        fg_b = self.fg_b.to(fg_a.dtype)  # (static unless converted here)
+        f, gate = batched_linear(fg_a.unflatten(1, (2, D)).transpose(0, 1), fg_b, static_weight=fg_b is self.fg_b)
         return qkv, f, b, gate
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:

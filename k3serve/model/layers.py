@@ -90,23 +90,26 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float =
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T in the weight's dtype: cuBLAS, or on the GPU our split-K GEMV for decode-sized
-    batches (``ops.gemv_triton.linear`` decides)."""
+    batches (``ops.gemv_triton.linear`` decides). ``weight``: a module's weight (static: a GEMV
+    program may read it before its PDL wait)."""
     if x.is_cuda:
         from ..ops.gemv_triton import linear
 
-        return linear(x, weight)
+        return linear(x, weight, static_weight=True)
     return F.linear(x.to(weight.dtype), weight)
 
 
-def batched_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                   static_weight: bool = False) -> torch.Tensor:
     """x [B, T, K] @ weight [B, N, K]^T -> [B, T, N] in the weight's dtype (x cast to it; fp32
     accumulation), or written into ``out`` (any dtype): on the GPU our batched GEMV for
-    decode-sized batches (one launch, PDL), torch.matmul elsewhere."""
+    decode-sized batches (one launch, PDL), torch.matmul elsewhere. ``static_weight``: no kernel
+    of the step writes ``weight`` (``gemv``)."""
     if x.is_cuda:
         from ..ops.gemv_triton import batched_gemv_applies, gemv
 
         if batched_gemv_applies(x, weight):
-            return gemv(x, weight, out=out)
+            return gemv(x, weight, out=out, static_weight=static_weight)
     y = torch.matmul(x.to(weight.dtype), weight.transpose(1, 2))
     return y if out is None else out.copy_(y)
 

@@ -107,10 +107,10 @@ class MLAMixer(nn.Module):
             w_uk, w_uv = self._kv_b_per_head()
             w_uk_t = self.w_uk_t if self.w_uk_t is not None else w_uk.transpose(1, 2)
             q_c = torch.empty(nd, self.num_heads, self.rkv, dtype=q.dtype, device=q.device)
-            batched_linear(q[:nd, :, :self.nope].transpose(0, 1), w_uk_t, out=q_c.transpose(0, 1))
+            batched_linear(q[:nd, :, :self.nope].transpose(0, 1), w_uk_t, out=q_c.transpose(0, 1), static_weight=True)
             o_lat = mla_decode(q_c, latent_pages, batch.block_table[:nd], batch.seq_lens[:nd], self.rkv, self.scale,
                                q_pe=q[:nd, :, self.nope:])
-            batched_linear(o_lat.transpose(0, 1), w_uv, out=out[:nd].transpose(0, 1))
+            batched_linear(o_lat.transpose(0, 1), w_uv, out=out[:nd].transpose(0, 1), static_weight=True)
         elif nd:
             # Static steps attend over the block table's full width (masked), not a host maximum.
             max_len = (batch.block_table.shape[1] * batch.page_size if batch.static_shapes
