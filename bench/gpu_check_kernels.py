@@ -193,6 +193,22 @@ def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
     record("route from partial sums: tokens with the same experts", f"T={T} E={E} K={K}", 1 - same, 0.05)
 
 
+def check_add_norm_router(T: int, E: int, D: int, gen: torch.Generator) -> None:
+    """The add + RMSNorm before a MoE layer with the router's partial logits in one launch: h + delta
+    and the norm bit-equal to ``add_rms_norm_triton`` (rows strided), the logits of the rounded norm
+    vs float64."""
+    h = torch.randn(T, D + 64, generator=gen, device=DEV).bfloat16()[:, 32:32 + D]
+    delta = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    nw = (1 + torch.randn(D, generator=gen, device=DEV) / 4).bfloat16()
+    w = (torch.randn(E, D, generator=gen, device=DEV) * D ** -0.5).bfloat16()
+    h2, y2, parts = moe_triton.add_norm_router_logits(h, delta, nw, 1e-6, w)
+    h1, y1 = add_rms_norm_triton(h, delta, nw, 1e-6)
+    differ = int((h1 != h2).sum() + (y1 != y2).sum())
+    record("add + RMSNorm + router logits: elements unlike add_rms_norm", f"T={T} E={E} D={D}", differ, 0)
+    record("add + RMSNorm + router logits: logits", f"T={T} E={E} D={D}",
+           rel(parts.sum(0), F.linear(y1.double(), w.double())), 1e-6)
+
+
 def check_router_prefill(T: int, E: int, D: int, flag: str, tol: float, gen: torch.Generator) -> None:
     """A prefill router GEMM behind ``moe_triton.<flag>`` vs float64: ``ROUTER_PREFILL_MMA`` (K3's
     reference form, cuBLAS bf16 in / fp32 out) at that form's own precision (2.4e-6 at D 2304 and
@@ -405,6 +421,8 @@ def main() -> int:
     for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16),
                        (8192, 256, 2304, 8), (2048, 896, 7168, 16)):  # (prefill sizes: cuBLAS's fp32 GEMM)
         check_router(T, E, D, K, gen)
+    for T, E, D in ((1, 256, 2304), (4, 256, 2304), (1, 896, 7168)):
+        check_add_norm_router(T, E, D, gen)
     for flag, tol in (("ROUTER_PREFILL_MMA", 3e-5), ("ROUTER_PREFILL_KERNEL", 1e-6)):
         check_router_prefill(8192, 256, 2304, flag, tol, gen)
         check_router_prefill(2048, 896, 7168, flag, tol, gen)

@@ -397,6 +397,106 @@ def test_router_logits_kernel_is_fp32_exact(seed):
     assert worst_error(LOGITS_SCRIPT, str(seed)) < 1e-6
 
 
+ADD_NORM_ROUTER_SCRIPT = textwrap.dedent('''
+    import dataclasses, os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.config import ModelConfig
+    from k3serve.model import moe as moe_module
+    from k3serve.model.layers import RMSNorm
+    from k3serve.model.moe import MoE
+    from k3serve.ops import moe_triton
+    from k3serve.ops.norm_triton import add_rms_norm_triton
+    from k3serve.presets import preset_config
+    gen = torch.Generator().manual_seed(int(sys.argv[1]))
+    worst = 0.0
+    # the kernel: norm_triton's add + RMSNorm exactly (strided rows, D past one 128-wide chunk and
+    # not a multiple of it), the logits of its rounded output in fp32
+    for T, E, D, dtype in [(1, 70, 300, torch.bfloat16), (3, 256, 200, torch.float32), (4, 40, 128, torch.bfloat16)]:
+        h = torch.randn(T, D + 7, generator=gen).to(dtype)[:, 3:3 + D]
+        delta = torch.randn(T, D, generator=gen).to(dtype)
+        nw = (1 + torch.randn(D, generator=gen) / 4).to(dtype)
+        w = (torch.randn(E, D, generator=gen) * D ** -0.5).to(dtype)
+        assert moe_triton.add_norm_router_applies(h, delta, w)
+        h2, y2, parts = moe_triton.add_norm_router_logits(h, delta, nw, 1e-6, w)
+        h1, y1 = add_rms_norm_triton(h, delta, nw, 1e-6)
+        assert torch.equal(h1, h2) and torch.equal(y1, y2) and parts.shape == (-(-D // 128), T, E)
+        ref = y1.double() @ w.double().T
+        worst = max(worst, ((parts.double().sum(0) - ref).norm() / ref.norm()).item())
+    # the model's MoE layer: add_norm_route, then forward on its logits = add + norm, then forward
+    cfg = dataclasses.replace(ModelConfig.from_dict(preset_config("kimi-linear-48b")), hidden_size=160,
+                              moe_intermediate_size=32, num_experts=12, num_experts_per_token=3)
+    moe, norm = MoE(cfg, torch.float32), RMSNorm(160, 1e-6, torch.float32)
+    for p in list(moe.parameters()) + list(norm.parameters()):
+        p.data.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5 + (1 if p is norm.weight else 0))
+    moe.join_shared_experts()
+    moe_module.triton_enabled = lambda op, device: op in ("MOE", "NORM")  # Triton on CPU tensors (interpreted)
+    moe_module.norm_kernel_on = lambda x: True
+    h, delta = (torch.randn(2, 160, generator=gen) for _ in range(2))
+    with torch.inference_mode():
+        h2, y2, parts = moe.add_norm_route(h, delta, norm)
+        h1, y1 = add_rms_norm_triton(h, delta, norm.weight, norm.eps)
+        assert torch.equal(h1, h2) and torch.equal(y1, y2)
+        fused, plain = moe(y2, logit_parts=parts), moe(y1)
+        worst = max(worst, ((fused - plain).norm() / plain.norm()).item())
+        assert moe.add_norm_route(torch.randn(5, 160), torch.randn(5, 160), norm) is None  # too many tokens
+        moe_triton.ADD_NORM_ROUTER = False
+        assert moe.add_norm_route(h, delta, norm) is None
+    print(worst)
+''')
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_add_norm_and_router_logits_in_one_launch(seed):
+    """The residual add + RMSNorm before a MoE layer and its router logits in one kernel: the
+    add + norm bit-equal to norm_triton's, the logits of its rounded output fp32-exact against
+    float64; the MoE layer on those logits as on its own."""
+    assert worst_error(ADD_NORM_ROUTER_SCRIPT, str(seed)) < 1e-6
+
+
+MODEL_ADD_NORM_ROUTER_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.config import ModelConfig
+    from k3serve.model import moe as moe_module
+    from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk
+    from k3serve.model.k3 import K3ForCausalLM
+    from k3serve.model.weights import load_dummy
+    from k3serve.ops import moe_triton
+    from k3serve.presets import preset_config
+    raw = preset_config("kimi-linear-48b")  # its layer path (pre-norm residual adds, one expert group) at small widths
+    raw.update(vocab_size=512, hidden_size=160, num_hidden_layers=3, intermediate_size=256, num_attention_heads=2,
+               num_key_value_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               num_experts=12, num_experts_per_token=3, moe_intermediate_size=32, bos_token_id=500,
+               eos_token_id=501, pad_token_id=511)
+    raw["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3], num_heads=2, head_dim=32)
+    net = K3ForCausalLM(ModelConfig.from_dict(raw), torch.float32, "cpu")
+    load_dummy(net, 0)
+    net.fuse_projections()
+    net.eval()
+    moe_module.triton_enabled = lambda op, device: op in ("MOE", "NORM")  # the MoE layers' Triton path, interpreted
+    moe_module.norm_kernel_on = lambda x: True
+    calls = []
+    fused = moe_triton.add_norm_router_logits
+    moe_triton.add_norm_router_logits = lambda *a: calls.append(a[0].shape) or fused(*a)
+    logits = []
+    for on in (True, False):
+        moe_triton.ADD_NORM_ROUTER = on
+        caches = CacheHandles.allocate(net.config, 2, 2, 64, device="cpu", dtype=torch.float32)
+        batch = ForwardBatch.build([SeqChunk([5, 9], 0, 0, [0]), SeqChunk([7], 0, 1, [1])], 64, "cpu")
+        with torch.inference_mode():
+            logits.append(net.compute_logits(net(batch, caches)))
+    moe_layers = sum(hasattr(layer, "block_sparse_moe") for layer in net.model.layers)
+    assert moe_layers >= 2 and calls == [(3, 160)] * moe_layers, (moe_layers, calls)
+    print(((logits[0] - logits[1]).norm() / logits[1].norm()).item())
+''')
+
+
+def test_model_takes_the_add_norm_router_kernel_before_moe_layers():
+    """kimi-linear's layer loop at a few tokens: each MoE layer's add + norm and router logits come
+    from the one-launch kernel, and the logits match the two-launch path's."""
+    assert worst_error(MODEL_ADD_NORM_ROUTER_SCRIPT) < 1e-5
+
+
 JOIN_SCRIPT = textwrap.dedent('''
     import dataclasses, os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"

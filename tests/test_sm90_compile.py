@@ -240,6 +240,16 @@ def test_router_logits_kernel_compiles_for_sm90():
     assert 0 <= ptx.find("ld.global") < wait and "ld.global" in ptx[wait:] and "st.global" not in ptx[:wait]
 
 
+def test_add_norm_router_kernel_reads_only_the_weights_before_the_wait():
+    ptrs = {"H": "*bf16", "DELTA": "*bf16", "NORM_W": "*bf16", "W": "*bf16", "H_OUT": "*bf16", "Y": "*bf16",
+            "OUT": "*fp32"}
+    scalars = {**{n: "i32" for n in ("T", "E", "D", "stride_h", "stride_d", "stride_ho", "stride_y")}, "eps": "fp32"}
+    consts = dict(BLOCK=4096, BLOCK_E=32, BLOCK_D=128, USE_PDL=True)
+    ptx = _compile(moe_triton._add_norm_router_kernel, ptrs, scalars, consts, num_warps=8).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 <= ptx.find("ld.global") < wait and "ld.global" in ptx[wait:] and "st.global" not in ptx[:wait]
+
+
 @pytest.mark.parametrize("static_parts", [0, 18])
 def test_route_kernel_compiles_for_sm90(static_parts):
     """The routing; ``static_parts``: its partial sums' loop unrolled (each part's loads in the code

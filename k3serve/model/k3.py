@@ -109,11 +109,19 @@ class K3ForCausalLM(nn.Module):
             if res is None:  # pre-norm residual stream; each add is fused with the norm that follows it
                 if x is None:
                     x = layer.input_layernorm(h)
-                h, x = add_rms_norm(h, layer.self_attn(x, batch, cache), layer.post_attention_layernorm)
+                delta = layer.self_attn(x, batch, cache)
+                moe = getattr(layer, "block_sparse_moe", None)
+                routed = None if moe is None else moe.add_norm_route(h, delta, layer.post_attention_layernorm)
+                if routed is None:
+                    h, x = add_rms_norm(h, delta, layer.post_attention_layernorm)
+                    f = layer.ffn(x)
+                else:  # the add + norm with the router's logits: one launch
+                    h, x, logit_parts = routed
+                    f = moe(x, logit_parts=logit_parts)
                 if i + 1 < len(layers):
-                    h, x = add_rms_norm(h, layer.ffn(x), layers[i + 1].input_layernorm)
+                    h, x = add_rms_norm(h, f, layers[i + 1].input_layernorm)
                 else:
-                    h = h + layer.ffn(x)  # the final norm runs on the sampled rows only (compute_logits)
+                    h = h + f  # the final norm runs on the sampled rows only (compute_logits)
                 continue
             x = layer.self_attention_res.mix_and_norm(res.token_mixer_sources(i, m), layer.input_layernorm, self.dtype,
                                                       res.take_pending())

@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..ops.backend import triton_enabled
 from ..ops.moe_ref import experts_ref, route
 from ..ops.mxfp4 import MMA_MAX_SCALE, dequantize_mxfp4, from_mma_layout, to_mma_layout
-from .layers import Linear, LinearGroup, RMSNorm, glu_activation
+from .layers import Linear, LinearGroup, RMSNorm, glu_activation, norm_kernel_on
 
 # Decode-sized batches run the shared expert inside the routed grouped GEMMs once it has joined
 # their stacks (``RoutedExperts.join_shared``); larger batches keep cuBLAS's dense GEMMs for it.
@@ -52,17 +52,26 @@ class Router(nn.Module):
                          renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor,
                          score_func=cfg.moe_router_activation_func)
 
-    def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def triton_routes(self, x: torch.Tensor) -> bool:
+        """Whether the Triton router serves x: partial logits, then their sum and top-k in two
+        launches (instead of ~9)."""
+        return self.args["num_groups"] == 1 and not torch.is_grad_enabled() and triton_enabled("MOE", x.device)
+
+    def forward(self, x: torch.Tensor, num_shared: int = 0,
+                logit_parts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K + num_shared] fp32, ids [T, K + num_shared]): the top-K routed choices,
         then ``num_shared`` always-on experts E, E + 1, ... with weight 1 (experts joined to the
-        routed stacks)."""
+        routed stacks). ``logit_parts``: x's partial logits, already computed (``MoE.add_norm_route``)."""
         a = self.args
-        if not torch.is_grad_enabled() and triton_enabled("MOE", x.device):
+        if logit_parts is not None or self.triton_routes(x):
             from ..ops.moe_triton import route_triton, router_logits
 
-            if a["num_groups"] == 1:  # two launches (partial logits, then their sum and top-k) instead of ~9
-                return route_triton(router_logits(x, self.weight, split=True), self.e_score_correction_bias,
-                                    a["top_k"], a["renormalize"], a["scaling"], a["score_func"], num_shared=num_shared)
+            parts = logit_parts if logit_parts is not None else router_logits(x, self.weight, split=True)
+            return route_triton(parts, self.e_score_correction_bias, a["top_k"], a["renormalize"], a["scaling"],
+                                a["score_func"], num_shared=num_shared)
+        if not torch.is_grad_enabled() and triton_enabled("MOE", x.device):
+            from ..ops.moe_triton import router_logits
+
             logits = router_logits(x, self.weight)
         else:
             logits = F.linear(x.float(), self.weight.float())
@@ -218,12 +227,26 @@ class MoE(nn.Module):
         if self.shared_experts is not None and not self.latent:
             self.experts.join_shared(self.shared_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def add_norm_route(self, h: torch.Tensor, delta: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``layers.add_rms_norm(h, delta, norm)`` and the router's partial logits of its output
+        in one launch, (h + delta, norm(h + delta), logit parts for ``forward``), where the Triton
+        norm and router serve a few tokens (``moe_triton.add_norm_router_applies``); else None."""
+        if not (norm_kernel_on(h) and self.gate.triton_routes(h)):
+            return None
+        from ..ops.moe_triton import add_norm_router_applies, add_norm_router_logits
+
+        if not add_norm_router_applies(h, delta, self.gate.weight):
+            return None
+        return add_norm_router_logits(h, delta, norm.weight, norm.eps, self.gate.weight)
+
+    def forward(self, x: torch.Tensor, logit_parts: torch.Tensor | None = None) -> torch.Tensor:
+        """``logit_parts``: the router's partial logits of x, already computed (``add_norm_route``)."""
         if (self.experts.num_shared and x.shape[0] <= SHARED_JOIN_MAX_TOKENS and not torch.is_grad_enabled()
                 and triton_enabled("MOE", x.device)):  # the shared expert runs inside the grouped GEMMs
-            weights, ids = self.gate(x, num_shared=self.experts.num_shared)
+            weights, ids = self.gate(x, num_shared=self.experts.num_shared, logit_parts=logit_parts)
             return self.experts(x, weights, ids, out_dtype=x.dtype)
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x, logit_parts=logit_parts)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if not self.latent:  # the shared experts' output joins the routed sum before its one rounding
             return self.experts(x, weights, ids, add=shared, out_dtype=x.dtype)

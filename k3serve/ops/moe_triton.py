@@ -26,6 +26,7 @@ from . import pdl
 from .autotune import autotuned, interpreted
 from .expert_sort import one_row_blocks, sort_by_expert, sort_by_expert_sizes
 from .glu_triton import glu
+from . import norm_triton
 from .pdl import pdl_start
 
 
@@ -612,6 +613,72 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     return out if split else out.sum(0)
 
 
+@triton.jit
+def _add_norm_router_kernel(H, DELTA, NORM_W, W, H_OUT, Y, OUT, T, E, D, stride_h, stride_d, stride_ho, stride_y,
+                            eps, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
+    """Program (expert block, D chunk, token): norm_triton's add + RMSNorm of the token's row, then
+    the router's partial logits over the chunk, OUT[chunk, t, e] (``_router_logits_kernel``'s
+    layout). Every program adds and normalises the whole row itself (two L2 reads of the row), so
+    no launch sits between the residual add + norm and the router; the programs of expert block 0
+    write their chunk of h + delta and of the norm for the layers after. The weight tiles are read
+    before the PDL wait."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    chunk = tl.program_id(1)
+    t = tl.program_id(2).to(tl.int64)
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    emask, dmask = e < E, d < D
+    w = tl.load(W + e.to(tl.int64)[:, None] * D + d[None, :], mask=emask[:, None] & dmask[None, :], other=0.0)
+    norm_w = tl.load(NORM_W + d, mask=dmask, other=0.0).to(tl.float32)
+    pdl_start(USE_PDL)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    dtype = H_OUT.dtype.element_ty
+    row = (tl.load(H + t * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+           + tl.load(DELTA + t * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    s = (tl.load(H + t * stride_h + d, mask=dmask, other=0.0).to(tl.float32)
+         + tl.load(DELTA + t * stride_d + d, mask=dmask, other=0.0).to(tl.float32)).to(dtype)
+    y = (s.to(tl.float32) / tl.sqrt(tl.sum(row * row, 0) / D + eps) * norm_w).to(Y.dtype.element_ty)
+    if tl.program_id(0) == 0:
+        tl.store(H_OUT + t * stride_ho + d, s, mask=dmask)
+        tl.store(Y + t * stride_y + d, y, mask=dmask)
+    logits = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], 1)  # exact products, fp32 sums
+    tl.store(OUT + (chunk * T + t) * E + e, logits, mask=emask)
+
+
+# The residual add + RMSNorm before a MoE layer and its router logits in one launch
+# (``add_norm_router_logits``) for up to this many tokens; False: two launches (A/B timing).
+ADD_NORM_ROUTER = True
+ADD_NORM_ROUTER_MAX_TOKENS = 4
+
+
+def add_norm_router_applies(h: torch.Tensor, delta: torch.Tensor, router_weight: torch.Tensor) -> bool:
+    """Whether ``add_norm_router_logits`` takes these: a few tokens of dense rows, one dtype."""
+    return (ADD_NORM_ROUTER and h.dim() == 2 and h.shape[0] <= ADD_NORM_ROUTER_MAX_TOKENS and h.dtype == delta.dtype
+            and h.stride(-1) == 1 and delta.stride(-1) == 1 and router_weight.is_contiguous()
+            and router_weight.shape[1] == h.shape[1] and h.shape[1] <= 16384)
+
+
+def add_norm_router_logits(h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           router_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h + delta, RMSNorm(h + delta) * norm_weight, the router's partial logits [S, T, E] of that
+    norm, as ``router_logits(split=True)`` gives them) in one launch: ``norm_triton.add_rms_norm_triton``'s
+    outputs, and logits from its rounded norm with fp32 products and sums. ``add_norm_router_applies``
+    says which inputs it takes."""
+    T, D = h.shape
+    E = router_weight.shape[0]
+    block_d = 128 if D <= 4096 else 256
+    parts = triton.cdiv(D, block_d)
+    h_out, y = torch.empty_like(h), torch.empty_like(h)
+    out = torch.empty(parts, T, E, dtype=torch.float32, device=h.device)
+    if T:
+        _add_norm_router_kernel[(triton.cdiv(E, 32), parts, T)](
+            h, delta, norm_weight, router_weight, h_out, y, out, T, E, D, h.stride(0), delta.stride(0),
+            h_out.stride(0), y.stride(0), eps, BLOCK=triton.next_power_of_2(D), BLOCK_E=32, BLOCK_D=block_d,
+            num_warps=norm_triton.ADD_NORM_WARPS, **pdl.launch(out.device))
+    return h_out, y, out
+
+
 # Warps of the route kernel's one program a token (its K rounds of argmax are reductions over the
 # experts: across warps each goes through shared memory and a barrier; one warp needs none).
 # One warp made kimi-linear-48b's graph-replayed step 0.05-0.1 ms faster than four at batch 1 and
@@ -713,12 +780,13 @@ def weights_mode(mx: bool, act_dtype: torch.dtype, device: torch.device, block_m
 # step it runs inside a PDL chain. For A/B timing of the graph-replayed step (bench/gpu_check_graphs.py --ab).
 PINNED: dict[tuple[int, int, int], tuple] = {}
 
-# bf16 experts take K tiles of 128 (instead of 64) up to this rows class (decode steps of up to ~28
-# tokens at top-9): twice the weight bytes in flight a program, where few rows leave the GEMM
-# latency-bound. Kimi-linear-48b on the H200, graph-replayed steps, the shipped H200 tiles picked in
-# the chain: batch 1 grouped GEMMs 981 -> 950 us a step, batch 16 7,700 -> 7,380 us (10.17 -> 9.87 ms
-# a step; RESULTS.md twenty-fourth session).
-BF16_WIDE_K_MAX_ROWS = 256
+# bf16 experts take K tiles of 128 (instead of 64) up to this rows class (decode steps of up to ~113
+# tokens at top-9; prefill's larger classes keep 64): twice the weight bytes in flight a program,
+# where few rows leave the GEMM latency-bound. Kimi-linear-48b on the H200, graph-replayed steps:
+# batch 1 grouped GEMMs 981 -> 950 us a step, batch 16 7,700 -> 7,380 us (10.17 -> 9.87 ms a step;
+# tiles picked in the chain, RESULTS.md twenty-fourth session); batch 32 / 64 13.91 / 18.98 ->
+# 13.80 / 18.45 ms (the autotuner's tiles, twenty-fifth session).
+BF16_WIDE_K_MAX_ROWS = 1024
 
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int, top_k: int,
