@@ -88,11 +88,14 @@ def _gemv_kernel(X, W, OUT, PART, TICKETS, T, N, K, stride_xb, stride_xt, stride
             tl.store(OUT + t[None, :] * stride_ot + n[:, None], total.to(OUT.dtype.element_ty), mask=out_mask)
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), picked per (N, K) on the GPU at first use.
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), picked per (N, K) on the GPU at first use. (64, 128, 1,
+# 4, 1): the KDA gates' up-projection (K = 128, one tile a program) in the decode step's chain, where
+# the autotuner's pick alone, (128, 256, 1, 8, 3), half of its K tile masked, took 4.9 against 4.3 us
+# a layer (RESULTS.md twenty-fifth session).
 GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=st)
                 for bn, bk, sk, w, st in ((32, 256, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 8, 4, 4),
                                           (32, 512, 2, 4, 3), (128, 128, 2, 4, 4), (64, 256, 2, 4, 3),
-                                          (128, 256, 1, 8, 3), (32, 256, 8, 4, 3))]
+                                          (128, 256, 1, 8, 3), (32, 256, 8, 4, 3), (64, 128, 1, 4, 1))]
 
 
 def _preload_applies(args: dict) -> bool:
