@@ -22,11 +22,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import norm_triton, pdl
 from .autotune import autotuned, interpreted
 from .expert_sort import one_row_blocks, sort_by_expert, sort_by_expert_sizes
 from .glu_triton import glu
-from . import norm_triton
 from .pdl import pdl_start
 
 

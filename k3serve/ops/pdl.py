@@ -13,12 +13,14 @@ may therefore *read* what no kernel of the step writes, or what an earlier step 
 or more launches back wrote: model weights, constant tables (``expert_sort.one_row_blocks``), the
 step's inputs; it must *write* nothing (its output may be memory the caching allocator took back
 from a tensor the predecessor still reads). Where the predecessor is short and latency-bound this
-pays: the router logits' weight tile (2.2 -> 1.1 us a call), a one-token step's joined shared
-expert computed during the routing (``moe_triton`` STATIC_TAIL). Where it was tried against a
-bandwidth-bound or register-hungry kernel it lost: weights hinted into L2 over whole slabs (L2
-thrash), the mixers' o_proj rows hinted during the fused KDA step (that step +2.9 us a layer),
-a GEMV's first tile (a pipeline stage of shared memory), the fused KDA step's first state tile
-(registers held across the convs) (RESULTS.md tenth, twenty-third and twenty-fourth sessions).
+pays: the router logits' weight tile (2.2 -> 1.1 us a call; with the add + norm before it, one
+launch: ``moe_triton.add_norm_router_logits``), the small-K GEMVs' one weight tile a program
+(``gemv_triton``, ``static_weight``), a one-token step's joined shared expert computed during the
+routing (``moe_triton`` STATIC_TAIL). Where it was tried against a bandwidth-bound or
+register-hungry kernel it lost: weights hinted into L2 over whole slabs (L2 thrash), the mixers'
+o_proj rows hinted during the fused KDA step (that step +2.9 us a layer), a GEMV's first tile of
+several (a pipeline stage of shared memory), the fused KDA step's first state tile (registers held
+across the convs) (RESULTS.md tenth, twenty-third to twenty-fifth sessions).
 """
 
 from __future__ import annotations
