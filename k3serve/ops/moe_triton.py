@@ -631,13 +631,10 @@ def _add_norm_router_kernel(H, DELTA, NORM_W, W, H_OUT, Y, OUT, T, E, D, stride_
     norm_w = tl.load(NORM_W + d, mask=dmask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
     dtype = H_OUT.dtype.element_ty
-    row = (tl.load(H + t * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-           + tl.load(DELTA + t * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-    s = (tl.load(H + t * stride_h + d, mask=dmask, other=0.0).to(tl.float32)
-         + tl.load(DELTA + t * stride_d + d, mask=dmask, other=0.0).to(tl.float32)).to(dtype)
-    y = (s.to(tl.float32) / tl.sqrt(tl.sum(row * row, 0) / D + eps) * norm_w).to(Y.dtype.element_ty)
+    row = norm_triton.residual_sum(H, DELTA, t, stride_h, stride_d, cols, cols < D, dtype).to(tl.float32)
+    s = norm_triton.residual_sum(H, DELTA, t, stride_h, stride_d, d, dmask, dtype)
+    y = (s.to(tl.float32) / norm_triton.rms(row, D, eps) * norm_w).to(Y.dtype.element_ty)
     if tl.program_id(0) == 0:
         tl.store(H_OUT + t * stride_ho + d, s, mask=dmask)
         tl.store(Y + t * stride_y + d, y, mask=dmask)

@@ -68,18 +68,30 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, ou
 
 
 @triton.jit
+def residual_sum(H, DELTA, row, stride_h, stride_d, cols, mask, dtype: tl.constexpr):
+    """h + delta at ``cols`` of ``row``, rounded to ``dtype`` as torch's add rounds the residual
+    stream (shared by every kernel that adds it, so they agree bit for bit)."""
+    h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    return (h + tl.load(DELTA + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def rms(x, D, eps):
+    """sqrt(mean(x^2) + eps) of a whole fp32 row x (masked lanes 0) of D values."""
+    return tl.sqrt(tl.sum(x * x, 0) / D + eps)
+
+
+@triton.jit
 def _add_rms_norm_kernel(H, DELTA, W, H_OUT, Y, stride_h, stride_d, stride_ho, stride_y, D, eps,
                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    d = tl.load(DELTA + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (h + d).to(H_OUT.dtype.element_ty)  # the residual stream, rounded as torch's add rounds it
+    s = residual_sum(H, DELTA, row, stride_h, stride_d, cols, mask, H_OUT.dtype.element_ty)
     tl.store(H_OUT + row * stride_ho + cols, s, mask=mask)
     x = s.to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, 0) / D + eps) * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x / rms(x, D, eps) * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
