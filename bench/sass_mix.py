@@ -103,7 +103,7 @@ def grouped_gemm_rows() -> None:
             "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
     ints = {n: "i32" for n in ("num_assign", "rows_class", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn",
                                "stride_se", "stride_sn", "stride_on")}
-    ints.update(beta="fp32", linear_beta="fp32")
+    ints.update(beta="fp32", linear_beta="fp32", static_expert0="i32")
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
     print("| grouped GEMM (gate + up, 16 rows) | tile (BLOCK_N, swap, BLOCK_K, warps, stages) | registers "
           "| loop instr / thread | per weight | top opcodes |\n|---|---|---|---|---|---|")
@@ -112,7 +112,8 @@ def grouped_gemm_rows() -> None:
                                           ("mx_mma", 128, True, 128, 4, 3), ("bf16", 32, True, 64, 2, 4)):
         sig = dict(ptrs, W="*bf16", W_UP="*bf16", S="*bf16", S_UP="*bf16") if weights == "bf16" else ptrs
         consts = dict(WEIGHTS=weights, GLU=True, SITU=False, LINEAR_CLIP=False, HAS_ROW_SCALE=False, BLOCK_M=16,
-                      BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, INTERPRETED=False, COLS_FIRST=False, USE_PDL=False)
+                      BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, INTERPRETED=False, COLS_FIRST=False, USE_PDL=False,
+                      STATIC_TAIL=0)
         kernel = compile_sm90(moe_triton._grouped_gemm_kernel, {**sig, **ints}, consts, divisible,
                               num_warps=nw, num_stages=st)
         total, ops = hottest_loop_mix(kernel)
