@@ -735,3 +735,13 @@ def test_pinned_tile_sets_the_k_tile(monkeypatch):
     monkeypatch.setattr(moe_triton, "PINNED", {(32, 64, 1): (32, False, 4, 3, 48)})
     with pytest.raises(ValueError, match="BLOCK_K=48"):
         moe_triton.grouped_gemm(x, rows, torch.zeros(1, dtype=torch.int32), 1, 1, w, None, 32)
+
+
+def test_route_kernel_warps_follow_the_expert_count(monkeypatch):
+    """One warp up to 256 experts (kimi-linear: no shared-memory round trip a top-k round), four at
+    K3's 896 (8 logits a lane instead of 32, which spilled), at most 8; ROUTE_WARPS pins a count."""
+    from k3serve.ops import moe_triton
+
+    assert [moe_triton.route_warps(e) for e in (8, 64, 256, 300, 896, 4096)] == [1, 1, 1, 2, 4, 8]
+    monkeypatch.setattr(moe_triton, "ROUTE_WARPS", 2)
+    assert moe_triton.route_warps(896) == 2

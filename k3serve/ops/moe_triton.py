@@ -675,11 +675,23 @@ def add_norm_router_logits(h: torch.Tensor, delta: torch.Tensor, norm_weight: to
     return h_out, y, out
 
 
-# Warps of the route kernel's one program a token (its K rounds of argmax are reductions over the
-# experts: across warps each goes through shared memory and a barrier; one warp needs none).
-# One warp made kimi-linear-48b's graph-replayed step 0.05-0.1 ms faster than four at batch 1 and
-# 16 (RESULTS.md tenth session); bench/kernels_small.py --route-warps times the kernel alone.
-ROUTE_WARPS = 1
+# Warps of the route kernel's one program a token: enough for ``ROUTE_LOGITS_PER_LANE`` experts a
+# lane. Its K rounds of argmax are reductions over the experts, across warps through shared memory
+# and a barrier each, within one warp by shuffles: kimi-linear's 256 experts on one warp made its
+# graph-replayed step 0.05-0.1 ms faster than four at batch 1 and 16 (RESULTS.md tenth session).
+# K3's 896 (1,024 lanes' worth) on one warp held 28 partial rows x 32 logits a lane and took
+# 41 us a call; on four, 8.4 us (k3-slice batch-1 graph 2.79-2.88 -> 2.58 ms, twenty-sixth
+# session). ``ROUTE_WARPS``: a fixed count instead (A/B timing; bench/kernels_small.py --route-warps).
+ROUTE_LOGITS_PER_LANE = 8
+ROUTE_WARPS: int | None = None
+
+
+def route_warps(num_experts: int) -> int:
+    """The route kernel's warps for ``num_experts`` (rounded up to a power of two): 1 up to 256, 4
+    at K3's 896, at most 8."""
+    if ROUTE_WARPS:
+        return ROUTE_WARPS
+    return max(1, min(8, triton.next_power_of_2(num_experts) // (32 * ROUTE_LOGITS_PER_LANE)))
 # Up to this many partial sums (``router_logits(split=True)``: 18 for kimi-linear, 28 for K3) the
 # route kernel's loop over them is unrolled, all their loads in flight together; 0: a loop (A/B).
 ROUTE_STATIC_PARTS = 32
@@ -701,7 +713,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, re
                             parts.stride(1), E, float(scaling),
                             K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(E),
                             HAS_BIAS=bias is not None, RENORM=renormalize, SIGMOID=score_func == "sigmoid",
-                            NUM_SHARED=num_shared, num_warps=ROUTE_WARPS,
+                            NUM_SHARED=num_shared, num_warps=route_warps(E),
                             STATIC_PARTS=parts.shape[0] if parts.shape[0] <= ROUTE_STATIC_PARTS else 0,
                             **pdl.launch(w.device))
     return w, ids
