@@ -739,7 +739,7 @@ def test_pinned_tile_sets_the_k_tile(monkeypatch):
 
 def test_route_kernel_warps_follow_the_expert_count(monkeypatch):
     """One warp up to 256 experts (kimi-linear: no shared-memory round trip a top-k round), four at
-    K3's 896 (8 logits a lane instead of 32, which spilled), at most 8; ROUTE_WARPS pins a count."""
+    K3's 896 (8 logits a lane instead of 32: 41 -> 8 us a call on the H200), at most 8; ROUTE_WARPS pins a count."""
     from k3serve.ops import moe_triton
 
     assert [moe_triton.route_warps(e) for e in (8, 64, 256, 300, 896, 4096)] == [1, 1, 1, 2, 4, 8]

@@ -679,9 +679,10 @@ def add_norm_router_logits(h: torch.Tensor, delta: torch.Tensor, norm_weight: to
 # lane. Its K rounds of argmax are reductions over the experts, across warps through shared memory
 # and a barrier each, within one warp by shuffles: kimi-linear's 256 experts on one warp made its
 # graph-replayed step 0.05-0.1 ms faster than four at batch 1 and 16 (RESULTS.md tenth session).
-# K3's 896 (1,024 lanes' worth) on one warp held 28 partial rows x 32 logits a lane and took
-# 41 us a call; on four, 8.4 us (k3-slice batch-1 graph 2.79-2.88 -> 2.58 ms, twenty-sixth
-# session). ``ROUTE_WARPS``: a fixed count instead (A/B timing; bench/kernels_small.py --route-warps).
+# K3's 896 (1,024 lanes' worth) on one warp: 32 logits a lane over 28 partial rows and 16 rounds,
+# 168 registers and a spill (sm_90, Triton 3.6), 41 us a call; on four warps 96 registers, 8.4 us
+# (k3-slice batch-1 graph 2.79-2.88 -> 2.58 ms, twenty-sixth session). ``ROUTE_WARPS``: a fixed
+# count instead (A/B timing; bench/kernels_small.py --route-warps).
 ROUTE_LOGITS_PER_LANE = 8
 ROUTE_WARPS: int | None = None
 
@@ -692,6 +693,8 @@ def route_warps(num_experts: int) -> int:
     if ROUTE_WARPS:
         return ROUTE_WARPS
     return max(1, min(8, triton.next_power_of_2(num_experts) // (32 * ROUTE_LOGITS_PER_LANE)))
+
+
 # Up to this many partial sums (``router_logits(split=True)``: 18 for kimi-linear, 28 for K3) the
 # route kernel's loop over them is unrolled, all their loads in flight together; 0: a loop (A/B).
 ROUTE_STATIC_PARTS = 32
