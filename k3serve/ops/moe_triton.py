@@ -969,6 +969,14 @@ def _combine_kernel(Y, NORM_W, ADD, OUT, D, stride_add, eps, TOP_K: tl.constexpr
     tl.store(OUT + t * D + cols, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
+# Warps of a combine program that normalises a whole row (K3's latent norm: one program a token, 16
+# expert rows of 3,584 columns); None: 4 up to 4,096 columns, else 8. Compiled for sm_90 (Triton 3.6)
+# that program holds 205 registers on 4 warps, too few for its 512 loads a thread to be in flight
+# together, and 64 on 16; the k3-slice timeline charges it 14.5 us a call at batch 1 (kimi-linear's
+# unnormalised combine: ~1 us). Not yet timed with more warps: bench/ab/k3_combine.txt.
+COMBINE_NORM_WARPS: int | None = None
+
+
 def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | None = None,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Per token: the sum of its ``top_k`` weighted expert rows of y [T * top_k, D] (fp32), then
@@ -988,6 +996,7 @@ def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | 
         block = triton.next_power_of_2(D) if norm is not None else min(512, triton.next_power_of_2(D))
         _combine_kernel[(T, triton.cdiv(D, block))](
             y, w, a, out, D, a.stride(0), float(norm.eps) if norm is not None else 0.0, TOP_K=top_k,
-            NORM=norm is not None, HAS_ADD=add is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8,
+            NORM=norm is not None, HAS_ADD=add is not None, BLOCK=block,
+            num_warps=(norm is not None and COMBINE_NORM_WARPS) or (4 if block <= 4096 else 8),
             **pdl.launch(out.device))
     return out
