@@ -176,6 +176,11 @@ def check_attn_res_partial(M: int, T: int, D: int, gen: torch.Generator) -> None
         got = attn_res_mix(fused, q, 1e-5, w, torch.bfloat16, (delta, reset))
         record("AttnRes mix + partial update (1 = differs from update first)", f"M={M} T={T} D={D} reset={reset}",
                float(not (torch.equal(fused, first) and torch.equal(got, expect))), 0.0)
+        v = first.double()  # the mix in float64: scores of the key-normed sources, softmax, sum, RMSNorm
+        score = (v * q.double()).sum(-1) / torch.sqrt((v * v).mean(-1) + 1e-5)
+        mix = (torch.softmax(score, 0)[..., None] * v).sum(0)
+        ref = mix / torch.sqrt((mix * mix).mean(-1, keepdim=True) + 1e-5) * w.double()
+        record("AttnRes mix vs float64 (bf16 output)", f"M={M} T={T} D={D} reset={reset}", rel(got.double(), ref), 1e-2)
 
 
 def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:

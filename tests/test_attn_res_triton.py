@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent('''
     from k3serve.ops.attn_res_triton import attn_res_mix
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    for M, T, D in [(1, 3, 64), (2, 5, 96), (5, 7, 128), (9, 4, 200)]:
+    for M, T, D in [(1, 3, 64), (2, 5, 96), (5, 7, 128), (9, 4, 200), (16, 2, 300)]:
         mixer = AttnResMixer(D, 1e-5, torch.float32)
         mixer.proj.data.copy_(torch.randn(1, D, generator=gen))
         mixer.norm.data.copy_(torch.rand(D, generator=gen) + 0.5)
