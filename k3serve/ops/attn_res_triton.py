@@ -1,4 +1,4 @@
-"""Block AttnRes mixer in one Triton pass per token: scores of every source (w . RMSNorm(v_i)),
+"""Block AttnRes mixer in one Triton launch (a program a token): scores of every source (w . RMSNorm(v_i)),
 softmax over the sources, the weighted sum of the un-normalised sources, and the following
 RMSNorm (model-spec §2.7). Sources stream from memory once (the mix re-reads each row from L1 /
 L2, so no [sources, D] tile has to live in registers); nothing intermediate goes to memory.
