@@ -589,6 +589,13 @@ def _logits_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 ROUTER_PRELOAD = True
 
 
+def router_chunks(D: int) -> tuple[int, int]:
+    """(chunk width, chunks) of the router's partial logits over D: one layout for every kernel
+    that writes them (``router_logits``, ``add_norm_router_logits``) and the route kernel's sum."""
+    block_d = 128 if D <= 4096 else 256
+    return block_d, triton.cdiv(D, block_d)
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) -> torch.Tensor:
     """F.linear(x.float(), weight.float()) for a router weight [E, D] (a model weight, not written
     by the step: ``ROUTER_PRELOAD`` reads it before the wait on the previous kernel): fp32 logits [T, E]; with
@@ -601,8 +608,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: bool = False) ->
     if T > ROUTER_KERNEL_MAX_TOKENS or x.stride(-1) != 1 or not weight.is_contiguous():
         logits = _logits_gemm(x, weight)
         return logits[None] if split else logits
-    block_d = 128 if D <= 4096 else 256
-    parts = triton.cdiv(D, block_d)
+    block_d, parts = router_chunks(D)
     out = torch.empty(parts, T, E, dtype=torch.float32, device=x.device)
     if T:
         bf16 = x.dtype == weight.dtype == torch.bfloat16 and not interpreted()  # (the interpreter's bf16 dot is not exact)
@@ -663,8 +669,7 @@ def add_norm_router_logits(h: torch.Tensor, delta: torch.Tensor, norm_weight: to
     says which inputs it takes."""
     T, D = h.shape
     E = router_weight.shape[0]
-    block_d = 128 if D <= 4096 else 256
-    parts = triton.cdiv(D, block_d)
+    block_d, parts = router_chunks(D)
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     out = torch.empty(parts, T, E, dtype=torch.float32, device=h.device)
     if T:
