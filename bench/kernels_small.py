@@ -4,7 +4,10 @@ torch form on fresh random inputs and timed next to it at decode sizes. They are
 figure that matters is microseconds per call (one launch instead of ~6 / ~10 / ~7 / ~20), with
 bytes / copy ceiling shown for the norms.
 
-Usage: python -m bench.kernels_small [--route-warps]   (--route-warps: only the route kernel at each warp count)
+Usage: python -m bench.kernels_small [--set module.CONST=value,...] [--route-warps | --attn-res [OLD_KERNEL_FILE]]
+  --route-warps: only the route kernel at each warp count
+  --attn-res: only the AttnRes mixer at K3's width (bytes / copy ceiling, the torch form beside it;
+              OLD_KERNEL_FILE: another attn_res_triton.py timed in a third column, for an A/B)
 """
 
 from __future__ import annotations
@@ -112,7 +115,60 @@ def route_warps() -> None:
     moe_triton.ROUTE_WARPS = saved
 
 
+def attn_res(old_file: str | None) -> None:
+    """The fused AttnRes mixer at K3's width (7,168) over 2 / 9 / 16 sources (a block's start, its
+    middle, K3's last layers) next to the torch form (mixer + RMSNorm) and, given a file, another
+    version of the kernel module. Bytes: every source row read once, the bf16 output written."""
+    import importlib.util
+
+    from k3serve.model.attn_res import AttnResMixer
+    from k3serve.ops.attn_res_triton import attn_res_mix
+
+    old = None
+    if old_file:
+        spec = importlib.util.spec_from_file_location("k3serve.ops._attn_res_old", old_file)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    copy = copy_tbs()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    D = 7168
+    print(f"copy {copy:.2f} TB/s\n\n| AttnRes mix | sources x tokens x D | ours us (% copy) | torch us | other file us "
+          f"| rel err vs fp32 | other file rel err |\n|---|---|---|---|---|---|---|")
+    for M, T in ((2, 1), (5, 1), (9, 1), (16, 1), (9, 16), (9, 64), (9, 256), (9, 4096)):
+        mixer = AttnResMixer(D, 1e-6, torch.float32, "cuda")
+        mixer.proj.data.copy_(torch.randn(1, D, device="cuda", generator=g))
+        mixer.norm.data.uniform_(0.5, 1.5, generator=g)
+        out_w = torch.rand(D, device="cuda", generator=g) + 0.5
+        src = torch.randn(M, T, D, device="cuda", generator=g).bfloat16()
+        with torch.inference_mode():
+            q = mixer.folded_query()
+            ref = rms_norm(mixer(list(src.float())), out_w, 1e-6, torch.float32)
+
+            def err(out):
+                return ((out.float() - ref).norm() / ref.norm()).item()
+
+            ours = lambda: attn_res_mix(src, q, 1e-6, out_w.bfloat16(), torch.bfloat16)  # noqa: E731
+            t_ours = _us(ours)
+            mixer_bf16 = AttnResMixer(D, 1e-6, torch.bfloat16, "cuda")
+            mixer_bf16.load_state_dict(mixer.state_dict())
+            t_ref = _us(lambda: rms_norm(mixer_bf16(list(src)), out_w.bfloat16(), 1e-6, torch.bfloat16))
+            other = lambda: old.attn_res_mix(src, q, 1e-6, out_w.bfloat16(), torch.bfloat16)  # noqa: E731
+            t_old, e_old = (f"{_us(other):.1f}", f"{err(other()):.1e}") if old else ("-", "-")
+            gb = (M + 1) * T * D * 2 / 1e9
+            print(f"| {M} x {T} x {D} | {t_ours:.1f} ({gb / t_ours * 1e3 / copy * 100:.0f} %) | {t_ref:.1f} | {t_old} "
+                  f"| {err(ours()):.1e} | {e_old} |", flush=True)
+
+
 if __name__ == "__main__":
+    if "--set" in sys.argv:
+        from bench.overrides import set_constants
+
+        print("set:", set_constants(sys.argv.pop(sys.argv.index("--set") + 1)))
+        sys.argv.remove("--set")
+    if "--attn-res" in sys.argv:
+        rest = sys.argv[sys.argv.index("--attn-res") + 1:]
+        attn_res(rest[0] if rest else None)
+        sys.exit(0)
     if "--route-warps" in sys.argv:
         route_warps()
         sys.exit(0)

@@ -14,10 +14,16 @@ SCRIPT = textwrap.dedent('''
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.model.attn_res import AttnResMixer
     from k3serve.model.layers import rms_norm
+    from k3serve.ops import attn_res_triton
     from k3serve.ops.attn_res_triton import attn_res_mix
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    for M, T, D in [(1, 3, 64), (2, 5, 96), (5, 7, 128), (9, 4, 200), (16, 2, 300)]:
+    # the whole row in one chunk, then (a small TILE) several chunks, the last one part padding
+    cases = [(1, 3, 64), (2, 5, 96), (5, 7, 128), (9, 4, 200), (16, 2, 300)]
+    for tile, (M, T, D) in [(16384, c) for c in cases] + [(64, c) for c in cases]:
+        attn_res_triton.TILE = attn_res_triton.TILE_FEW_TOKENS = tile
+        shape = attn_res_triton.launch_shape(M, D, T)
+        assert (shape["N_CHUNKS"] > 1) == (tile == 64), shape
         mixer = AttnResMixer(D, 1e-5, torch.float32)
         mixer.proj.data.copy_(torch.randn(1, D, generator=gen))
         mixer.norm.data.copy_(torch.rand(D, generator=gen) + 0.5)

@@ -462,19 +462,23 @@ def test_hop_cost_link_compiles_for_sm90(read):
     assert ("ld.global" in ptx) == read
 
 
-@pytest.mark.parametrize("sources", [2, 16])
-def test_attn_res_kernel_keeps_k3_rows_in_registers(sources):
-    """The AttnRes mixer at K3's width (7,168 -> 8,192 lanes) and up to the spec's 16 sources: one
-    source row in registers at a time, so nothing spills to local memory (the former [sources, D]
-    tile spilled ~12 KB a thread at 16 sources); the partial's update stored once."""
+@pytest.mark.parametrize("tokens", [1, 4096])
+@pytest.mark.parametrize("sources", [2, 9, 16])
+def test_attn_res_kernel_keeps_k3_rows_in_registers(sources, tokens):
+    """The AttnRes mixer at K3's width (7,168) and 2 / 9 (the spec's most) / 16 sources (what the
+    model lets through to it): its [blocks, CHUNK] tiles fit the registers, nothing spills to local
+    memory (an earlier [sources, D] tile spilled ~12 KB a thread at 16 sources), in both tile sizes
+    (a decode step's few tokens, a prefill's many)."""
     from bench.sass_mix import sass_text
     from k3serve.ops import attn_res_triton
 
     ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
     scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
-    consts = dict(HAS_OUT_NORM=True, BLOCK_D=8192, BLOCK_M=sources, HAS_DELTA=True, RESET=False, USE_PDL=True)
+    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True,
+                  **attn_res_triton.launch_shape(sources, 7168, tokens))
+    warps = consts.pop("num_warps")
     kernel = _compile(attn_res_triton._attn_res_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
-                      ("SRC", "QW", "OUTW", "OUT", "DELTA"), num_warps=attn_res_triton._warps(8192))
+                      ("SRC", "QW", "OUTW", "OUT", "DELTA", *scalars), num_warps=warps)
     sass = sass_text(kernel)
     assert "STL" not in sass and "LDL" not in sass
     assert "griddepcontrol.wait" in kernel.asm["ptx"]

@@ -1,7 +1,14 @@
 """Block AttnRes mixer in one Triton launch (a program a token): scores of every source (w . RMSNorm(v_i)),
 softmax over the sources, the weighted sum of the un-normalised sources, and the following
-RMSNorm (model-spec §2.7). Sources stream from memory once (the mix re-reads each row from L1 /
-L2, so no [sources, D] tile has to live in registers); nothing intermediate goes to memory.
+RMSNorm (model-spec §2.7). Nothing intermediate goes to memory.
+
+A token's sources are read as [blocks, CHUNK] tiles, every block's piece of a chunk in one load
+(a decode step has one program per token, so its time is load latency: the former loop over
+sources, one row in registers at a time, waited on memory once per source and pass, 17.7 us at
+K3's 9 sources, now 11.1). The last source, the running partial (the one a pending update may
+still be owed to), is a vector of its own, so K3's 9 sources tile as 8 + 1. Two passes over the
+chunks: the scores, then the mix (the sources re-read from L1 / L2), the whole mixed row kept in
+registers until its RMSNorm is known and it is stored.
 
 Reference: ``model.attn_res.AttnResMixer`` + ``model.layers.rms_norm``. Checked on CPU with
 ``TRITON_INTERPRET=1`` (tests/test_attn_res_triton.py).
@@ -16,61 +23,98 @@ import triton.language as tl
 from . import pdl
 from .pdl import pdl_start
 
+# Elements of a [blocks, CHUNK] tile. Up to FEW_TOKENS tokens a program is alone on its SM: fewer,
+# longer chunks (2 / 5 / 9 sources at K3's width 5.1 / 5.9 / 10.3 us against 6.1 / 8.5 / 12.0 with
+# the smaller tile); more tokens share an SM: fewer registers each (9 sources x 4,096 tokens 243 us
+# against 283). (bench/RESULTS.md, twenty-seventh session.)
+TILE = 16384
+TILE_FEW_TOKENS = 32768
+FEW_TOKENS = 128
+COLS_PER_THREAD = 8  # a 16-byte load of bf16: every warp on the columns (a chunk is 256 columns a warp)
+MAX_CHUNK = 8192  # (16 warps, two 16-byte loads a row)
+
 
 @triton.jit
 def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stride_out_t, stride_delta_t, M, D, eps,
-                     HAS_OUT_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    """One token: two passes over its sources, one source row in registers at a time (a [M, D] tile
-    of K3's up to 16 sources x 7,168 spilled ~12 KB a thread on sm_90): the scores, then the mix of
-    the rows read again (from L1 / L2)."""
+                     HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
+                     CHUNK_ROWS: tl.constexpr, HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
+                     USE_PDL: tl.constexpr = False):
+    """One token: sources 0 .. M-2 as [BLOCK_M, CHUNK] tiles, source M-1 (the partial; with
+    HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector."""
     pdl_start(USE_PDL)
     t = tl.program_id(0)
-    dm = tl.arange(0, BLOCK_D)
     mm = tl.arange(0, BLOCK_M)
-    dmask = dm < D
-    row0 = SRC + t * stride_src_t + dm
-    new = tl.zeros([BLOCK_D], tl.float32)
-    if HAS_DELTA:  # the last source (the partial) takes its pending update, rounded as stored, first
-        last = row0 + (M - 1) * stride_src_m
-        upd = tl.load(DELTA + t * stride_delta_t + dm, mask=dmask, other=0.0).to(tl.float32)
-        if not RESET:
-            upd += tl.load(last, mask=dmask, other=0.0).to(tl.float32)
-        upd = upd.to(SRC.dtype.element_ty)
-        tl.store(last, upd, mask=dmask)
-        new = upd.to(tl.float32)
-    qw = tl.load(QW + dm, mask=dmask, other=0.0).to(tl.float32)  # pseudo-query, key-norm weight folded in
-    score = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for m in range(M):
-        v = _source_row(row0, m, M, stride_src_m, dm, D, new, HAS_DELTA)
-        s = tl.sum(v * qw, 0) / tl.sqrt(tl.sum(v * v, 0) / D + eps)
-        score = tl.where(mm == m, s, score)
-    p = tl.exp(score - tl.max(score, 0))
-    p = p / tl.sum(p, 0)
-    mix = tl.zeros([BLOCK_D], tl.float32)
-    for m in range(M):
-        mix += tl.sum(tl.where(mm == m, p, 0.0), 0) * _source_row(row0, m, M, stride_src_m, dm, D, new, HAS_DELTA)
+    cc = tl.arange(0, CHUNK)
+    src = SRC + t * stride_src_t
+    dot = tl.zeros([BLOCK_M], tl.float32)
+    sq = tl.zeros([BLOCK_M], tl.float32)
+    dot_last = 0.0
+    sq_last = 0.0
+    for i in range(N_CHUNKS):
+        cols = i * CHUNK + cc
+        v, last, _ = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET)
+        qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)  # pseudo-query, key-norm weight folded in
+        dot += tl.sum(v * qw[None, :], 1)
+        sq += tl.sum(v * v, 1)
+        dot_last += tl.sum(last * qw, 0)
+        sq_last += tl.sum(last * last, 0)
+    score = dot / tl.sqrt(sq / D + eps)
+    score = tl.where(mm < M - 1, score, float("-inf"))
+    score_last = dot_last / tl.sqrt(sq_last / D + eps)
+    top = tl.maximum(tl.max(score, 0), score_last)
+    p = tl.exp(score - top)
+    p_last = tl.exp(score_last - top)
+    total = tl.sum(p, 0) + p_last
+    p = p / total
+    p_last = p_last / total
+    kk = tl.arange(0, CHUNK_ROWS)
+    mix = tl.zeros([CHUNK_ROWS, CHUNK], tl.float32)  # the whole row, chunk i in row i
+    for i in range(N_CHUNKS):
+        cols = i * CHUNK + cc
+        v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET)
+        piece = tl.sum(p[:, None] * v, 0) + p_last * last
+        mix = tl.where(kk[:, None] == i, piece[None, :], mix)
+        if HAS_DELTA:  # after this chunk's last read of the old partial, by the same threads (same layout)
+            tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
+    cols = kk[:, None] * CHUNK + cc[None, :]
     if HAS_OUT_NORM:
-        mix = mix / tl.sqrt(tl.sum(mix * mix, 0) / D + eps) * tl.load(OUTW + dm, mask=dmask, other=0.0).to(tl.float32)
-    tl.store(OUT + t * stride_out_t + dm, mix.to(OUT.dtype.element_ty), mask=dmask)
+        mix = mix / tl.sqrt(tl.sum(tl.sum(mix * mix, 1), 0) / D + eps)
+        mix = mix * tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
 
 
 @triton.jit
-def _source_row(row0, m, M, stride_src_m, dm, D, new, HAS_DELTA: tl.constexpr):
-    """Source m's row in fp32; with HAS_DELTA the last one is ``new`` (its memory, just rewritten by
-    this program's threads in another order, is not read back)."""
-    if HAS_DELTA:  # (one vector comparison for the mask: the interpreter refuses a scalar operand)
-        v = tl.load(row0 + m * stride_src_m, mask=dm < tl.where(m == M - 1, 0, D), other=0.0).to(tl.float32)
-        v = tl.where(m == M - 1, new, v)
+def _chunk(src, delta, stride_src_m, mm, cols, M, D, HAS_DELTA: tl.constexpr, RESET: tl.constexpr):
+    """Columns ``cols`` of the sources in fp32: the [BLOCK_M, CHUNK] tile of sources 0 .. M-2, the
+    last source's vector (with HAS_DELTA its updated value, rounded to the sources' dtype) and that
+    vector's addresses."""
+    cmask = cols < D
+    tile = tl.load(src + mm[:, None] * stride_src_m + cols[None, :], mask=(mm[:, None] < M - 1) & cmask[None, :],
+                   other=0.0).to(tl.float32)
+    last_ptr = src + (M - 1) * stride_src_m + cols
+    if HAS_DELTA:
+        upd = tl.load(delta + cols, mask=cmask, other=0.0).to(tl.float32)
+        if not RESET:
+            upd += tl.load(last_ptr, mask=cmask, other=0.0).to(tl.float32)
+        last = upd.to(src.dtype.element_ty).to(tl.float32)
     else:
-        v = tl.load(row0 + m * stride_src_m, mask=dm < D, other=0.0).to(tl.float32)
-    return v
+        last = tl.load(last_ptr, mask=cmask, other=0.0).to(tl.float32)
+    return tile, last, last_ptr
 
 
-# Warps of a token's program: about 16 of its D values a thread (a source row, the pseudo-query and
-# the mix stay in registers; K3's 7,168: 16 warps).
-def _warps(block_d: int) -> int:
-    return max(4, min(16, block_d // 512))
+def launch_shape(M: int, D: int, T: int) -> dict:
+    """Tile constants for M sources of width D and T tokens: the blocks' rows (a power of two, at
+    least 2), the chunk (the tile / rows, at most MAX_CHUNK and the padded width), the chunks a row
+    and the warps: as many as put every warp on the columns (the rows then sit in each thread, so the mix's sum
+    over them needs no shared memory, and the last source's vector has the tile's column layout;
+    warps on the rows cost 11x the ideal shared-memory wavefronts in the layout conversions)."""
+    block_m = max(2, triton.next_power_of_2(max(M - 1, 1)))
+    tile = TILE_FEW_TOKENS if T <= FEW_TOKENS else TILE
+    chunk = min(MAX_CHUNK, triton.next_power_of_2(D), max(32, tile // block_m))
+    warps = max(1, min(16, chunk // (32 * COLS_PER_THREAD)))
+    n_chunks = triton.cdiv(D, chunk)
+    return dict(BLOCK_M=block_m, CHUNK=chunk, N_CHUNKS=n_chunks, CHUNK_ROWS=triton.next_power_of_2(n_chunks),
+                num_warps=warps)
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None = None,
@@ -91,7 +135,6 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     out = torch.empty(T, D, dtype=out_dtype, device=sources.device)
     _attn_res_kernel[(T,)](sources, query, out_norm if out_norm is not None else query, out, delta, sources.stride(0),
                            sources.stride(1), out.stride(0), delta.stride(0), M, D, eps,
-                           HAS_OUT_NORM=out_norm is not None, BLOCK_D=triton.next_power_of_2(D),
-                           BLOCK_M=max(2, triton.next_power_of_2(M)), HAS_DELTA=partial_update is not None,
-                           RESET=reset, num_warps=_warps(triton.next_power_of_2(D)), **pdl.launch(out.device))
+                           HAS_OUT_NORM=out_norm is not None, HAS_DELTA=partial_update is not None, RESET=reset,
+                           **launch_shape(M, D, T), **pdl.launch(out.device))
     return out
