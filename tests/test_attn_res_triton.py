@@ -18,8 +18,9 @@ SCRIPT = textwrap.dedent('''
     from k3serve.ops.attn_res_triton import attn_res_mix
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    # the whole row in one chunk, then (a small TILE) several chunks, the last one part padding
-    cases = [(1, 3, 64), (2, 5, 96), (5, 7, 128), (9, 4, 200), (16, 2, 300)]
+    # the whole row in one chunk, then (a small TILE) several chunks, the last one part padding;
+    # pass 1's last chunk reused in pass 2 (few tokens, up to 8 blocks) or read again (16 / 130)
+    cases = [(1, 3, 64), (2, 5, 96), (5, 7, 128), (9, 4, 200), (16, 2, 300), (3, 130, 64)]
     for tile, (M, T, D) in [(16384, c) for c in cases] + [(64, c) for c in cases]:
         attn_res_triton.TILE = attn_res_triton.TILE_FEW_TOKENS = tile
         shape = attn_res_triton.launch_shape(M, D, T)

@@ -5,10 +5,10 @@ RMSNorm (model-spec §2.7). Nothing intermediate goes to memory.
 A token's sources are read as [blocks, CHUNK] tiles, every block's piece of a chunk in one load
 (a decode step has one program per token, so its time is load latency: the former loop over
 sources, one row in registers at a time, waited on memory once per source and pass, 17.7 us at
-K3's 9 sources, now 11.1). The last source, the running partial (the one a pending update may
+K3's 9 sources, now 9.8). The last source, the running partial (the one a pending update may
 still be owed to), is a vector of its own, so K3's 9 sources tile as 8 + 1. Two passes over the
-chunks: the scores, then the mix (the sources re-read from L1 / L2), the whole mixed row kept in
-registers until its RMSNorm is known and it is stored.
+chunks: the scores, then the mix (the sources re-read from L1 / L2 but for the last chunk, still in
+registers), the whole mixed row kept in registers until its RMSNorm is known and it is stored.
 
 Reference: ``model.attn_res.AttnResMixer`` + ``model.layers.rms_norm``. Checked on CPU with
 ``TRITON_INTERPRET=1`` (tests/test_attn_res_triton.py).
@@ -32,12 +32,17 @@ TILE_FEW_TOKENS = 32768
 FEW_TOKENS = 128
 COLS_PER_THREAD = 8  # a 16-byte load of bf16: every warp on the columns (a chunk is 256 columns a warp)
 MAX_CHUNK = 8192  # (16 warps, two 16-byte loads a row)
+# Pass 2 takes the last chunk from pass 1's registers, up to FEW_TOKENS tokens and KEEP_LAST_ROWS
+# blocks (16 spill): 9 sources x 1 / 16 / 64 tokens 9.8 / 10.3 / 11.7 us against 11.4 / 11.8 / 12.8;
+# at 256 / 4,096 tokens the registers cost occupancy (26.8 / 335 against 21.8 / 249).
+KEEP_LAST = True
+KEEP_LAST_ROWS = 8
 
 
 @triton.jit
 def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stride_out_t, stride_delta_t, M, D, eps,
                      HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
-                     CHUNK_ROWS: tl.constexpr, HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
+                     CHUNK_ROWS: tl.constexpr, KEEP_LAST: tl.constexpr, HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
                      USE_PDL: tl.constexpr = False):
     """One token: sources 0 .. M-2 as [BLOCK_M, CHUNK] tiles, source M-1 (the partial; with
     HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector."""
@@ -50,6 +55,8 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     sq = tl.zeros([BLOCK_M], tl.float32)
     dot_last = 0.0
     sq_last = 0.0
+    v = tl.zeros([BLOCK_M, CHUNK], tl.float32)
+    last = tl.zeros([CHUNK], tl.float32)
     for i in range(N_CHUNKS):
         cols = i * CHUNK + cc
         v, last, _ = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET)
@@ -67,9 +74,17 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     total = tl.sum(p, 0) + p_last
     p = p / total
     p_last = p_last / total
+    # the whole mixed row, chunk i in row i; with KEEP_LAST the last chunk from the registers pass 1
+    # left it in (no second read; K3's up to 5 sources are one chunk), the others read again
     kk = tl.arange(0, CHUNK_ROWS)
-    mix = tl.zeros([CHUNK_ROWS, CHUNK], tl.float32)  # the whole row, chunk i in row i
-    for i in range(N_CHUNKS):
+    mix = tl.zeros([CHUNK_ROWS, CHUNK], tl.float32)
+    if KEEP_LAST:
+        piece = tl.sum(p[:, None] * v, 0) + p_last * last
+        mix = tl.where(kk[:, None] == N_CHUNKS - 1, piece[None, :], mix)
+        if HAS_DELTA:  # (the old partial's chunk was read by these threads, in this layout, in pass 1)
+            cols = (N_CHUNKS - 1) * CHUNK + cc
+            tl.store(src + (M - 1) * stride_src_m + cols, last.to(SRC.dtype.element_ty), mask=cols < D)
+    for i in range(N_CHUNKS - KEEP_LAST):
         cols = i * CHUNK + cc
         v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET)
         piece = tl.sum(p[:, None] * v, 0) + p_last * last
@@ -114,7 +129,7 @@ def launch_shape(M: int, D: int, T: int) -> dict:
     warps = max(1, min(16, chunk // (32 * COLS_PER_THREAD)))
     n_chunks = triton.cdiv(D, chunk)
     return dict(BLOCK_M=block_m, CHUNK=chunk, N_CHUNKS=n_chunks, CHUNK_ROWS=triton.next_power_of_2(n_chunks),
-                num_warps=warps)
+                KEEP_LAST=int(KEEP_LAST and block_m <= KEEP_LAST_ROWS and T <= FEW_TOKENS), num_warps=warps)
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None = None,
