@@ -15,7 +15,7 @@ from . import kernels_kda_decode, kernels_mla, kernels_moe, kernels_small
 def main() -> int:
     failed = []
     for name, mod in (("KDA decode", kernels_kda_decode), ("MLA decode", kernels_mla), ("routed experts", kernels_moe),
-                      ("norms, routing, expert alignment", kernels_small)):
+                      ("norms, routing, expert alignment, AttnRes", kernels_small)):
         print(f"\n## {name}\n", flush=True)
         try:
             mod.main()

@@ -1,8 +1,8 @@
 """The small fused decode-path kernels on the GPU ([gpu-kernels]; not a CI test): RMSNorm, residual
-add + RMSNorm, the GLU activation, MoE routing and expert alignment, each checked against its
-torch form on fresh random inputs and timed next to it at decode sizes. They are launch-bound: the
-figure that matters is microseconds per call (one launch instead of ~6 / ~10 / ~7 / ~20), with
-bytes / copy ceiling shown for the norms.
+add + RMSNorm, the GLU activation, MoE routing and expert alignment, the AttnRes mixer, each
+checked against its torch form on fresh random inputs and timed next to it at decode sizes. They
+are launch- and latency-bound: the figure that matters is microseconds per call (one launch
+instead of ~6 / ~10 / ~7 / ~20), with bytes / copy ceiling shown for the norms and the mixer.
 
 Usage: python -m bench.kernels_small [--set module.CONST=value,...] [--route-warps | --attn-res [OLD_KERNEL_FILE]]
   --route-warps: only the route kernel at each warp count
@@ -91,6 +91,8 @@ def main() -> None:
         t_ours = _us(lambda: sort_by_expert(ids, E, 16))
         t_ref = _us(lambda: sort_by_expert_torch(ids, E, 16))
         print(f"| expert alignment | {T * K} assignments, {E} experts | {t_ours:.1f} | {t_ref:.1f} | {check} |")
+    print()
+    attn_res(None)
 
 
 def route_warps() -> None:
