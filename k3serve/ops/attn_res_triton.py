@@ -42,8 +42,8 @@ KEEP_LAST_ROWS = 8
 @triton.jit
 def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stride_out_t, stride_delta_t, M, D, eps,
                      HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
-                     CHUNK_ROWS: tl.constexpr, KEEP_LAST: tl.constexpr, HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
-                     USE_PDL: tl.constexpr = False):
+                     CHUNK_ROWS: tl.constexpr, KEEP_LAST: tl.constexpr, HAS_DELTA: tl.constexpr = False,
+                     RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """One token: sources 0 .. M-2 as [BLOCK_M, CHUNK] tiles, source M-1 (the partial; with
     HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector."""
     pdl_start(USE_PDL)
