@@ -117,6 +117,19 @@ def route_warps() -> None:
     moe_triton.ROUTE_WARPS = saved
 
 
+def mixer_source_counts(num_layers: int, block_size: int) -> list[int]:
+    """How many sources each AttnRes mixer of a forward pass reads (token and channel mixer of every
+    layer, then the final one), from the model's own bookkeeping (``AttnResState``) on CPU."""
+    from k3serve.model.attn_res import AttnResState
+
+    res = AttnResState(torch.zeros(1, 1), block_size, num_layers, use_buffer=True, defer=False)
+    counts, out = [], torch.zeros(1, 1)
+    for layer in range(num_layers):
+        counts.append(len(res.token_mixer_sources(layer, out if layer else None)))
+        counts.append(len(res.channel_mixer_sources(layer, out)))
+    return counts + [len(res.final_sources(out))]
+
+
 def attn_res(old_file: str | None) -> None:
     """The fused AttnRes mixer at K3's width (7,168) over 2 / 9 / 16 sources (a block's start, its
     middle, K3's last layers) next to the torch form (mixer + RMSNorm) and, given a file, another
@@ -159,6 +172,18 @@ def attn_res(old_file: str | None) -> None:
             gb = (M + 1) * T * D * 2 / 1e9
             print(f"| {M} x {T} x {D} | {t_ours:.1f} ({gb / t_ours * 1e3 / copy * 100:.0f} %) | {t_ref:.1f} | {t_old} "
                   f"| {err(ours()):.1e} | {e_old} |", flush=True)
+    # the whole K3 (93 layers, blocks of 12): every mixer at its own source count
+    counts = mixer_source_counts(93, 12)
+    q, out_w = torch.randn(D, device="cuda", generator=g), torch.rand(D, device="cuda", generator=g).bfloat16() + 0.5
+    print(f"\n| K3's {len(counts)} mixers, tokens | us a step | us a layer, mean | layers 0-47 / 48-92 |\n|---|---|---|---|")
+    for T in (1, 16, 64):
+        us = {}
+        for M in sorted(set(counts)):
+            src = torch.randn(M, T, D, device="cuda", generator=g).bfloat16()
+            us[M] = _us(lambda: attn_res_mix(src, q, 1e-5, out_w, torch.bfloat16))
+        per_mixer = [us[M] for M in counts]
+        print(f"| {T} | {sum(per_mixer):.0f} | {sum(per_mixer) / 93:.1f} | {sum(per_mixer[:96]) / 48:.1f} / "
+              f"{sum(per_mixer[96:-1]) / 45:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

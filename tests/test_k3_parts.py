@@ -109,6 +109,21 @@ def test_attn_res_serving_buffer_keeps_the_same_sources_as_the_list_form(num_lay
     assert torch.equal(mixer(listed._sources()), mixer(buffered._sources()))
 
 
+def test_attn_res_source_counts_of_k3_follow_the_spec():
+    """model-spec §2.7 for K3 (93 layers, blocks of 12): 8 stored blocks, the final mix over 9 sources
+    (8 blocks + the partial of layers 84..92), at most 9 anywhere, the first token mixer over the
+    embedding alone; a block start's token mixer reads the blocks only, its channel mixer one more
+    (the new partial). bench/kernels_small.py times the mixer at these counts."""
+    from bench.kernels_small import mixer_source_counts
+
+    counts = mixer_source_counts(93, 12)
+    assert len(counts) == 2 * 93 + 1 and counts[0] == 1 and counts[-1] == 9 and max(counts) == 9
+    for layer in range(93):
+        token, channel = counts[2 * layer], counts[2 * layer + 1]
+        n = layer // 12
+        assert token == (n + 1 if layer % 12 == 0 else n + 2) and channel == n + 2, layer
+
+
 @pytest.mark.parametrize("num_layers,block", [(6, 2), (7, 3), (5, 1)])
 def test_attn_res_deferred_partial_updates_reach_the_mixers_unchanged(num_layers, block):
     """Serving may leave each partial update (add, or copy at a block start) to the next mixer
