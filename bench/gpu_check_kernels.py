@@ -417,7 +417,7 @@ def main() -> int:
         check_combine(T, 8, 2304, False, gen)  # kimi-linear: shared experts added
     check_combine(16, 16, 3584, True, gen)  # K3 latent: the latent norm
     for M, T, D in ((1, 2, 7168), (2, 1, 7168), (5, 7, 7168), (9, 1, 7168), (9, 64, 7168), (16, 3, 7168),
-                    (9, 300, 200), (4, 5, 2304)):  # K3's width (2 / 4 / 7 chunks at 2 / 5 / 9 sources), others
+                    (9, 300, 200), (4, 5, 2304)):  # K3's width (1 / 1 / 2 chunks at 2 / 5 / 9 sources), others
         check_attn_res_partial(M, T, D, gen)
     check_mla_prefill(32, 0, 2048, gen)
     check_mla_prefill(32, 700, 300, gen)

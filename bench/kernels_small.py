@@ -131,9 +131,10 @@ def mixer_source_counts(num_layers: int, block_size: int) -> list[int]:
 
 
 def attn_res(old_file: str | None) -> None:
-    """The fused AttnRes mixer at K3's width (7,168) over 2 / 9 / 16 sources (a block's start, its
-    middle, K3's last layers) next to the torch form (mixer + RMSNorm) and, given a file, another
-    version of the kernel module. Bytes: every source row read once, the bf16 output written."""
+    """The fused AttnRes mixer at K3's width (7,168) over 2 / 5 / 9 / 16 sources (K3's mixers read 1
+    to 9) next to the torch form (mixer + RMSNorm) and, given a file, another version of the kernel
+    module; bytes: every source row read once, the bf16 output written. Then the sum over K3's 187
+    mixers, each at its own source count, a step and a layer."""
     import importlib.util
 
     from k3serve.model.attn_res import AttnResMixer
