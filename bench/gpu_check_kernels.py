@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
-from k3serve.ops import mla_ref
+from k3serve.ops import attn_res_triton, mla_ref
 from k3serve.ops.attn_res_triton import attn_res_mix
 from k3serve.ops.gemv_triton import GEMV_CONFIGS, gemv
 from k3serve.ops.kda import kda_core
@@ -168,19 +168,21 @@ def check_attn_res_partial(M: int, T: int, D: int, gen: torch.Generator) -> None
     q, w = torch.randn(D, generator=gen, device=DEV), torch.rand(D, generator=gen, device=DEV) + 0.5
     buf = torch.randn(M, T, D, generator=gen, device=DEV).bfloat16()
     delta = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    split = attn_res_triton.split_shape(M, D, T, buf.device)
+    split = f" split {split['SPLIT']} x {split['COLS']}" if split else ""
     for reset in (False, True):
         first = buf.clone()
         (first[-1].copy_ if reset else first[-1].add_)(delta)
         expect = attn_res_mix(first, q, 1e-5, w, torch.bfloat16)
         fused = buf.clone()
         got = attn_res_mix(fused, q, 1e-5, w, torch.bfloat16, (delta, reset))
-        record("AttnRes mix + partial update (1 = differs from update first)", f"M={M} T={T} D={D} reset={reset}",
+        record("AttnRes mix + partial update (1 = differs from update first)", f"M={M} T={T} D={D} reset={reset}{split}",
                float(not (torch.equal(fused, first) and torch.equal(got, expect))), 0.0)
         v = first.double()  # the mix in float64: scores of the key-normed sources, softmax, sum, RMSNorm
         score = (v * q.double()).sum(-1) / torch.sqrt((v * v).mean(-1) + 1e-5)
         mix = (torch.softmax(score, 0)[..., None] * v).sum(0)
         ref = mix / torch.sqrt((mix * mix).mean(-1, keepdim=True) + 1e-5) * w.double()
-        record("AttnRes mix vs float64 (bf16 output)", f"M={M} T={T} D={D} reset={reset}", rel(got.double(), ref), 1e-2)
+        record("AttnRes mix vs float64 (bf16 output)", f"M={M} T={T} D={D} reset={reset}{split}", rel(got.double(), ref), 1e-2)
 
 
 def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
@@ -415,10 +417,17 @@ def main() -> int:
     check_gated_norm(3, 96, 128, gen)
     for T in (1, 64, 8192):
         check_combine(T, 8, 2304, False, gen)  # kimi-linear: shared experts added
-    check_combine(16, 16, 3584, True, gen)  # K3 latent: the latent norm
-    for M, T, D in ((1, 2, 7168), (2, 1, 7168), (5, 7, 7168), (9, 1, 7168), (9, 64, 7168), (16, 3, 7168),
-                    (9, 300, 200), (4, 5, 2304)):  # K3's width (1 / 1 / 2 chunks at 2 / 5 / 9 sources), others
-        check_attn_res_partial(M, T, D, gen)
+    for T in (1, 16, 300):
+        check_combine(T, 16, 3584, True, gen)  # K3 latent: the latent norm (14 column blocks a row)
+    # K3's width: a few tokens' rows split between programs (up to attn_res_triton.SPLIT_TOKENS, 28 programs
+    # of 256 columns a row), more a program a token (1 / 1 / 2 chunks at 2 / 5 / 9 sources); others.
+    # Each shape split wherever it may be and never (SPLIT_MIN_SOURCES 1 / 17).
+    min_sources = attn_res_triton.SPLIT_MIN_SOURCES
+    for attn_res_triton.SPLIT_MIN_SOURCES in (1, 17):
+        for M, T, D in ((1, 2, 7168), (2, 1, 7168), (5, 7, 7168), (9, 1, 7168), (9, 4, 7168), (9, 16, 7168),
+                        (9, 64, 7168), (16, 3, 7168), (9, 300, 200), (4, 5, 2304), (3, 33, 7168)):
+            check_attn_res_partial(M, T, D, gen)
+    attn_res_triton.SPLIT_MIN_SOURCES = min_sources
     check_mla_prefill(32, 0, 2048, gen)
     check_mla_prefill(32, 700, 300, gen)
     check_mla_prefill(96, 0, 37, gen)

@@ -150,7 +150,7 @@ def attn_res(old_file: str | None) -> None:
     D = 7168
     print(f"copy {copy:.2f} TB/s\n\n| AttnRes mix | sources x tokens x D | ours us (% copy) | torch us | other file us "
           f"| rel err vs fp32 | other file rel err |\n|---|---|---|---|---|---|---|")
-    for M, T in ((2, 1), (5, 1), (9, 1), (16, 1), (9, 16), (9, 64), (9, 256), (9, 4096)):
+    for M, T in ((2, 1), (5, 1), (6, 1), (9, 1), (16, 1), (9, 2), (9, 4), (9, 16), (9, 64), (9, 256), (9, 4096)):
         mixer = AttnResMixer(D, 1e-6, torch.float32, "cuda")
         mixer.proj.data.copy_(torch.randn(1, D, device="cuda", generator=g))
         mixer.norm.data.uniform_(0.5, 1.5, generator=g)
@@ -177,7 +177,7 @@ def attn_res(old_file: str | None) -> None:
     counts = mixer_source_counts(93, 12)
     q, out_w = torch.randn(D, device="cuda", generator=g), torch.rand(D, device="cuda", generator=g).bfloat16() + 0.5
     print(f"\n| K3's {len(counts)} mixers, tokens | us a step | us a layer, mean | layers 0-47 / 48-92 |\n|---|---|---|---|")
-    for T in (1, 16, 64):
+    for T in (1, 4, 16, 64):
         us = {}
         for M in sorted(set(counts)):
             src = torch.randn(M, T, D, device="cuda", generator=g).bfloat16()

@@ -18,13 +18,20 @@ SCRIPT = textwrap.dedent('''
     from k3serve.ops.attn_res_triton import attn_res_mix
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    # the whole row in one chunk, then (a small TILE) several chunks, the last one part padding;
-    # pass 1's last chunk reused in pass 2 (few tokens, up to 8 blocks) or read again (16 / 130)
+    # a program a token: the whole row in one chunk, then (a small TILE) several chunks, the last
+    # one part padding; pass 1's last chunk reused in pass 2 (few tokens, up to 8 blocks) or read
+    # again (16 / 130). Then (split) a few tokens' rows split between programs of 32 columns.
     cases = [(1, 3, 64), (2, 5, 96), (5, 7, 128), (9, 4, 200), (16, 2, 300), (3, 130, 64)]
-    for tile, (M, T, D) in [(16384, c) for c in cases] + [(64, c) for c in cases]:
+    for split, tile, (M, T, D) in [(False, 16384, c) for c in cases] + [(False, 64, c) for c in cases] + \
+            [(True, 16384, c) for c in cases]:
         attn_res_triton.TILE = attn_res_triton.TILE_FEW_TOKENS = tile
+        attn_res_triton.SPLIT_TOKENS, attn_res_triton.SPLIT_MIN_COLS = (32, 32) if split else (0, 256)
+        attn_res_triton.SPLIT_MIN_SOURCES = 1
         shape = attn_res_triton.launch_shape(M, D, T)
         assert (shape["N_CHUNKS"] > 1) == (tile == 64), shape
+        programs = attn_res_triton.split_shape(M, D, T, torch.device("cpu"))
+        assert (programs is not None) == (split and T <= 32), programs
+        assert programs is None or programs["SPLIT"] == -(-D // 32)
         mixer = AttnResMixer(D, 1e-5, torch.float32)
         mixer.proj.data.copy_(torch.randn(1, D, generator=gen))
         mixer.norm.data.copy_(torch.rand(D, generator=gen) + 0.5)
@@ -46,6 +53,9 @@ SCRIPT = textwrap.dedent('''
         # and torch round to nearest: the reference here truncates too; bench/gpu_check_kernels.py
         # checks the GPU against torch's add.)
         buf = torch.stack(src).bfloat16()
+        ref_buf = rms_norm(mixer(list(buf.float())), out_w, 1e-5, torch.float32)  # bf16 sources, fp32 output
+        got_buf = attn_res_mix(buf, mixer.folded_query(), 1e-5, out_w)
+        worst = max(worst, ((got_buf - ref_buf).norm() / ref_buf.norm()).item())
         delta = torch.randn(T, D, generator=gen).bfloat16()
         for reset in (False, True):
             first = buf.clone()

@@ -325,7 +325,8 @@ COMBINE_SCRIPT = textwrap.dedent('''
     worst = 0.0
     for T, top_k, D, use_norm, use_add, dtype in [(5, 2, 48, False, False, None), (3, 4, 100, True, False, torch.float32),
                                                   (4, 8, 64, False, True, torch.float32), (2, 3, 96, True, True, torch.bfloat16),
-                                                  (2, 2, 1100, False, True, torch.float32), (2, 2, 1100, True, False, None)]:
+                                                  (2, 2, 1100, False, True, torch.float32), (2, 2, 1100, True, False, None),
+                                                  (3, 16, 3584, True, True, torch.bfloat16)]:  # K3's latent: 14 blocks a row
         y = torch.randn(T * top_k, D, generator=gen)
         norm = None
         if use_norm:

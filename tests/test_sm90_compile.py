@@ -482,3 +482,46 @@ def test_attn_res_kernel_keeps_k3_rows_in_registers(sources, tokens):
     sass = sass_text(kernel)
     assert "STL" not in sass and "LDL" not in sass
     assert "griddepcontrol.wait" in kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_token(tokens):
+    """The split mixer at K3's width and 16 sources (the most it takes), at the shapes a decode
+    step launches (1 and 4 tokens, SPLIT_TOKENS: 256 columns a program): no spill, the Gram
+    matrix through the tensor cores, the barrier's atomics (ops/tickets.py wait_all), and the other
+    programs' parts read past L1 (.cg), the PDL wait first."""
+    import torch
+
+    from bench.sass_mix import sass_text
+    from k3serve.ops import attn_res_triton
+
+    shape = attn_res_triton.split_shape(16, 7168, tokens, torch.device("cpu"))
+    assert shape is not None and shape["COLS"] == 256
+    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
+            "TICKETS": "*i32"}
+    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
+    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
+                  **shape)
+    kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
+                      (*ptrs, *(n for n in scalars if n != "M")), num_warps=max(4, min(16, shape["COLS"] // 128)))
+    sass, ptx = sass_text(kernel), kernel.asm["ptx"]
+    assert "STL" not in sass and "LDL" not in sass
+    assert "HMMA" in sass
+    # the arrival a release add, the spin acquire loads (an add of 0), the leaving a relaxed add
+    assert re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx) and "ld.global.gpu.acquire" in ptx
+    assert "atom.global.gpu.relaxed.add" in ptx
+    assert "ld.global.cg" in ptx
+    assert ptx.find("griddepcontrol.wait") < ptx.find("ld.global")
+
+
+def test_combine_normalised_in_column_blocks_compiles_for_sm90():
+    """K3's latent combine split in column blocks (16 expert rows, 3,584 columns): the token's
+    last block (a ticket) normalises the row from the parts, read past L1."""
+    ptrs = {"Y": "*fp32", "NORM_W": "*bf16", "ADD": "*fp32", "OUT": "*bf16", "PART": "*fp32", "TICKETS": "*i32"}
+    consts = dict(TOP_K=16, NORM=True, HAS_ADD=False, BLOCK=moe_triton.COMBINE_NORM_BLOCK,
+                  SPLIT=-(-3584 // moe_triton.COMBINE_NORM_BLOCK), ROW=4096, USE_PDL=True)
+    kernel = _compile(moe_triton._combine_kernel, ptrs, {"D": "i32", "stride_add": "i32", "eps": "fp32"}, consts,
+                      (*ptrs, "D"), num_warps=4)
+    ptx = kernel.asm["ptx"]
+    assert "ld.global.cg" in ptx and "atom.global.gpu.acq_rel.add" in ptx
+    assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]

@@ -10,6 +10,11 @@ still be owed to), is a vector of its own, so K3's 9 sources tile as 8 + 1. Two 
 chunks: the scores, then the mix (the sources re-read from L1 / L2 but for the last chunk, still in
 registers), the whole mixed row kept in registers until its RMSNorm is known and it is stored.
 
+A program a token waits on one memory round trip a chunk and pass; from 6 sources (2 chunks at
+K3's width) a decode step's few tokens instead split each row between programs, one an SM, that
+meet at a barrier (``_attn_res_split_kernel``): one read of the sources whatever their count (9
+sources x 1 token 9.8 -> 7.9 us), the barrier's cost on top (2 sources: 5.1 against 7.3 us).
+
 Reference: ``model.attn_res.AttnResMixer`` + ``model.layers.rms_norm``. Checked on CPU with
 ``TRITON_INTERPRET=1`` (tests/test_attn_res_triton.py).
 """
@@ -21,7 +26,9 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .autotune import interpreted, sm_count
 from .pdl import pdl_start
+from .tickets import leave_all, tickets, wait_all
 
 # Elements of a [blocks, CHUNK] tile. Up to FEW_TOKENS tokens a program is alone on its SM: fewer,
 # longer chunks (2 / 5 / 9 sources at K3's width 5.1 / 5.9 / 10.3 us against 6.1 / 8.5 / 12.0 with
@@ -37,6 +44,14 @@ MAX_CHUNK = 8192  # (16 warps, two 16-byte loads a row)
 # at 256 / 4,096 tokens the registers cost occupancy (26.8 / 335 against 21.8 / 249).
 KEEP_LAST = True
 KEEP_LAST_ROWS = 8
+# Up to SPLIT_TOKENS tokens and from SPLIT_MIN_SOURCES sources, a token's row is split between
+# programs (``_attn_res_split_kernel``), as many as fit the SMs one each, of at least SPLIT_MIN_COLS
+# and at most SPLIT_MAX_COLS columns; more tokens, fewer sources (or a row that would not split) take
+# a program each. SPLIT_TOKENS 0: never split (A/B timing).
+SPLIT_TOKENS = 4
+SPLIT_MIN_SOURCES = 6
+SPLIT_MIN_COLS = 256
+SPLIT_MAX_COLS = 2048
 
 
 @triton.jit
@@ -99,6 +114,64 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
 
 
 @triton.jit
+def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_m, stride_src_t, stride_out_t,
+                           stride_delta_t, M, D, eps, HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                           COLS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr, IEEE: tl.constexpr,
+                           HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
+                           USE_PDL: tl.constexpr = False):
+    """Program (column block, token): its COLS columns of all M sources in registers; their dots
+    with the query and their Gram matrix (bf16 products exact, fp32 sums) to PART; a barrier among
+    the token's SPLIT programs; then each sums the parts in a fixed order (so all agree): the
+    scores (the Gram's diagonal holds the sources' squares), the softmax, and the mix's sum of
+    squares p' G p, which is what the norm needs: the row's total without a second barrier. Its
+    own columns mixed and stored. PHASE 0: all of it; 1 / 2: before / after the barrier, as two
+    launches (Triton's interpreter runs programs one by one: a barrier would never open)."""
+    pdl_start(USE_PDL)
+    s = tl.program_id(0)
+    t = tl.program_id(1)
+    mm = tl.arange(0, BLOCK_M)
+    cols = s * COLS + tl.arange(0, COLS)
+    src = SRC + t * stride_src_t
+    v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D,
+                               HAS_DELTA and PHASE != 2, RESET)
+    v = tl.where(mm[:, None] == M - 1, last[None, :], v)  # all M sources, rows M .. BLOCK_M - 1 zero
+    part = PART + t * SPLIT * BLOCK_M * (BLOCK_M + 1)
+    gg = mm[:, None] * BLOCK_M + mm[None, :]
+    if PHASE != 2:
+        if HAS_DELTA:
+            tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
+        qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
+        if IEEE:
+            gram = tl.dot(v, tl.trans(v), input_precision="ieee")
+        else:
+            vs = v.to(SRC.dtype.element_ty)  # (exact: the sources' own values)
+            gram = tl.dot(vs, tl.trans(vs), out_dtype=tl.float32)
+        mine = part + s * BLOCK_M * (BLOCK_M + 1)
+        tl.store(mine + gg, gram)
+        tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
+        if PHASE == 0:
+            wait_all(TICKETS, t, SPLIT)
+    if PHASE != 1:
+        gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
+        dot = tl.zeros([BLOCK_M], tl.float32)
+        for j in tl.static_range(SPLIT):  # a fixed order; unrolled, the loads in flight together
+            gram += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + gg, cache_modifier=".cg")
+            dot += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
+        sq = tl.sum(tl.where(mm[:, None] == mm[None, :], gram, 0.0), 1)
+        score = tl.where(mm < M, dot / tl.sqrt(sq / D + eps), float("-inf"))
+        p = tl.exp(score - tl.max(score, 0))
+        p = p / tl.sum(p, 0)
+        mix = tl.sum(p[:, None] * v, 0)
+        if HAS_OUT_NORM:
+            total = tl.sum(tl.sum(p[:, None] * gram * p[None, :], 1), 0)
+            mix = mix / tl.sqrt(tl.maximum(total, 0.0) / D + eps) * tl.load(OUTW + cols, mask=cols < D,
+                                                                             other=0.0).to(tl.float32)
+        tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
+        if PHASE == 0:
+            leave_all(TICKETS, t, SPLIT)
+
+
+@triton.jit
 def _chunk(src, delta, stride_src_m, mm, cols, M, D, HAS_DELTA: tl.constexpr, RESET: tl.constexpr):
     """Columns ``cols`` of the sources in fp32: the [BLOCK_M, CHUNK] tile of sources 0 .. M-2, the
     last source's vector (with HAS_DELTA its updated value, rounded to the sources' dtype) and that
@@ -132,6 +205,20 @@ def launch_shape(M: int, D: int, T: int) -> dict:
                 KEEP_LAST=int(KEEP_LAST and block_m <= KEEP_LAST_ROWS and T <= FEW_TOKENS), num_warps=warps)
 
 
+def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
+    """Columns a program and programs a token where a token's row is split (None: a program a
+    token): the fewest columns (a power of two) that put the T x SPLIT programs on the SMs, one
+    each, which the barrier needs (all resident at once)."""
+    if T > SPLIT_TOKENS or M > 16 or M < SPLIT_MIN_SOURCES:
+        return None
+    sms, cols = sm_count(device), SPLIT_MIN_COLS
+    while T * triton.cdiv(D, cols) > sms:
+        cols *= 2
+    if cols > SPLIT_MAX_COLS or cols >= D:
+        return None
+    return dict(COLS=cols, SPLIT=triton.cdiv(D, cols))
+
+
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None = None,
                  out_dtype=torch.float32, partial_update: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
     """sources [M, T, d] (M <= 16); query [d]: the pseudo-query times the key-norm weight
@@ -148,6 +235,21 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     if delta.stride(-1) != 1:
         delta = delta.contiguous()
     out = torch.empty(T, D, dtype=out_dtype, device=sources.device)
+    split = split_shape(M, D, T, sources.device)
+    if split is not None:
+        cols, n = split["COLS"], split["SPLIT"]
+        part = torch.empty(T, n, 16, 17, dtype=torch.float32, device=sources.device)
+        # (interpreted: the barrier's two sides as two launches, the partial's update in the first;
+        # the Gram in fp32, the interpreter's bf16 dot being wrong)
+        for phase, has_delta in ((1, partial_update is not None), (2, False)) if interpreted() else \
+                ((0, partial_update is not None),):
+            _attn_res_split_kernel[(n, T)](
+                sources, query, out_norm if out_norm is not None else query, out, delta, part,
+                tickets(sources.device, T), sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D,
+                eps, HAS_OUT_NORM=out_norm is not None, BLOCK_M=16, COLS=cols, SPLIT=n, PHASE=phase,
+                IEEE=sources.dtype == torch.float32 or interpreted(), HAS_DELTA=has_delta, RESET=reset,
+                num_warps=max(4, min(16, cols // 128)), **pdl.launch(out.device))
+        return out
     _attn_res_kernel[(T,)](sources, query, out_norm if out_norm is not None else query, out, delta, sources.stride(0),
                            sources.stride(1), out.stride(0), delta.stride(0), M, D, eps,
                            HAS_OUT_NORM=out_norm is not None, HAS_DELTA=partial_update is not None, RESET=reset,

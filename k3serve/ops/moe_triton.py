@@ -27,6 +27,7 @@ from .autotune import autotuned, interpreted
 from .expert_sort import one_row_blocks, sort_by_expert, sort_by_expert_sizes
 from .glu_triton import glu
 from .pdl import pdl_start
+from .tickets import last_arrival, tickets
 
 
 @triton.jit
@@ -956,29 +957,57 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
 
 
 @triton.jit
-def _combine_kernel(Y, NORM_W, ADD, OUT, D, stride_add, eps, TOP_K: tl.constexpr, NORM: tl.constexpr,
-                    HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """The rows' loop is unrolled (TOP_K a constant), so all their loads are in flight at once (a
-    kimi-linear batch-1 step: 0.034 ms of combines instead of 0.051, RESULTS.md tenth session)."""
+def _combine_kernel(Y, NORM_W, ADD, OUT, PART, TICKETS, D, stride_add, eps, TOP_K: tl.constexpr, NORM: tl.constexpr,
+                    HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 1, ROW: tl.constexpr = 1,
+                    USE_PDL: tl.constexpr = False):
+    """Program (token, column block). The rows' loop is unrolled (TOP_K a constant), so all their
+    loads are in flight at once (a kimi-linear batch-1 step: 0.034 ms of combines instead of 0.051,
+    RESULTS.md tenth session). With NORM and SPLIT column blocks a row, each block's sum and sum of
+    squares go to PART ([T, D + SPLIT] fp32) and the token's last block (ops/tickets.py) normalises
+    the whole row from there (ROW: D padded to a power of two)."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # the norm needs the whole row: one block then
+    block = tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(Y + (t * TOP_K + j) * D + cols, mask=mask, other=0.0)
+    if NORM and SPLIT > 1:
+        part = PART + t * (D + SPLIT)
+        tl.store(part + cols, acc, mask=mask)
+        tl.store(part + D + block, tl.sum(acc * acc, 0))
+        if last_arrival(TICKETS, t, SPLIT):
+            sq = 0.0
+            for s in tl.static_range(SPLIT):  # a fixed order; unrolled, the loads in flight together
+                sq += tl.load(part + D + s, cache_modifier=".cg")
+            row = tl.arange(0, ROW)
+            row_acc = tl.load(part + row, mask=row < D, other=0.0, cache_modifier=".cg")
+            _combine_store(row_acc, sq, NORM_W, ADD, OUT, t, row, row < D, D, stride_add, eps, NORM, HAS_ADD)
+    else:
+        _combine_store(acc, tl.sum(acc * acc, 0), NORM_W, ADD, OUT, t, cols, mask, D, stride_add, eps, NORM, HAS_ADD)
+
+
+@triton.jit
+def _combine_store(acc, sq, NORM_W, ADD, OUT, t, cols, mask, D, stride_add, eps, NORM: tl.constexpr,
+                   HAS_ADD: tl.constexpr):
+    """The columns ``cols`` of the token's combined row: normalised (its sum of squares ``sq``), the
+    shared experts' output added, rounded once."""
     if NORM:
-        acc = acc / tl.sqrt(tl.sum(acc * acc, 0) / D + eps) * tl.load(NORM_W + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = acc / tl.sqrt(sq / D + eps) * tl.load(NORM_W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_ADD:
         acc += tl.load(ADD + t * stride_add + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + t * D + cols, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
-# Warps of a combine program that normalises a whole row (K3's latent norm: one program a token, 16
-# expert rows of 3,584 columns); None: 4 up to 4,096 columns, else 8. Compiled for sm_90 (Triton 3.6)
-# that program holds 205 registers on 4 warps, too few for its 512 loads a thread to be in flight
-# together, and 64 on 16; the k3-slice timeline charges it 14.5 us a call at batch 1 (kimi-linear's
-# unnormalised combine: ~1 us). Not yet timed with more warps: bench/ab/k3_combine.txt.
+# Columns a combine program takes when the row is normalised (K3's latent norm: 16 expert rows of
+# 3,584 columns a token), the token's last block normalising the row. One program a token read all
+# 16 rows alone: 205 registers on 4 warps, too few for its 512 loads a thread to be in flight
+# together; the k3-slice timeline charged it 14.5 us a call at batch 1, and 8 or 16 warps did not
+# help (RESULTS.md twenty-seventh session). 0: one program a token (A/B timing).
+COMBINE_NORM_BLOCK = 256
+# Warps of a combine program that normalises a whole row alone (COMBINE_NORM_BLOCK = 0); None: 4 up
+# to 4,096 columns, else 8.
 COMBINE_NORM_WARPS: int | None = None
 
 
@@ -996,12 +1025,18 @@ def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | 
     if T:
         w = norm.weight if norm is not None else y
         a = add if add is not None else y
-        # Without the norm, column blocks of 512 spread a decode step's few rows over more SMs
-        # (one program per row took 7 us a layer at batch 1 on kimi-linear, RESULTS.md sixth session).
-        block = triton.next_power_of_2(D) if norm is not None else min(512, triton.next_power_of_2(D))
-        _combine_kernel[(T, triton.cdiv(D, block))](
-            y, w, a, out, D, a.stride(0), float(norm.eps) if norm is not None else 0.0, TOP_K=top_k,
-            NORM=norm is not None, HAS_ADD=add is not None, BLOCK=block,
-            num_warps=(norm is not None and COMBINE_NORM_WARPS) or (4 if block <= 4096 else 8),
+        # Column blocks of 512 spread a decode step's few rows over more SMs (one program per row took
+        # 7 us a layer at batch 1 on kimi-linear, RESULTS.md sixth session); with the norm, blocks of
+        # COMBINE_NORM_BLOCK, the row's last one normalising it.
+        row = triton.next_power_of_2(D)
+        block = min(512, row) if norm is None else min(COMBINE_NORM_BLOCK or row, row)
+        split = triton.cdiv(D, block)
+        norm_split = norm is not None and split > 1
+        part = torch.empty(T, D + split, dtype=torch.float32, device=y.device) if norm_split else y
+        _combine_kernel[(T, split)](
+            y, w, a, out, part, tickets(y.device, T) if norm_split else part, D, a.stride(0),
+            float(norm.eps) if norm is not None else 0.0, TOP_K=top_k, NORM=norm is not None, HAS_ADD=add is not None,
+            BLOCK=block, SPLIT=split if norm_split else 1, ROW=row if norm_split else 1,
+            num_warps=(norm is not None and not norm_split and COMBINE_NORM_WARPS) or (4 if block <= 4096 else 8),
             **pdl.launch(out.device))
     return out
