@@ -402,6 +402,8 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
 def main() -> int:
     """Every check; ``--no-gluon``: all but the Gluon kernels' rows; ``--gluon FAMILY``: one
     family of those alone."""
+    from bench import check_attn_res
+
     gen = torch.Generator(device=DEV).manual_seed(0)
     print(torch.cuda.get_device_name(), "\n| check | shape | rel err | tol | |\n|---|---|---|---|---|")
     args = sys.argv[1:]
@@ -419,15 +421,7 @@ def main() -> int:
         check_combine(T, 8, 2304, False, gen)  # kimi-linear: shared experts added
     for T in (1, 16, 300):
         check_combine(T, 16, 3584, True, gen)  # K3 latent: the latent norm (14 column blocks a row)
-    # K3's width: a few tokens' rows split between programs (up to attn_res_triton.SPLIT_TOKENS, 28 programs
-    # of 256 columns a row), more a program a token (1 / 1 / 2 chunks at 2 / 5 / 9 sources); others.
-    # Each shape split wherever it may be and never (SPLIT_MIN_SOURCES 1 / 17).
-    min_sources = attn_res_triton.SPLIT_MIN_SOURCES
-    for attn_res_triton.SPLIT_MIN_SOURCES in (1, 17):
-        for M, T, D in ((1, 2, 7168), (2, 1, 7168), (5, 7, 7168), (9, 1, 7168), (9, 4, 7168), (9, 16, 7168),
-                        (9, 64, 7168), (16, 3, 7168), (9, 300, 200), (4, 5, 2304), (3, 33, 7168)):
-            check_attn_res_partial(M, T, D, gen)
-    attn_res_triton.SPLIT_MIN_SOURCES = min_sources
+    check_attn_res.run(check_attn_res_partial, gen)  # (split between programs and not)
     check_mla_prefill(32, 0, 2048, gen)
     check_mla_prefill(32, 700, 300, gen)
     check_mla_prefill(96, 0, 37, gen)

@@ -489,7 +489,7 @@ def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_to
     """The split mixer at K3's width and 16 sources (the most it takes), at the shapes a decode
     step launches (1 and 4 tokens, SPLIT_TOKENS: 256 columns a program): no spill, the Gram
     matrix through the tensor cores, the barrier's atomics (ops/tickets.py wait_all), and the other
-    programs' parts read past L1 (.cg), the PDL wait first."""
+    programs' parts read past L1 (.cg), only the weights read before the PDL wait."""
     import torch
 
     from bench.sass_mix import sass_text
@@ -501,7 +501,7 @@ def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_to
             "TICKETS": "*i32"}
     scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
     consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
-                  **shape)
+                  TRACE=None, **shape)
     kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
                       (*ptrs, *(n for n in scalars if n != "M")), num_warps=max(4, min(16, shape["COLS"] // 128)))
     sass, ptx = sass_text(kernel), kernel.asm["ptx"]
@@ -511,7 +511,9 @@ def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_to
     assert re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx) and "ld.global.gpu.acquire" in ptx
     assert "atom.global.gpu.relaxed.add" in ptx
     assert "ld.global.cg" in ptx
-    assert ptx.find("griddepcontrol.wait") < ptx.find("ld.global")
+    # before the PDL wait only the static weights' two loads (the query, the norm weight), no store
+    before_wait = ptx[:ptx.find("griddepcontrol.wait")]
+    assert len(re.findall(r"ld\.global", before_wait)) == 2 and "st.global" not in before_wait
 
 
 def test_combine_normalised_in_column_blocks_compiles_for_sm90():
@@ -525,3 +527,21 @@ def test_combine_normalised_in_column_blocks_compiles_for_sm90():
     ptx = kernel.asm["ptx"]
     assert "ld.global.cg" in ptx and "atom.global.gpu.acq_rel.add" in ptx
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
+
+
+def test_attn_res_split_trace_reads_the_global_timer():
+    """bench/attn_res_trace.py's stamps: four global-timer reads and stores, none without TRACE."""
+    import torch
+
+    from k3serve.ops import attn_res_triton
+
+    shape = attn_res_triton.split_shape(9, 7168, 1, torch.device("cpu"))
+    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
+            "TICKETS": "*i32"}
+    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
+    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=False, RESET=False, USE_PDL=False,
+                  **shape)
+    for trace in (True, False):
+        kernel = _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},
+                          {**scalars, "eps": "fp32"}, consts if trace else {**consts, "TRACE": None}, num_warps=4)
+        assert kernel.asm["ptx"].count("%globaltimer") == (4 if trace else 0)

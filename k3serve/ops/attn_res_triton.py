@@ -118,19 +118,25 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
                            stride_delta_t, M, D, eps, HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                            COLS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr, IEEE: tl.constexpr,
                            HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
-                           USE_PDL: tl.constexpr = False):
+                           USE_PDL: tl.constexpr = False, TRACE=None):
     """Program (column block, token): its COLS columns of all M sources in registers; their dots
     with the query and their Gram matrix (bf16 products exact, fp32 sums) to PART; a barrier among
     the token's SPLIT programs; then each sums the parts in a fixed order (so all agree): the
     scores (the Gram's diagonal holds the sources' squares), the softmax, and the mix's sum of
     squares p' G p, which is what the norm needs: the row's total without a second barrier. Its
     own columns mixed and stored. PHASE 0: all of it; 1 / 2: before / after the barrier, as two
-    launches (Triton's interpreter runs programs one by one: a barrier would never open)."""
-    pdl_start(USE_PDL)
+    launches (Triton's interpreter runs programs one by one: a barrier would never open). TRACE
+    (bench/attn_res_trace.py): the global timer at the start, the arrival, past the barrier, the end.
+    The query and the norm weight (static: ops/pdl.py) are read before the PDL wait."""
     s = tl.program_id(0)
     t = tl.program_id(1)
-    mm = tl.arange(0, BLOCK_M)
     cols = s * COLS + tl.arange(0, COLS)
+    qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
+    if HAS_OUT_NORM and PHASE != 1:
+        out_w = tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
+    pdl_start(USE_PDL)
+    _trace(TRACE, (t * SPLIT + s) * 4)
+    mm = tl.arange(0, BLOCK_M)
     src = SRC + t * stride_src_t
     v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D,
                                HAS_DELTA and PHASE != 2, RESET)
@@ -140,7 +146,6 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
     if PHASE != 2:
         if HAS_DELTA:
             tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
-        qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
         if IEEE:
             gram = tl.dot(v, tl.trans(v), input_precision="ieee")
         else:
@@ -150,7 +155,9 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
         tl.store(mine + gg, gram)
         tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
         if PHASE == 0:
+            _trace(TRACE, (t * SPLIT + s) * 4 + 1)
             wait_all(TICKETS, t, SPLIT)
+            _trace(TRACE, (t * SPLIT + s) * 4 + 2)
     if PHASE != 1:
         gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
         dot = tl.zeros([BLOCK_M], tl.float32)
@@ -164,11 +171,18 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
         mix = tl.sum(p[:, None] * v, 0)
         if HAS_OUT_NORM:
             total = tl.sum(tl.sum(p[:, None] * gram * p[None, :], 1), 0)
-            mix = mix / tl.sqrt(tl.maximum(total, 0.0) / D + eps) * tl.load(OUTW + cols, mask=cols < D,
-                                                                             other=0.0).to(tl.float32)
+            mix = mix / tl.sqrt(tl.maximum(total, 0.0) / D + eps) * out_w
         tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
         if PHASE == 0:
             leave_all(TICKETS, t, SPLIT)
+            _trace(TRACE, (t * SPLIT + s) * 4 + 3)
+
+
+@triton.jit
+def _trace(TRACE, i):
+    if TRACE is not None:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(TRACE + i, now)
 
 
 @triton.jit
