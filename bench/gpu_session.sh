@@ -50,8 +50,9 @@ case "$1" in
             # then its share of a k3-slice decode step
     step attnres_check 240 python3 bench/gpu_check_kernels.py --no-gluon
     step attnres "$(left 400)" python3 -m bench.kernels_small --attn-res
+    step attnres_trace "$(left 420)" python3 bench/attn_res_trace.py 9 1
     step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
-    tail -3 "$OUT/attnres_check.log"; grep "^|" "$OUT/attnres.log"; grep "kernels, \|_attn_res_kernel" "$OUT/profile_slice.log" ;;
+    tail -3 "$OUT/attnres_check.log"; grep "^|" "$OUT/attnres.log"; tail -8 "$OUT/attnres_trace.log"; grep "kernels, \|_attn_res_kernel" "$OUT/profile_slice.log" ;;
   kernels)  # then where a K3 decode step's time goes, by kernel family (AttnRes share: target < 2 %)
     step kernels 450 python3 -m bench.kernels
     step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
