@@ -12,8 +12,7 @@ import sys
 
 import torch
 
-from k3serve.ops import attn_res_triton, pdl
-from k3serve.ops.tickets import tickets
+from k3serve.ops import attn_res_triton
 
 
 def main() -> None:
@@ -27,16 +26,13 @@ def main() -> None:
     shape = attn_res_triton.split_shape(M, D, T, src.device) or dict(COLS=256, SPLIT=28)
     n = shape["SPLIT"]
     out = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
-    part = torch.empty(T, n, 16, 17, device="cuda")
     trace = torch.zeros(T * n * 4, dtype=torch.int64, device="cuda")
     flush = torch.ones(32 << 20, device="cuda")
+    part = attn_res_triton.split_parts(T, shape, src.device)
     runs = []
     for _ in range(30):
         flush.sum()
-        attn_res_triton._attn_res_split_kernel[(n, T)](
-            src, q, w, out, src[0], part, tickets(src.device, T), src.stride(0), src.stride(1), out.stride(0),
-            src.stride(1), M, D, 1e-5, HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, TRACE=trace,
-            num_warps=max(4, min(16, shape["COLS"] // 128)), **shape, **pdl.launch(src.device))
+        attn_res_triton.launch_split(src, q, 1e-5, w, out, src[0], shape, part, trace=trace)
         torch.cuda.synchronize()
         stamps = trace.view(T * n, 4).double()
         runs.append((stamps - stamps[:, 0].min()) / 1e3)  # us since the earliest start

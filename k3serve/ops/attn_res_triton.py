@@ -52,6 +52,7 @@ SPLIT_TOKENS = 4
 SPLIT_MIN_SOURCES = 6
 SPLIT_MIN_COLS = 256
 SPLIT_MAX_COLS = 2048
+SPLIT_ROWS = 16  # the split kernel's source rows (the Gram's side, the tensor cores' least): at most 16 sources
 
 
 @triton.jit
@@ -223,7 +224,7 @@ def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
     """Columns a program and programs a token where a token's row is split (None: a program a
     token): the fewest columns (a power of two) that put the T x SPLIT programs on the SMs, one
     each, which the barrier needs (all resident at once)."""
-    if T > SPLIT_TOKENS or M > 16 or M < SPLIT_MIN_SOURCES:
+    if T > SPLIT_TOKENS or M > SPLIT_ROWS or M < SPLIT_MIN_SOURCES:
         return None
     sms, cols = sm_count(device), SPLIT_MIN_COLS
     while T * triton.cdiv(D, cols) > sms:
@@ -231,6 +232,28 @@ def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
     if cols > SPLIT_MAX_COLS or cols >= D:
         return None
     return dict(COLS=cols, SPLIT=triton.cdiv(D, cols))
+
+
+def split_parts(T: int, split: dict, device: torch.device) -> torch.Tensor:
+    """The split kernel's parts: each program's Gram matrix and query dots, [T, SPLIT, rows, rows + 1]."""
+    return torch.empty(T, split["SPLIT"], SPLIT_ROWS, SPLIT_ROWS + 1, dtype=torch.float32, device=device)
+
+
+def launch_split(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None,
+                 out: torch.Tensor, delta: torch.Tensor, split: dict, part: torch.Tensor, phase: int = 0,
+                 has_delta: bool = False, reset: bool = False, trace: torch.Tensor | None = None) -> None:
+    """One launch of ``_attn_res_split_kernel`` at ``split`` (``split_shape``), its parts in ``part``
+    (``split_parts``; the two phases of an interpreted run share them); ``trace``: int64
+    [T * SPLIT * 4] for the programs' timer stamps (bench/attn_res_trace.py). The Gram in fp32 for
+    fp32 sources and when interpreted (the interpreter's bf16 dot is wrong)."""
+    M, T, D = sources.shape
+    cols, n = split["COLS"], split["SPLIT"]
+    _attn_res_split_kernel[(n, T)](
+        sources, query, out_norm if out_norm is not None else query, out, delta, part, tickets(sources.device, T),
+        sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D, eps,
+        HAS_OUT_NORM=out_norm is not None, BLOCK_M=SPLIT_ROWS, COLS=cols, SPLIT=n, PHASE=phase,
+        IEEE=sources.dtype == torch.float32 or interpreted(), HAS_DELTA=has_delta, RESET=reset, TRACE=trace,
+        num_warps=max(4, min(16, cols // 128)), **pdl.launch(out.device))
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None = None,
@@ -251,18 +274,11 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     out = torch.empty(T, D, dtype=out_dtype, device=sources.device)
     split = split_shape(M, D, T, sources.device)
     if split is not None:
-        cols, n = split["COLS"], split["SPLIT"]
-        part = torch.empty(T, n, 16, 17, dtype=torch.float32, device=sources.device)
-        # (interpreted: the barrier's two sides as two launches, the partial's update in the first;
-        # the Gram in fp32, the interpreter's bf16 dot being wrong)
+        part = split_parts(T, split, sources.device)
+        # (interpreted: the barrier's two sides as two launches, the partial's update in the first)
         for phase, has_delta in ((1, partial_update is not None), (2, False)) if interpreted() else \
                 ((0, partial_update is not None),):
-            _attn_res_split_kernel[(n, T)](
-                sources, query, out_norm if out_norm is not None else query, out, delta, part,
-                tickets(sources.device, T), sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D,
-                eps, HAS_OUT_NORM=out_norm is not None, BLOCK_M=16, COLS=cols, SPLIT=n, PHASE=phase,
-                IEEE=sources.dtype == torch.float32 or interpreted(), HAS_DELTA=has_delta, RESET=reset,
-                num_warps=max(4, min(16, cols // 128)), **pdl.launch(out.device))
+            launch_split(sources, query, eps, out_norm, out, delta, split, part, phase, has_delta, reset)
         return out
     _attn_res_kernel[(T,)](sources, query, out_norm if out_norm is not None else query, out, delta, sources.stride(0),
                            sources.stride(1), out.stride(0), delta.stride(0), M, D, eps,
