@@ -307,6 +307,13 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
             row = next(r for r in rows if (r["variant"], r["set"], r["batch"]) == (name, assigns, n))
             row["charged_us"] = {r["kernel"][:40]: r["charged_us"] for r in got["by_name"][:12]}
             row["charged_pairs_us"] = {r["kernel"]: r["charged_us"] for r in got["by_pair"][:16]}
+            # the AttnRes mixers' share: of the step, and of the step less its longest kernel (at
+            # batch 1 the LM head, which no layer holds)
+            head = max(got["by_name"], key=lambda r: r["charged_us_each"])
+            row["attn_res"] = {"charged_us": round(sum(r["charged_us"] for r in got["by_name"] if "attn_res" in r["kernel"]), 1),
+                               "calls": sum(r["count"] for r in got["by_name"] if "attn_res" in r["kernel"]),
+                               "span_us": round(got["span_ms"] * 1e3, 1), "longest": head["kernel"][:40],
+                               "longest_us": head["charged_us_each"]}
     del kept, shared
     torch.cuda.empty_cache()
     forget_tuning()
@@ -518,6 +525,8 @@ def main() -> None:
     ap.add_argument("--ab-pool-gib", type=float, default=4.0, help="the shared pool of --ab-rounds > 1 "
                     "(kimi-linear-48b: ~40 MB of KDA state a sequence; 64 sequences of 528 tokens fit 4 GiB)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per profile")
+    ap.add_argument("--attn-res-depth", type=int, default=0, help="k3-slice: its layers played from this K3 layer "
+                    "on (bench/deep_slice.py: the blocks before it stored), so its mixers read K3's deep source counts")
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
                     "(e.g. a prefill profile with k3serve.ops.expert_sort.SORT_KERNEL=True)")
     args = ap.parse_args()
@@ -525,6 +534,11 @@ def main() -> None:
         from bench.overrides import set_constants
 
         print("set", args.set, set_constants(args.set), flush=True)
+    if args.attn_res_depth:
+        from bench import deep_slice
+
+        deep_slice.FIRST_LAYER = args.attn_res_depth
+        deep_slice.install()
     parts = set(args.parts.split(","))
     if args.ab.startswith("@"):
         args.ab = ";".join(line.strip() for line in Path(args.ab[1:]).read_text().splitlines() if line.strip())
@@ -554,6 +568,13 @@ def main() -> None:
                 print("\n| variant | batch | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
                 for r in charged_rows:
                     print(f"| {r['variant']} | {r['batch']} | " + " | ".join(str(r[field].get(k, "-")) for k in names) + " |")
+            print("\n| variant | batch | AttnRes calls | AttnRes charged us | step span us | longest kernel | its us | "
+                  "AttnRes % of the step | % of the step less the longest |\n|---|---|---|---|---|---|---|---|---|")
+            for r in charged_rows:
+                a = r["attn_res"]
+                print(f"| {r['variant']} | {r['batch']} | {a['calls']:g} | {a['charged_us']} | {a['span_us']} | {a['longest']} | "
+                      f"{a['longest_us']} | {100 * a['charged_us'] / a['span_us']:.2f} | "
+                      f"{100 * a['charged_us'] / (a['span_us'] - a['longest_us']):.2f} |")
     if "prefill_graphs" in parts:
         res["prefill_graphs"] = prefill_graphs_check(
             model, rng, [([37], 0, 0), ([500], 0, 0), ([1100], 0, 0), ([300, 700], 0, 0), ([37], 4, 0), ([200], 1, 0),

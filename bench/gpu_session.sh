@@ -46,6 +46,11 @@ case "$1" in
     step graphs "$(left 360)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
     step engine "$(left 580)" python3 bench/gpu_check_engine.py
     tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log" ;;
+  attnresdeep)  # the AttnRes mixers' share of a graph-replayed k3-slice step on its critical path, the slice's
+                # layers played at K3's depth (layers 84-87: 8-9 sources, bench/deep_slice.py) and at its own
+    step attnres_deep "$(left 300)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \
+      --ab @bench/ab/attn_res_deep.txt --ab-batches 1,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
+    grep -A8 "^| variant | set" "$OUT/attnres_deep.log"; grep -A8 "AttnRes calls" "$OUT/attnres_deep.log" ;;
   attnres)  # the AttnRes mixer: GPU checks, then its time at K3's source counts (and over K3's 187 mixers),
             # then its share of a k3-slice decode step
     step attnres_check 240 python3 bench/gpu_check_kernels.py --no-gluon

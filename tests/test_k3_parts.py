@@ -191,3 +191,36 @@ def test_kda_gate_forms(lower_bound):
     if lower_bound is not None:
         # (lower_bound, 0) in exact arithmetic; fp32 sigmoid saturates to the closed interval
         assert (g >= lower_bound).all() and g.min() < lower_bound / 2
+
+
+def test_deep_slice_plays_the_slice_at_k3_depth(tiny_ckpt):
+    """bench/deep_slice.py (the k3-slice's mixers timed at K3's deep source counts): from layer 84 a
+    4-layer forward's mixers read what K3's layers 84-87 and its final mixer read; installed, the
+    tiny model's forward runs through it (its blocks before the first layer stored)."""
+    from bench import deep_slice
+    from bench.kernels_small import mixer_source_counts
+    from k3serve.model import k3
+
+    assert deep_slice.source_counts(12, 4, 84) == mixer_source_counts(93, 12)[168:176] + [9]
+    assert deep_slice.source_counts(12, 4, 0) == mixer_source_counts(4, 12)
+    path, _, raw = tiny_ckpt
+    model = load_model(path, dtype="float32", device="cpu", progress=False)
+    batch = ForwardBatch.build([SeqChunk([5, 6, 7], 0, 0, [0])], 16)
+    caches = CacheHandles.allocate(model.config, 1, 2, 16, dtype=torch.float32)
+    seen = []
+    saved = k3.AttnResState
+    try:
+        deep_slice.install()
+
+        class Counting(deep_slice.DeepAttnResState):
+            def _sources(self, with_partial=True):
+                seen.append(len(super()._sources(with_partial)))
+                return super()._sources(with_partial)
+        k3.AttnResState = Counting
+        with torch.inference_mode():
+            out = model(batch, caches)
+    finally:
+        k3.AttnResState = saved
+    block = raw["text_config"]["attn_res_block_size"]
+    assert seen == deep_slice.source_counts(block, raw["text_config"]["num_hidden_layers"])
+    assert min(seen) > -(-deep_slice.FIRST_LAYER // block) and torch.isfinite(out).all()
