@@ -52,11 +52,27 @@ _BUFFERS: dict = {}
 
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters (at least ``n``), one buffer per stream: kernels on one stream run one
-    after another and each leaves its counters at zero. Buffers live as long as the process (a
-    CUDA graph may hold their address), so a larger need adds one instead of replacing it."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    bufs = _BUFFERS.setdefault(key, [])
+    """Zeroed int32 counters (at least ``n``), one buffer a device: each ticketed kernel leaves its
+    counters at zero, and a device's ticketed kernels run one after another (one compute stream; a
+    graph capture's warm-up side stream waits on it, and it on the side stream). Buffers live as
+    long as the process (a CUDA graph may hold their address), so a larger need adds one instead of
+    replacing it.
+
+    Never made inside a CUDA graph capture: there its zeroing would only be recorded, run when that
+    graph replays, and its memory comes from the graph pool, which may hold an earlier capture's
+    data, so a graph replayed first would read garbage counts (a barrier that never opens: this
+    is how a variant of the AttnRes mixer hung a graph A/B, RESULTS.md twenty-ninth session; with
+    one buffer a stream the capture stream's was always made in a capture). Captures warm up
+    first (engine/decode_graphs.capture_graphs, bench/timing.py), which makes it; a capture that
+    needs a new one is refused."""
+    bufs = _BUFFERS.setdefault(device, [])
     if not bufs or bufs[-1].numel() < n:
+        if _capturing(device):
+            raise RuntimeError(f"tickets: {n} counters on {device} first asked for inside a CUDA graph capture; "
+                               "run the step once outside the capture first")
         bufs.append(torch.zeros(max(n, 1 << 15), dtype=torch.int32, device=device))
     return bufs[-1]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
