@@ -1,5 +1,6 @@
 """The AttnRes mixer's GPU checks alone (``gpu_check_kernels.check_attn_res_partial``), every shape
-split between programs wherever it may be and never: a quick re-check after a change to the mixer.
+split between programs wherever it may be and never: a quick re-check after a change to the mixer;
+then again with the program-a-token kernel's EARLY_WEIGHTS and JOINT_SUMS on.
 
 Usage: python3 bench/check_attn_res.py
 """
@@ -31,5 +32,11 @@ def run(check, gen: torch.Generator) -> None:
 if __name__ == "__main__":
     import bench.gpu_check_kernels as checks
 
-    run(checks.check_attn_res_partial, torch.Generator(device=checks.DEV).manual_seed(0))
+    gen = torch.Generator(device=checks.DEV).manual_seed(0)
+    run(checks.check_attn_res_partial, gen)
+    # the program-a-token kernel's prepared variants (static weights first, joint sums), both on
+    saved = attn_res_triton.EARLY_WEIGHTS, attn_res_triton.JOINT_SUMS
+    attn_res_triton.EARLY_WEIGHTS = attn_res_triton.JOINT_SUMS = True
+    run(checks.check_attn_res_partial, gen)
+    attn_res_triton.EARLY_WEIGHTS, attn_res_triton.JOINT_SUMS = saved
     sys.exit(checks.report())

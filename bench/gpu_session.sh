@@ -46,6 +46,14 @@ case "$1" in
     step graphs "$(left 360)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
     step engine "$(left 580)" python3 bench/gpu_check_engine.py
     tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log" ;;
+  attnrestoken)  # the program-a-token mixer's prepared variants: checks, alone, then in the k3-slice step (its
+                 # own depth: 1-2 sources, every mixer a program a token), critical-path charges
+    step attnres_check 120 python3 bench/check_attn_res.py
+    step attnres_alone "$(left 250)" python3 -m bench.kernels_small --set k3serve.ops.attn_res_triton.EARLY_WEIGHTS=True,k3serve.ops.attn_res_triton.JOINT_SUMS=True --attn-res
+    step attnres_token "$(left 560)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts ab \
+      --ab @bench/ab/attn_res_token.txt --ab-batches 1,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
+    tail -1 "$OUT/attnres_check.log"; grep "^|" "$OUT/attnres_alone.log" | head -14
+    grep -A12 "^| variant | set" "$OUT/attnres_token.log"; grep -A12 "AttnRes calls" "$OUT/attnres_token.log" ;;
   attnresdeep)  # the AttnRes mixers' share of a graph-replayed k3-slice step on its critical path, the slice's
                 # layers played at K3's depth (layers 84-87: 8-9 sources, bench/deep_slice.py) and at its own
     step attnres_deep "$(left 300)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \

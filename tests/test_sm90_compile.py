@@ -484,6 +484,33 @@ def test_attn_res_kernel_keeps_k3_rows_in_registers(sources, tokens):
     assert "griddepcontrol.wait" in kernel.asm["ptx"]
 
 
+def test_attn_res_kernel_early_weights_and_joint_sums_compile_for_sm90(monkeypatch):
+    """The program-a-token mixer's prepared variants (attn_res_triton.EARLY_WEIGHTS / JOINT_SUMS) at
+    5 sources x 1 token (one chunk): the static weights' loads before the PDL wait (no store, no
+    source load there), the dots' sums in fewer barrier rounds, no spill either way."""
+    from bench.sass_mix import sass_text
+    from k3serve.ops import attn_res_triton
+
+    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
+    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
+    got = {}
+    for early, joint in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(attn_res_triton, "EARLY_WEIGHTS", early)
+        monkeypatch.setattr(attn_res_triton, "JOINT_SUMS", joint)
+        consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True,
+                      **attn_res_triton.launch_shape(5, 7168, 1))
+        warps = consts.pop("num_warps")
+        kernel = _compile(attn_res_triton._attn_res_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
+                          ("SRC", "QW", "OUTW", "OUT", "DELTA", *(n for n in scalars if n != "M")), num_warps=warps)
+        ptx, sass = kernel.asm["ptx"], sass_text(kernel)
+        wait = ptx.find("griddepcontrol.wait")
+        assert wait >= 0 and "st.global" not in ptx[:wait] and "STL" not in sass
+        got[early, joint] = (len(re.findall(r"ld\.global", ptx[:wait])), len(re.findall(r"ld\.global", ptx)),
+                             ptx.count("bar.sync"))
+    assert got[False, False][0] == 0 and got[True, False][0] > 0 and got[True, False][1] == got[False, False][1]
+    assert got[False, True][2] < got[False, False][2] and got[True, True][2] == got[False, True][2]
+
+
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_token(tokens):
     """The split mixer at K3's width and 16 sources (the most it takes), at the shapes a decode

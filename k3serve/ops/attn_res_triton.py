@@ -53,19 +53,35 @@ SPLIT_MIN_SOURCES = 6
 SPLIT_MIN_COLS = 256
 SPLIT_MAX_COLS = 2048
 SPLIT_ROWS = 16  # the split kernel's source rows (the Gram's side, the tensor cores' least): at most 16 sources
+# A program a token, prepared for the next GPU A/B (bench/ab/attn_res_token.txt; off until timed): EARLY_WEIGHTS
+# reads a one-chunk row's static weights (the query, the norm weight) before the PDL wait, as the split kernel
+# does (its norm weight's cold read otherwise comes last, after the partial's store: PTX, twenty-ninth
+# session); JOINT_SUMS reduces the blocks' dots and squares in one cross-warp reduction and the partial's in
+# another (four shared-memory rounds before the scores, each a barrier, become two).
+EARLY_WEIGHTS = False
+JOINT_SUMS = False
 
 
 @triton.jit
 def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stride_out_t, stride_delta_t, M, D, eps,
                      HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
                      CHUNK_ROWS: tl.constexpr, KEEP_LAST: tl.constexpr, HAS_DELTA: tl.constexpr = False,
-                     RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                     RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                     EARLY_WEIGHTS: tl.constexpr = False, JOINT_SUMS: tl.constexpr = False):
     """One token: sources 0 .. M-2 as [BLOCK_M, CHUNK] tiles, source M-1 (the partial; with
-    HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector."""
-    pdl_start(USE_PDL)
+    HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector. EARLY_WEIGHTS (one
+    chunk): the query and the norm weight read before the PDL wait; JOINT_SUMS: the dots and
+    squares in two reductions, not four."""
     t = tl.program_id(0)
     mm = tl.arange(0, BLOCK_M)
     cc = tl.arange(0, CHUNK)
+    kk = tl.arange(0, CHUNK_ROWS)
+    if EARLY_WEIGHTS:
+        qw_early = tl.load(QW + cc, mask=cc < D, other=0.0).to(tl.float32)
+        if HAS_OUT_NORM:
+            out_w = tl.load(OUTW + kk[:, None] * CHUNK + cc[None, :], mask=(kk[:, None] * CHUNK + cc[None, :]) < D,
+                            other=0.0).to(tl.float32)
+    pdl_start(USE_PDL)
     src = SRC + t * stride_src_t
     dot = tl.zeros([BLOCK_M], tl.float32)
     sq = tl.zeros([BLOCK_M], tl.float32)
@@ -76,11 +92,22 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     for i in range(N_CHUNKS):
         cols = i * CHUNK + cc
         v, last, _ = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET)
-        qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)  # pseudo-query, key-norm weight folded in
-        dot += tl.sum(v * qw[None, :], 1)
-        sq += tl.sum(v * v, 1)
-        dot_last += tl.sum(last * qw, 0)
-        sq_last += tl.sum(last * last, 0)
+        if EARLY_WEIGHTS:
+            qw = qw_early
+        else:
+            qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)  # pseudo-query, key-norm weight folded in
+        if JOINT_SUMS:
+            d, s = tl.reduce((v * qw[None, :], v * v), 1, _add_pairs)
+            d_last, s_last = tl.reduce((last * qw, last * last), 0, _add_pairs)
+            dot += d
+            sq += s
+            dot_last += d_last
+            sq_last += s_last
+        else:
+            dot += tl.sum(v * qw[None, :], 1)
+            sq += tl.sum(v * v, 1)
+            dot_last += tl.sum(last * qw, 0)
+            sq_last += tl.sum(last * last, 0)
     score = dot / tl.sqrt(sq / D + eps)
     score = tl.where(mm < M - 1, score, float("-inf"))
     score_last = dot_last / tl.sqrt(sq_last / D + eps)
@@ -92,7 +119,6 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     p_last = p_last / total
     # the whole mixed row, chunk i in row i; with KEEP_LAST the last chunk from the registers pass 1
     # left it in (no second read; K3's up to 5 sources are one chunk), the others read again
-    kk = tl.arange(0, CHUNK_ROWS)
     mix = tl.zeros([CHUNK_ROWS, CHUNK], tl.float32)
     if KEEP_LAST:
         piece = tl.sum(p[:, None] * v, 0) + p_last * last
@@ -110,8 +136,15 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     cols = kk[:, None] * CHUNK + cc[None, :]
     if HAS_OUT_NORM:
         mix = mix / tl.sqrt(tl.sum(tl.sum(mix * mix, 1), 0) / D + eps)
-        mix = mix * tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
+        if not EARLY_WEIGHTS:
+            out_w = tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
+        mix = mix * out_w
     tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -217,7 +250,8 @@ def launch_shape(M: int, D: int, T: int) -> dict:
     warps = max(1, min(16, chunk // (32 * COLS_PER_THREAD)))
     n_chunks = triton.cdiv(D, chunk)
     return dict(BLOCK_M=block_m, CHUNK=chunk, N_CHUNKS=n_chunks, CHUNK_ROWS=triton.next_power_of_2(n_chunks),
-                KEEP_LAST=int(KEEP_LAST and block_m <= KEEP_LAST_ROWS and T <= FEW_TOKENS), num_warps=warps)
+                KEEP_LAST=int(KEEP_LAST and block_m <= KEEP_LAST_ROWS and T <= FEW_TOKENS),
+                EARLY_WEIGHTS=int(EARLY_WEIGHTS and n_chunks == 1), JOINT_SUMS=int(JOINT_SUMS), num_warps=warps)
 
 
 def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
