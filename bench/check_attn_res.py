@@ -1,6 +1,6 @@
 """The AttnRes mixer's GPU checks alone (``gpu_check_kernels.check_attn_res_partial``), every shape
 split between programs wherever it may be and never: a quick re-check after a change to the mixer;
-then again with the program-a-token kernel's EARLY_WEIGHTS and JOINT_SUMS on.
+then again with the prepared variants on (EARLY_WEIGHTS, JOINT_SUMS, SPLIT_TILE_ROWS).
 
 Usage: python3 bench/check_attn_res.py
 """
@@ -34,9 +34,12 @@ if __name__ == "__main__":
 
     gen = torch.Generator(device=checks.DEV).manual_seed(0)
     run(checks.check_attn_res_partial, gen)
-    # the program-a-token kernel's prepared variants (static weights first, joint sums), both on
-    saved = attn_res_triton.EARLY_WEIGHTS, attn_res_triton.JOINT_SUMS
-    attn_res_triton.EARLY_WEIGHTS = attn_res_triton.JOINT_SUMS = True
+    # the prepared variants (a program a token: static weights first, joint sums; split: the tile's rows), all on
+    flags = ("EARLY_WEIGHTS", "JOINT_SUMS", "SPLIT_TILE_ROWS")
+    saved = [getattr(attn_res_triton, f) for f in flags]
+    for f in flags:
+        setattr(attn_res_triton, f, True)
     run(checks.check_attn_res_partial, gen)
-    attn_res_triton.EARLY_WEIGHTS, attn_res_triton.JOINT_SUMS = saved
+    for f, value in zip(flags, saved):
+        setattr(attn_res_triton, f, value)
     sys.exit(checks.report())

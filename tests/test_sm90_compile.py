@@ -528,7 +528,7 @@ def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_to
             "TICKETS": "*i32"}
     scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
     consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
-                  TRACE=None, **shape)
+                  TILE_ROWS=False, TRACE=None, **shape)
     kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
                       (*ptrs, *(n for n in scalars if n != "M")), num_warps=max(4, min(16, shape["COLS"] // 128)))
     sass, ptx = sass_text(kernel), kernel.asm["ptx"]
@@ -541,6 +541,34 @@ def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_to
     # before the PDL wait only the static weights' two loads (the query, the norm weight), no store
     before_wait = ptx[:ptx.find("griddepcontrol.wait")]
     assert len(re.findall(r"ld\.global", before_wait)) == 2 and "st.global" not in before_wait
+
+
+def test_attn_res_split_kernel_tile_rows_compiles_for_sm90():
+    """The split mixer's prepared variant (attn_res_triton.SPLIT_TILE_ROWS) at 9 sources x 1 token:
+    the partial, its update and the query as rows of the tile take fewer shared-memory barrier
+    rounds before the arrival, no spill, the Gram on the tensor cores, the query's loads still
+    before the PDL wait (and no store there)."""
+    import torch
+
+    from bench.sass_mix import sass_text
+    from k3serve.ops import attn_res_triton
+
+    shape = attn_res_triton.split_shape(9, 7168, 1, torch.device("cpu"))
+    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
+            "TICKETS": "*i32"}
+    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
+    rounds = {}
+    for tile_rows in (False, True):
+        consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
+                      TILE_ROWS=tile_rows, TRACE=None, **shape)
+        kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
+                          (*ptrs, *(n for n in scalars if n != "M")), num_warps=4)
+        ptx, sass = kernel.asm["ptx"], sass_text(kernel)
+        wait, arrival = ptx.find("griddepcontrol.wait"), re.search(r"(atom|red)\.global\.gpu\.release", ptx).start()
+        assert "STL" not in sass and "HMMA" in sass and "st.global" not in ptx[:wait]
+        assert len(re.findall(r"ld\.global", ptx[:wait])) >= 2
+        rounds[tile_rows] = ptx[:arrival].count("bar.sync")
+    assert rounds[True] < rounds[False]
 
 
 def test_combine_normalised_in_column_blocks_compiles_for_sm90():
@@ -566,7 +594,7 @@ def test_attn_res_split_trace_reads_the_global_timer():
     ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
             "TICKETS": "*i32"}
     scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
-    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=False, RESET=False, USE_PDL=False,
+    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=False, RESET=False, USE_PDL=False, TILE_ROWS=False,
                   **shape)
     for trace in (True, False):
         kernel = _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},

@@ -60,6 +60,11 @@ SPLIT_ROWS = 16  # the split kernel's source rows (the Gram's side, the tensor c
 # another (four shared-memory rounds before the scores, each a barrier, become two).
 EARLY_WEIGHTS = False
 JOINT_SUMS = False
+# The split kernel, prepared likewise (bench/ab/attn_res_deep_next.txt): the partial, its update and the query as
+# rows of the [16, COLS] tile, in its layout, the query's dots out of the Gram (as [COLS] vectors they went through
+# shared memory into it, and the dots had a reduction of their own: the PTX of a 9-source row shows 22 barrier
+# rounds before the arrival). Up to SPLIT_ROWS - 2 sources (two rows for the query).
+SPLIT_TILE_ROWS = False
 
 
 @triton.jit
@@ -152,7 +157,7 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
                            stride_delta_t, M, D, eps, HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                            COLS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr, IEEE: tl.constexpr,
                            HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
-                           USE_PDL: tl.constexpr = False, TRACE=None):
+                           USE_PDL: tl.constexpr = False, TILE_ROWS: tl.constexpr = False, TRACE=None):
     """Program (column block, token): its COLS columns of all M sources in registers; their dots
     with the query and their Gram matrix (bf16 products exact, fp32 sums) to PART; a barrier among
     the token's SPLIT programs; then each sums the parts in a fixed order (so all agree): the
@@ -161,25 +166,48 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
     own columns mixed and stored. PHASE 0: all of it; 1 / 2: before / after the barrier, as two
     launches (Triton's interpreter runs programs one by one: a barrier would never open). TRACE
     (bench/attn_res_trace.py): the global timer at the start, the arrival, past the barrier, the end.
-    The query and the norm weight (static: ops/pdl.py) are read before the PDL wait."""
+    The query and the norm weight (static: ops/pdl.py) are read before the PDL wait. TILE_ROWS
+    (``SPLIT_TILE_ROWS``, at most BLOCK_M - 2 sources): everything in the tile's own layout, no
+    vector moved into it through shared memory: the partial, its update and its store as masked
+    rows, and the query as two more rows (bf16 high and low parts, 2^-17 of it lost), so the
+    Gram's last two columns hold the sources' dots with it (no reduction of their own)."""
     s = tl.program_id(0)
     t = tl.program_id(1)
     cols = s * COLS + tl.arange(0, COLS)
-    qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
+    mm = tl.arange(0, BLOCK_M)
+    rows = mm[:, None]
+    cmask = (cols < D)[None, :]
+    if TILE_ROWS:
+        q2 = tl.load(QW + rows * 0 + cols[None, :], mask=(rows >= BLOCK_M - 2) & cmask, other=0.0)
+        q_hi = q2.to(SRC.dtype.element_ty).to(tl.float32)
+        q2 = tl.where(rows == BLOCK_M - 2, q_hi, (q2 - q_hi).to(SRC.dtype.element_ty).to(tl.float32))
+    else:
+        qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
     if HAS_OUT_NORM and PHASE != 1:
         out_w = tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
     _trace(TRACE, (t * SPLIT + s) * 4)
-    mm = tl.arange(0, BLOCK_M)
     src = SRC + t * stride_src_t
-    v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D,
-                               HAS_DELTA and PHASE != 2, RESET)
-    v = tl.where(mm[:, None] == M - 1, last[None, :], v)  # all M sources, rows M .. BLOCK_M - 1 zero
+    if TILE_ROWS:
+        ptrs = src + rows * stride_src_m + cols[None, :]
+        v = tl.load(ptrs, mask=(rows < M - (HAS_DELTA and PHASE != 2 and RESET)) & cmask, other=0.0).to(tl.float32)
+        if HAS_DELTA and PHASE != 2:
+            upd = tl.load(DELTA + t * stride_delta_t + rows * 0 + cols[None, :], mask=(rows == M - 1) & cmask,
+                          other=0.0).to(tl.float32)
+            v = tl.where(rows == M - 1, (v + upd).to(SRC.dtype.element_ty).to(tl.float32), v)
+        v = tl.where(rows >= BLOCK_M - 2, q2, v)  # (rows M .. BLOCK_M - 3 zero)
+    else:
+        v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D,
+                                   HAS_DELTA and PHASE != 2, RESET)
+        v = tl.where(mm[:, None] == M - 1, last[None, :], v)  # all M sources, rows M .. BLOCK_M - 1 zero
     part = PART + t * SPLIT * BLOCK_M * (BLOCK_M + 1)
     gg = mm[:, None] * BLOCK_M + mm[None, :]
     if PHASE != 2:
         if HAS_DELTA:
-            tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
+            if TILE_ROWS:
+                tl.store(ptrs, v.to(SRC.dtype.element_ty), mask=(rows == M - 1) & cmask)
+            else:
+                tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
         if IEEE:
             gram = tl.dot(v, tl.trans(v), input_precision="ieee")
         else:
@@ -187,7 +215,8 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
             gram = tl.dot(vs, tl.trans(vs), out_dtype=tl.float32)
         mine = part + s * BLOCK_M * (BLOCK_M + 1)
         tl.store(mine + gg, gram)
-        tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
+        if not TILE_ROWS:
+            tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
         if PHASE == 0:
             _trace(TRACE, (t * SPLIT + s) * 4 + 1)
             wait_all(TICKETS, t, SPLIT)
@@ -197,7 +226,10 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
         dot = tl.zeros([BLOCK_M], tl.float32)
         for j in tl.static_range(SPLIT):  # a fixed order; unrolled, the loads in flight together
             gram += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + gg, cache_modifier=".cg")
-            dot += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
+            if not TILE_ROWS:
+                dot += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
+        if TILE_ROWS:  # the query's rows' columns
+            dot = tl.sum(tl.where(mm[None, :] >= BLOCK_M - 2, gram, 0.0), 1)
         sq = tl.sum(tl.where(mm[:, None] == mm[None, :], gram, 0.0), 1)
         score = tl.where(mm < M, dot / tl.sqrt(sq / D + eps), float("-inf"))
         p = tl.exp(score - tl.max(score, 0))
@@ -258,7 +290,7 @@ def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
     """Columns a program and programs a token where a token's row is split (None: a program a
     token): the fewest columns (a power of two) that put the T x SPLIT programs on the SMs, one
     each, which the barrier needs (all resident at once)."""
-    if T > SPLIT_TOKENS or M > SPLIT_ROWS or M < SPLIT_MIN_SOURCES:
+    if T > SPLIT_TOKENS or M > SPLIT_ROWS - 2 * SPLIT_TILE_ROWS or M < SPLIT_MIN_SOURCES:
         return None
     sms, cols = sm_count(device), SPLIT_MIN_COLS
     while T * triton.cdiv(D, cols) > sms:
@@ -286,7 +318,8 @@ def launch_split(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
         sources, query, out_norm if out_norm is not None else query, out, delta, part, tickets(sources.device, T),
         sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D, eps,
         HAS_OUT_NORM=out_norm is not None, BLOCK_M=SPLIT_ROWS, COLS=cols, SPLIT=n, PHASE=phase,
-        IEEE=sources.dtype == torch.float32 or interpreted(), HAS_DELTA=has_delta, RESET=reset, TRACE=trace,
+        IEEE=sources.dtype == torch.float32 or interpreted(), HAS_DELTA=has_delta, RESET=reset,
+        TILE_ROWS=SPLIT_TILE_ROWS, TRACE=trace,
         num_warps=max(4, min(16, cols // 128)), **pdl.launch(out.device))
 
 
