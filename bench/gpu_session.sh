@@ -46,14 +46,15 @@ case "$1" in
     step graphs "$(left 360)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
     step engine "$(left 580)" python3 bench/gpu_check_engine.py
     tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log" ;;
-  attnresnext)  # the mixers' prepared variants (attn_res_triton EARLY_WEIGHTS, JOINT_SUMS, SPLIT_TILE_ROWS):
+  attnresnext)  # the mixers' prepared variants (attn_res_triton EARLY_WEIGHTS, JOINT_SUMS, SPLIT_TILE_ROWS,
+                # SPLIT_GROWING_BARRIER):
                 # checks, alone, the split kernel's trace, then in the k3-slice step at its own depth (1-2 sources:
                 # a program a token) and at K3's (8-9: split), critical-path charges
     F=k3serve.ops.attn_res_triton
     step attnres_check 120 python3 bench/check_attn_res.py
-    step attnres_alone "$(left 220)" python3 -m bench.kernels_small --set $F.EARLY_WEIGHTS=True,$F.JOINT_SUMS=True,$F.SPLIT_TILE_ROWS=True --attn-res
+    step attnres_alone "$(left 220)" python3 -m bench.kernels_small --set $F.EARLY_WEIGHTS=True,$F.JOINT_SUMS=True,$F.SPLIT_TILE_ROWS=True,$F.SPLIT_GROWING_BARRIER=True --attn-res
     step attnres_trace "$(left 240)" python3 bench/attn_res_trace.py 9 1
-    step attnres_trace_rows "$(left 260)" python3 -c "import sys, runpy, $F as A; A.SPLIT_TILE_ROWS = True; sys.argv = ['x', '9', '1']; runpy.run_path('bench/attn_res_trace.py', run_name='__main__')"
+    step attnres_trace_rows "$(left 260)" python3 -c "import sys, runpy, $F as A; A.SPLIT_TILE_ROWS = A.SPLIT_GROWING_BARRIER = True; sys.argv = ['x', '9', '1']; runpy.run_path('bench/attn_res_trace.py', run_name='__main__')"
     step attnres_token "$(left 410)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts ab \
       --ab @bench/ab/attn_res_token.txt --ab-batches 1,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
     step attnres_deep "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \

@@ -526,11 +526,20 @@ def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_to
     assert shape is not None and shape["COLS"] == 256
     ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
             "TICKETS": "*i32"}
-    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
+    scalars = {n: "i32" for n in ("group0", "stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M",
+                                  "D")}
     consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
-                  TILE_ROWS=False, TRACE=None, **shape)
-    kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
-                      (*ptrs, *(n for n in scalars if n != "M")), num_warps=max(4, min(16, shape["COLS"] // 128)))
+                  TILE_ROWS=False, GROWING=False, TRACE=None, **shape)
+    divisible = (*ptrs, *(n for n in scalars if n not in ("M", "group0")))
+    warps = max(4, min(16, shape["COLS"] // 128))
+    kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts, divisible,
+                      num_warps=warps)
+    # the prepared growing barrier (SPLIT_GROWING_BARRIER): on int64 counts, a release arrival whose old
+    # value sets the target, acquire polls, and no atomic after them (no relaxed leave)
+    growing = _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, "TICKETS": "*i64"}, {**scalars, "eps": "fp32"},
+                       {**consts, "GROWING": True}, divisible, num_warps=warps).asm["ptx"]
+    assert re.search(r"atom\.global\.gpu\.release\.add\.u64", growing) and "ld.global.gpu.acquire.b64" in growing
+    assert "relaxed" not in growing
     sass, ptx = sass_text(kernel), kernel.asm["ptx"]
     assert "STL" not in sass and "LDL" not in sass
     assert "HMMA" in sass
@@ -556,13 +565,14 @@ def test_attn_res_split_kernel_tile_rows_compiles_for_sm90():
     shape = attn_res_triton.split_shape(9, 7168, 1, torch.device("cpu"))
     ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
             "TICKETS": "*i32"}
-    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
+    scalars = {n: "i32" for n in ("group0", "stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M",
+                                  "D")}
     rounds = {}
     for tile_rows in (False, True):
         consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
-                      TILE_ROWS=tile_rows, TRACE=None, **shape)
+                      TILE_ROWS=tile_rows, GROWING=False, TRACE=None, **shape)
         kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
-                          (*ptrs, *(n for n in scalars if n != "M")), num_warps=4)
+                          (*ptrs, *(n for n in scalars if n not in ("M", "group0"))), num_warps=4)
         ptx, sass = kernel.asm["ptx"], sass_text(kernel)
         wait, arrival = ptx.find("griddepcontrol.wait"), re.search(r"(atom|red)\.global\.gpu\.release", ptx).start()
         assert "STL" not in sass and "HMMA" in sass and "st.global" not in ptx[:wait]
@@ -593,8 +603,10 @@ def test_attn_res_split_trace_reads_the_global_timer():
     shape = attn_res_triton.split_shape(9, 7168, 1, torch.device("cpu"))
     ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
             "TICKETS": "*i32"}
-    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
-    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=False, RESET=False, USE_PDL=False, TILE_ROWS=False,
+    scalars = {n: "i32" for n in ("group0", "stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M",
+                                  "D")}
+    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=False, RESET=False, USE_PDL=False,
+                  TILE_ROWS=False, GROWING=False,
                   **shape)
     for trace in (True, False):
         kernel = _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},

@@ -23,4 +23,6 @@ def test_tickets_one_zeroed_buffer_a_device_never_made_in_a_capture(monkeypatch)
     bigger = tk.tickets(dev, first.numel() + 1)
     assert bigger is not first and bigger.numel() > first.numel() and not bigger.any()
     assert tk.tickets(dev, 3) is bigger  # the newest serves every smaller need; the old stays alive
-    assert [id(b) for b in tk._BUFFERS[dev]] == [id(first), id(bigger)]
+    assert [id(b) for b in tk._BUFFERS[dev, torch.int32]] == [id(first), id(bigger)]
+    wide = tk.tickets(dev, 3, torch.int64)  # the growing barrier's counts: a buffer of their own
+    assert wide.dtype == torch.int64 and not wide.any() and tk.tickets(dev, 3) is bigger

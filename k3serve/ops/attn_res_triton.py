@@ -28,7 +28,7 @@ import triton.language as tl
 from . import pdl
 from .autotune import interpreted, sm_count
 from .pdl import pdl_start
-from .tickets import leave_all, tickets, wait_all
+from .tickets import barrier, leave_all, tickets, wait_all
 
 # Elements of a [blocks, CHUNK] tile. Up to FEW_TOKENS tokens a program is alone on its SM: fewer,
 # longer chunks (2 / 5 / 9 sources at K3's width 5.1 / 5.9 / 10.3 us against 6.1 / 8.5 / 12.0 with
@@ -65,6 +65,11 @@ JOINT_SUMS = False
 # shared memory into it, and the dots had a reduction of their own: the PTX of a 9-source row shows 22 barrier
 # rounds before the arrival). Up to SPLIT_ROWS - 2 sources (two rows for the query).
 SPLIT_TILE_ROWS = False
+# The split kernel's barrier: ``tickets.barrier`` (an int64 count that only grows, no atomic after the wait: the
+# leave's round trip ends each program later) or ``wait_all`` + ``leave_all``. Prepared (it hung a graph A/B this
+# session through the tickets buffer's capture-time zeroing, since fixed); off until the next GPU A/B.
+SPLIT_GROWING_BARRIER = False
+BARRIER_SLOTS = 64  # growing counters a program count (a token each: SPLIT_TOKENS at most)
 
 
 @triton.jit
@@ -153,11 +158,12 @@ def _add_pairs(a0, a1, b0, b1):
 
 
 @triton.jit
-def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_m, stride_src_t, stride_out_t,
+def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, stride_src_m, stride_src_t, stride_out_t,
                            stride_delta_t, M, D, eps, HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                            COLS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr, IEEE: tl.constexpr,
                            HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
-                           USE_PDL: tl.constexpr = False, TILE_ROWS: tl.constexpr = False, TRACE=None):
+                           USE_PDL: tl.constexpr = False, TILE_ROWS: tl.constexpr = False,
+                           GROWING: tl.constexpr = False, TRACE=None):
     """Program (column block, token): its COLS columns of all M sources in registers; their dots
     with the query and their Gram matrix (bf16 products exact, fp32 sums) to PART; a barrier among
     the token's SPLIT programs; then each sums the parts in a fixed order (so all agree): the
@@ -170,7 +176,8 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
     (``SPLIT_TILE_ROWS``, at most BLOCK_M - 2 sources): everything in the tile's own layout, no
     vector moved into it through shared memory: the partial, its update and its store as masked
     rows, and the query as two more rows (bf16 high and low parts, 2^-17 of it lost), so the
-    Gram's last two columns hold the sources' dots with it (no reduction of their own)."""
+    Gram's last two columns hold the sources' dots with it (no reduction of their own). The token's
+    barrier counter is TICKETS[group0 + t]: GROWING ``tickets.barrier`` (int64), else ``wait_all``."""
     s = tl.program_id(0)
     t = tl.program_id(1)
     cols = s * COLS + tl.arange(0, COLS)
@@ -219,7 +226,10 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
             tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
         if PHASE == 0:
             _trace(TRACE, (t * SPLIT + s) * 4 + 1)
-            wait_all(TICKETS, t, SPLIT)
+            if GROWING:
+                barrier(TICKETS, group0 + t, SPLIT)
+            else:
+                wait_all(TICKETS, group0 + t, SPLIT)
             _trace(TRACE, (t * SPLIT + s) * 4 + 2)
     if PHASE != 1:
         gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
@@ -239,8 +249,8 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, stride_src_
             total = tl.sum(tl.sum(p[:, None] * gram * p[None, :], 1), 0)
             mix = mix / tl.sqrt(tl.maximum(total, 0.0) / D + eps) * out_w
         tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
-        if PHASE == 0:
-            leave_all(TICKETS, t, SPLIT)
+        if PHASE == 0 and not GROWING:
+            leave_all(TICKETS, group0 + t, SPLIT)
             _trace(TRACE, (t * SPLIT + s) * 4 + 3)
 
 
@@ -290,7 +300,7 @@ def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
     """Columns a program and programs a token where a token's row is split (None: a program a
     token): the fewest columns (a power of two) that put the T x SPLIT programs on the SMs, one
     each, which the barrier needs (all resident at once)."""
-    if T > SPLIT_TOKENS or M > SPLIT_ROWS - 2 * SPLIT_TILE_ROWS or M < SPLIT_MIN_SOURCES:
+    if T > min(SPLIT_TOKENS, BARRIER_SLOTS) or M > SPLIT_ROWS - 2 * SPLIT_TILE_ROWS or M < SPLIT_MIN_SOURCES:
         return None
     sms, cols = sm_count(device), SPLIT_MIN_COLS
     while T * triton.cdiv(D, cols) > sms:
@@ -314,12 +324,15 @@ def launch_split(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     fp32 sources and when interpreted (the interpreter's bf16 dot is wrong)."""
     M, T, D = sources.shape
     cols, n = split["COLS"], split["SPLIT"]
+    growing = SPLIT_GROWING_BARRIER and phase == 0  # (a growing counter serves one program count: n's own slots)
+    counts = tickets(sources.device, (n + 1) * BARRIER_SLOTS, torch.int64) if growing else tickets(sources.device, T)
     _attn_res_split_kernel[(n, T)](
-        sources, query, out_norm if out_norm is not None else query, out, delta, part, tickets(sources.device, T),
-        sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D, eps,
+        sources, query, out_norm if out_norm is not None else query, out, delta, part, counts,
+        n * BARRIER_SLOTS if growing else 0, sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D,
+        eps,
         HAS_OUT_NORM=out_norm is not None, BLOCK_M=SPLIT_ROWS, COLS=cols, SPLIT=n, PHASE=phase,
         IEEE=sources.dtype == torch.float32 or interpreted(), HAS_DELTA=has_delta, RESET=reset,
-        TILE_ROWS=SPLIT_TILE_ROWS, TRACE=trace,
+        TILE_ROWS=SPLIT_TILE_ROWS, GROWING=growing, TRACE=trace,
         num_warps=max(4, min(16, cols // 128)), **pdl.launch(out.device))
 
 

@@ -48,11 +48,28 @@ def leave_all(TICKETS, group, COUNT):
         tl.store(TICKETS + group, 0)
 
 
+@triton.jit
+def barrier(COUNTS, group, COUNT):
+    """``wait_all`` with no ``leave_all``: the int64 count only grows, and each program waits for the
+    next multiple of COUNT past its own arrival, so nothing resets it and no atomic round trip runs
+    after the wait. Every launch on a counter must have the same COUNT (so that the count is a
+    multiple of it between launches) and the counts must start at zero: ``tickets(..., torch.int64)``,
+    made outside graph captures (one made in a capture hung a graph A/B, RESULTS.md twenty-ninth
+    session)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(COUNTS + group, 1, sem="release", scope="gpu")
+    target = (arrived // COUNT + 1) * COUNT
+    while tl.atomic_add(COUNTS + group, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
 _BUFFERS: dict = {}
 
 
-def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters (at least ``n``), one buffer a device: each ticketed kernel leaves its
+def tickets(device: torch.device, n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Zeroed int32 counters (at least ``n``; int64: ``barrier``'s growing counts, a buffer of their
+    own), one buffer a device and dtype: each ticketed kernel leaves its
     counters at zero, and a device's ticketed kernels run one after another (one compute stream; a
     graph capture's warm-up side stream waits on it, and it on the side stream). Buffers live as
     long as the process (a CUDA graph may hold their address), so a larger need adds one instead of
@@ -65,12 +82,12 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     one buffer a stream the capture stream's was always made in a capture). Captures warm up
     first (engine/decode_graphs.capture_graphs, bench/timing.py), which makes it; a capture that
     needs a new one is refused."""
-    bufs = _BUFFERS.setdefault(device, [])
+    bufs = _BUFFERS.setdefault((device, dtype), [])
     if not bufs or bufs[-1].numel() < n:
         if _capturing(device):
             raise RuntimeError(f"tickets: {n} counters on {device} first asked for inside a CUDA graph capture; "
                                "run the step once outside the capture first")
-        bufs.append(torch.zeros(max(n, 1 << 15), dtype=torch.int32, device=device))
+        bufs.append(torch.zeros(max(n, 1 << 15), dtype=dtype, device=device))
     return bufs[-1]
 
 
