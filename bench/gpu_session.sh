@@ -53,13 +53,15 @@ case "$1" in
     F=k3serve.ops.attn_res_triton
     step attnres_check 120 python3 bench/check_attn_res.py
     step attnres_alone "$(left 220)" python3 -m bench.kernels_small --set $F.EARLY_WEIGHTS=True,$F.JOINT_SUMS=True,$F.SPLIT_TILE_ROWS=True,$F.SPLIT_GROWING_BARRIER=True --attn-res
-    step attnres_trace "$(left 240)" python3 bench/attn_res_trace.py 9 1
-    step attnres_trace_rows "$(left 260)" python3 -c "import sys, runpy, $F as A; A.SPLIT_TILE_ROWS = A.SPLIT_GROWING_BARRIER = True; sys.argv = ['x', '9', '1']; runpy.run_path('bench/attn_res_trace.py', run_name='__main__')"
+    step attnres_trace "$(left 240)" sh -c "python3 bench/attn_res_trace.py 9 1; python3 bench/attn_res_trace.py --token 5 1"
+    step attnres_trace_rows "$(left 260)" python3 -c "import sys, runpy, $F as A; A.SPLIT_TILE_ROWS = A.SPLIT_GROWING_BARRIER = A.EARLY_WEIGHTS = A.JOINT_SUMS = True
+for argv in (['x', '9', '1'], ['x', '--token', '5', '1']):
+    sys.argv = argv; runpy.run_path('bench/attn_res_trace.py', run_name='__main__')"
     step attnres_token "$(left 410)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts ab \
       --ab @bench/ab/attn_res_token.txt --ab-batches 1,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
     step attnres_deep "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \
       --ab @bench/ab/attn_res_deep_next.txt --ab-batches 1,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
-    tail -1 "$OUT/attnres_check.log"; grep "^|" "$OUT/attnres_alone.log" | head -14; tail -8 "$OUT/attnres_trace.log" "$OUT/attnres_trace_rows.log"
+    tail -1 "$OUT/attnres_check.log"; grep "^|" "$OUT/attnres_alone.log" | head -14; tail -22 "$OUT/attnres_trace.log" "$OUT/attnres_trace_rows.log"
     for f in attnres_token attnres_deep; do grep -A12 "^| variant | set" "$OUT/$f.log"; grep -A12 "AttnRes calls" "$OUT/$f.log"; done ;;
   attnresdeep)  # the AttnRes mixers' share of a graph-replayed k3-slice step on its critical path, the slice's
                 # layers played at K3's depth (layers 84-87: 8-9 sources, bench/deep_slice.py) and at its own

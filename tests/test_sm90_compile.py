@@ -474,7 +474,7 @@ def test_attn_res_kernel_keeps_k3_rows_in_registers(sources, tokens):
 
     ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
     scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
-    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True,
+    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True, TRACE=None,
                   **attn_res_triton.launch_shape(sources, 7168, tokens))
     warps = consts.pop("num_warps")
     kernel = _compile(attn_res_triton._attn_res_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
@@ -497,7 +497,7 @@ def test_attn_res_kernel_early_weights_and_joint_sums_compile_for_sm90(monkeypat
     for early, joint in ((False, False), (True, False), (False, True), (True, True)):
         monkeypatch.setattr(attn_res_triton, "EARLY_WEIGHTS", early)
         monkeypatch.setattr(attn_res_triton, "JOINT_SUMS", joint)
-        consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True,
+        consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True, TRACE=None,
                       **attn_res_triton.launch_shape(5, 7168, 1))
         warps = consts.pop("num_warps")
         kernel = _compile(attn_res_triton._attn_res_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
@@ -592,6 +592,20 @@ def test_combine_normalised_in_column_blocks_compiles_for_sm90():
     ptx = kernel.asm["ptx"]
     assert "ld.global.cg" in ptx and "atom.global.gpu.acq_rel.add" in ptx
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
+
+
+def test_attn_res_token_trace_reads_the_global_timer():
+    """bench/attn_res_trace.py --token: the program-a-token kernel's four stamps, none without TRACE."""
+    from k3serve.ops import attn_res_triton
+
+    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
+    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
+    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=False, RESET=False, USE_PDL=False, **attn_res_triton.launch_shape(5, 7168, 1))
+    warps = consts.pop("num_warps")
+    for trace in (True, False):
+        kernel = _compile(attn_res_triton._attn_res_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},
+                          {**scalars, "eps": "fp32"}, consts if trace else {**consts, "TRACE": None}, num_warps=warps)
+        assert kernel.asm["ptx"].count("%globaltimer") == (4 if trace else 0)
 
 
 def test_attn_res_split_trace_reads_the_global_timer():

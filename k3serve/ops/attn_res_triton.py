@@ -77,11 +77,12 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
                      HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
                      CHUNK_ROWS: tl.constexpr, KEEP_LAST: tl.constexpr, HAS_DELTA: tl.constexpr = False,
                      RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                     EARLY_WEIGHTS: tl.constexpr = False, JOINT_SUMS: tl.constexpr = False):
+                     EARLY_WEIGHTS: tl.constexpr = False, JOINT_SUMS: tl.constexpr = False, TRACE=None):
     """One token: sources 0 .. M-2 as [BLOCK_M, CHUNK] tiles, source M-1 (the partial; with
     HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector. EARLY_WEIGHTS (one
     chunk): the query and the norm weight read before the PDL wait; JOINT_SUMS: the dots and
-    squares in two reductions, not four."""
+    squares in two reductions, not four. TRACE (bench/attn_res_trace.py --token): the global timer
+    past the wait, at the scores, at the mix (the partial stored), at the end."""
     t = tl.program_id(0)
     mm = tl.arange(0, BLOCK_M)
     cc = tl.arange(0, CHUNK)
@@ -92,6 +93,7 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
             out_w = tl.load(OUTW + kk[:, None] * CHUNK + cc[None, :], mask=(kk[:, None] * CHUNK + cc[None, :]) < D,
                             other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
+    _trace(TRACE, t * 4)
     src = SRC + t * stride_src_t
     dot = tl.zeros([BLOCK_M], tl.float32)
     sq = tl.zeros([BLOCK_M], tl.float32)
@@ -127,6 +129,7 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     total = tl.sum(p, 0) + p_last
     p = p / total
     p_last = p_last / total
+    _trace(TRACE, t * 4 + 1)
     # the whole mixed row, chunk i in row i; with KEEP_LAST the last chunk from the registers pass 1
     # left it in (no second read; K3's up to 5 sources are one chunk), the others read again
     mix = tl.zeros([CHUNK_ROWS, CHUNK], tl.float32)
@@ -144,12 +147,14 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
         if HAS_DELTA:  # after this chunk's last read of the old partial, by the same threads (same layout)
             tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
     cols = kk[:, None] * CHUNK + cc[None, :]
+    _trace(TRACE, t * 4 + 2)
     if HAS_OUT_NORM:
         mix = mix / tl.sqrt(tl.sum(tl.sum(mix * mix, 1), 0) / D + eps)
         if not EARLY_WEIGHTS:
             out_w = tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
         mix = mix * out_w
     tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
+    _trace(TRACE, t * 4 + 3)
 
 
 @triton.jit
@@ -360,8 +365,17 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
                 ((0, partial_update is not None),):
             launch_split(sources, query, eps, out_norm, out, delta, split, part, phase, has_delta, reset)
         return out
+    launch_token(sources, query, eps, out_norm, out, delta, partial_update is not None, reset)
+    return out
+
+
+def launch_token(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None,
+                 out: torch.Tensor, delta: torch.Tensor, has_delta: bool = False, reset: bool = False,
+                 trace: torch.Tensor | None = None) -> None:
+    """One launch of ``_attn_res_kernel`` (a program a token) at ``launch_shape``; ``trace``: int64
+    [T * 4] for the programs' timer stamps (bench/attn_res_trace.py --token)."""
+    M, T, D = sources.shape
     _attn_res_kernel[(T,)](sources, query, out_norm if out_norm is not None else query, out, delta, sources.stride(0),
                            sources.stride(1), out.stride(0), delta.stride(0), M, D, eps,
-                           HAS_OUT_NORM=out_norm is not None, HAS_DELTA=partial_update is not None, RESET=reset,
+                           HAS_OUT_NORM=out_norm is not None, HAS_DELTA=has_delta, RESET=reset, TRACE=trace,
                            **launch_shape(M, D, T), **pdl.launch(out.device))
-    return out
