@@ -622,7 +622,10 @@ def test_attn_res_split_trace_reads_the_global_timer():
     consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=False, RESET=False, USE_PDL=False,
                   TILE_ROWS=False, GROWING=False,
                   **shape)
-    for trace in (True, False):
+    for trace, growing in ((True, False), (False, False), (True, True)):
+        if growing:  # (the end stamp with no leave atomic before it)
+            consts = {**consts, "GROWING": True}
+            ptrs = {**ptrs, "TICKETS": "*i64"}
         kernel = _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},
                           {**scalars, "eps": "fp32"}, consts if trace else {**consts, "TRACE": None}, num_warps=4)
         assert kernel.asm["ptx"].count("%globaltimer") == (4 if trace else 0)

@@ -254,8 +254,9 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
             total = tl.sum(tl.sum(p[:, None] * gram * p[None, :], 1), 0)
             mix = mix / tl.sqrt(tl.maximum(total, 0.0) / D + eps) * out_w
         tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
-        if PHASE == 0 and not GROWING:
-            leave_all(TICKETS, group0 + t, SPLIT)
+        if PHASE == 0:
+            if not GROWING:
+                leave_all(TICKETS, group0 + t, SPLIT)
             _trace(TRACE, (t * SPLIT + s) * 4 + 3)
 
 
