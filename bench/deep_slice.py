@@ -22,10 +22,11 @@ FIRST_LAYER = 84
 
 
 class DeepAttnResState(AttnResState):
-    """AttnResState from layer FIRST_LAYER on (read at construction: one forward pass)."""
+    """AttnResState from layer ``first`` on (the model's forward passes none: FIRST_LAYER, read at
+    construction, one forward pass)."""
 
-    def __init__(self, embeddings: torch.Tensor, block_size: int, num_layers: int, **kw):
-        self.first = FIRST_LAYER
+    def __init__(self, embeddings: torch.Tensor, block_size: int, num_layers: int, first: int | None = None, **kw):
+        self.first = FIRST_LAYER if first is None else first
         super().__init__(embeddings, block_size, self.first + num_layers, **kw)
         if self.first == 0:
             return
@@ -55,12 +56,7 @@ def install() -> None:
 
 def source_counts(block_size: int, num_layers: int, first: int = FIRST_LAYER) -> list[int]:
     """Each mixer's source count in a forward of ``num_layers`` layers from ``first`` (CPU)."""
-    global FIRST_LAYER
-    saved, FIRST_LAYER = FIRST_LAYER, first
-    try:
-        res = DeepAttnResState(torch.zeros(1, 1), block_size, num_layers, use_buffer=True, defer=False)
-    finally:
-        FIRST_LAYER = saved
+    res = DeepAttnResState(torch.zeros(1, 1), block_size, num_layers, first, use_buffer=True, defer=False)
     counts, out = [], torch.zeros(1, 1)
     for i in range(num_layers):
         counts.append(len(res.token_mixer_sources(i, out if i else None)))

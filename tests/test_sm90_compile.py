@@ -462,6 +462,42 @@ def test_hop_cost_link_compiles_for_sm90(read):
     assert ("ld.global" in ptx) == read
 
 
+def _attn_res_token(sources: int, tokens: int, trace: bool = False, **flags):
+    """The program-a-token AttnRes mixer at K3's width (7,168) for sm_90, its tiles and flags from
+    ``launch_shape`` (so from the module's constants), ``flags`` over them."""
+    from k3serve.ops import attn_res_triton
+
+    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
+    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
+    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True,
+                  **attn_res_triton.launch_shape(sources, 7168, tokens), **({} if trace else {"TRACE": None}))
+    consts.update(flags)
+    warps = consts.pop("num_warps")
+    return _compile(attn_res_triton._attn_res_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},
+                    {**scalars, "eps": "fp32"}, consts, (*ptrs, *(n for n in scalars if n != "M")), num_warps=warps)
+
+
+def _attn_res_split(sources: int, tokens: int, trace: bool = False, tickets: str = "*i32", **flags):
+    """The split AttnRes mixer at K3's width for sm_90 (256 columns a program), ``flags`` over the
+    served constexprs; ``tickets``: the barrier counters' type (int64 for GROWING)."""
+    import torch
+
+    from k3serve.ops import attn_res_triton
+
+    shape = attn_res_triton.split_shape(sources, 7168, tokens, torch.device("cpu"))
+    assert shape is not None and shape["COLS"] == 256
+    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
+            "TICKETS": tickets}
+    scalars = {n: "i32" for n in ("group0", "stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M",
+                                  "D")}
+    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
+                  TILE_ROWS=False, GROWING=False, **shape, **({} if trace else {"TRACE": None}))
+    consts.update(flags)
+    return _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},
+                    {**scalars, "eps": "fp32"}, consts, (*ptrs, *(n for n in scalars if n not in ("M", "group0"))),
+                    num_warps=max(4, min(16, shape["COLS"] // 128)))
+
+
 @pytest.mark.parametrize("tokens", [1, 4096])
 @pytest.mark.parametrize("sources", [2, 9, 16])
 def test_attn_res_kernel_keeps_k3_rows_in_registers(sources, tokens):
@@ -470,15 +506,8 @@ def test_attn_res_kernel_keeps_k3_rows_in_registers(sources, tokens):
     memory (an earlier [sources, D] tile spilled ~12 KB a thread at 16 sources), in both tile sizes
     (a decode step's few tokens, a prefill's many)."""
     from bench.sass_mix import sass_text
-    from k3serve.ops import attn_res_triton
 
-    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
-    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
-    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True, TRACE=None,
-                  **attn_res_triton.launch_shape(sources, 7168, tokens))
-    warps = consts.pop("num_warps")
-    kernel = _compile(attn_res_triton._attn_res_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
-                      ("SRC", "QW", "OUTW", "OUT", "DELTA", *(n for n in scalars if n != "M")), num_warps=warps)
+    kernel = _attn_res_token(sources, tokens)
     sass = sass_text(kernel)
     assert "STL" not in sass and "LDL" not in sass
     assert "griddepcontrol.wait" in kernel.asm["ptx"]
@@ -491,17 +520,11 @@ def test_attn_res_kernel_early_weights_and_joint_sums_compile_for_sm90(monkeypat
     from bench.sass_mix import sass_text
     from k3serve.ops import attn_res_triton
 
-    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
-    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
     got = {}
     for early, joint in ((False, False), (True, False), (False, True), (True, True)):
         monkeypatch.setattr(attn_res_triton, "EARLY_WEIGHTS", early)
         monkeypatch.setattr(attn_res_triton, "JOINT_SUMS", joint)
-        consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True, TRACE=None,
-                      **attn_res_triton.launch_shape(5, 7168, 1))
-        warps = consts.pop("num_warps")
-        kernel = _compile(attn_res_triton._attn_res_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
-                          ("SRC", "QW", "OUTW", "OUT", "DELTA", *(n for n in scalars if n != "M")), num_warps=warps)
+        kernel = _attn_res_token(5, 1)
         ptx, sass = kernel.asm["ptx"], sass_text(kernel)
         wait = ptx.find("griddepcontrol.wait")
         assert wait >= 0 and "st.global" not in ptx[:wait] and "STL" not in sass
@@ -511,33 +534,25 @@ def test_attn_res_kernel_early_weights_and_joint_sums_compile_for_sm90(monkeypat
     assert got[False, True][2] < got[False, False][2] and got[True, True][2] == got[False, True][2]
 
 
+def test_attn_res_token_trace_reads_the_global_timer():
+    """bench/attn_res_trace.py --token: the program-a-token kernel's four stamps, none without TRACE."""
+    for trace in (True, False):
+        kernel = _attn_res_token(5, 1, trace, HAS_DELTA=False, USE_PDL=False)
+        assert kernel.asm["ptx"].count("%globaltimer") == (4 if trace else 0)
+
+
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_token(tokens):
     """The split mixer at K3's width and 16 sources (the most it takes), at the shapes a decode
     step launches (1 and 4 tokens, SPLIT_TOKENS: 256 columns a program): no spill, the Gram
     matrix through the tensor cores, the barrier's atomics (ops/tickets.py wait_all), and the other
     programs' parts read past L1 (.cg), only the weights read before the PDL wait."""
-    import torch
-
     from bench.sass_mix import sass_text
-    from k3serve.ops import attn_res_triton
 
-    shape = attn_res_triton.split_shape(16, 7168, tokens, torch.device("cpu"))
-    assert shape is not None and shape["COLS"] == 256
-    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
-            "TICKETS": "*i32"}
-    scalars = {n: "i32" for n in ("group0", "stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M",
-                                  "D")}
-    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
-                  TILE_ROWS=False, GROWING=False, TRACE=None, **shape)
-    divisible = (*ptrs, *(n for n in scalars if n not in ("M", "group0")))
-    warps = max(4, min(16, shape["COLS"] // 128))
-    kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts, divisible,
-                      num_warps=warps)
+    kernel = _attn_res_split(16, tokens)
     # the prepared growing barrier (SPLIT_GROWING_BARRIER): on int64 counts, a release arrival whose old
     # value sets the target, acquire polls, and no atomic after them (no relaxed leave)
-    growing = _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, "TICKETS": "*i64"}, {**scalars, "eps": "fp32"},
-                       {**consts, "GROWING": True}, divisible, num_warps=warps).asm["ptx"]
+    growing = _attn_res_split(16, tokens, tickets="*i64", GROWING=True).asm["ptx"]
     assert re.search(r"atom\.global\.gpu\.release\.add\.u64", growing) and "ld.global.gpu.acquire.b64" in growing
     assert "relaxed" not in growing
     sass, ptx = sass_text(kernel), kernel.asm["ptx"]
@@ -557,28 +572,26 @@ def test_attn_res_split_kernel_tile_rows_compiles_for_sm90():
     the partial, its update and the query as rows of the tile take fewer shared-memory barrier
     rounds before the arrival, no spill, the Gram on the tensor cores, the query's loads still
     before the PDL wait (and no store there)."""
-    import torch
-
     from bench.sass_mix import sass_text
-    from k3serve.ops import attn_res_triton
 
-    shape = attn_res_triton.split_shape(9, 7168, 1, torch.device("cpu"))
-    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
-            "TICKETS": "*i32"}
-    scalars = {n: "i32" for n in ("group0", "stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M",
-                                  "D")}
     rounds = {}
     for tile_rows in (False, True):
-        consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
-                      TILE_ROWS=tile_rows, GROWING=False, TRACE=None, **shape)
-        kernel = _compile(attn_res_triton._attn_res_split_kernel, ptrs, {**scalars, "eps": "fp32"}, consts,
-                          (*ptrs, *(n for n in scalars if n not in ("M", "group0"))), num_warps=4)
+        kernel = _attn_res_split(9, 1, TILE_ROWS=tile_rows)
         ptx, sass = kernel.asm["ptx"], sass_text(kernel)
         wait, arrival = ptx.find("griddepcontrol.wait"), re.search(r"(atom|red)\.global\.gpu\.release", ptx).start()
         assert "STL" not in sass and "HMMA" in sass and "st.global" not in ptx[:wait]
         assert len(re.findall(r"ld\.global", ptx[:wait])) >= 2
         rounds[tile_rows] = ptx[:arrival].count("bar.sync")
     assert rounds[True] < rounds[False]
+
+
+def test_attn_res_split_trace_reads_the_global_timer():
+    """bench/attn_res_trace.py's stamps: four global-timer reads and stores, none without TRACE, and
+    the end stamp also with the growing barrier (no leave atomic before it)."""
+    for trace, growing in ((True, False), (False, False), (True, True)):
+        kernel = _attn_res_split(9, 1, trace, "*i64" if growing else "*i32", HAS_DELTA=False, USE_PDL=False,
+                                 GROWING=growing)
+        assert kernel.asm["ptx"].count("%globaltimer") == (4 if trace else 0)
 
 
 def test_combine_normalised_in_column_blocks_compiles_for_sm90():
@@ -592,40 +605,3 @@ def test_combine_normalised_in_column_blocks_compiles_for_sm90():
     ptx = kernel.asm["ptx"]
     assert "ld.global.cg" in ptx and "atom.global.gpu.acq_rel.add" in ptx
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
-
-
-def test_attn_res_token_trace_reads_the_global_timer():
-    """bench/attn_res_trace.py --token: the program-a-token kernel's four stamps, none without TRACE."""
-    from k3serve.ops import attn_res_triton
-
-    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
-    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
-    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=False, RESET=False, USE_PDL=False, **attn_res_triton.launch_shape(5, 7168, 1))
-    warps = consts.pop("num_warps")
-    for trace in (True, False):
-        kernel = _compile(attn_res_triton._attn_res_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},
-                          {**scalars, "eps": "fp32"}, consts if trace else {**consts, "TRACE": None}, num_warps=warps)
-        assert kernel.asm["ptx"].count("%globaltimer") == (4 if trace else 0)
-
-
-def test_attn_res_split_trace_reads_the_global_timer():
-    """bench/attn_res_trace.py's stamps: four global-timer reads and stores, none without TRACE."""
-    import torch
-
-    from k3serve.ops import attn_res_triton
-
-    shape = attn_res_triton.split_shape(9, 7168, 1, torch.device("cpu"))
-    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
-            "TICKETS": "*i32"}
-    scalars = {n: "i32" for n in ("group0", "stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M",
-                                  "D")}
-    consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=False, RESET=False, USE_PDL=False,
-                  TILE_ROWS=False, GROWING=False,
-                  **shape)
-    for trace, growing in ((True, False), (False, False), (True, True)):
-        if growing:  # (the end stamp with no leave atomic before it)
-            consts = {**consts, "GROWING": True}
-            ptrs = {**ptrs, "TICKETS": "*i64"}
-        kernel = _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},
-                          {**scalars, "eps": "fp32"}, consts if trace else {**consts, "TRACE": None}, num_warps=4)
-        assert kernel.asm["ptx"].count("%globaltimer") == (4 if trace else 0)
