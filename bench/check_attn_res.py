@@ -1,6 +1,5 @@
 """The AttnRes mixer's GPU checks alone (``gpu_check_kernels.check_attn_res_partial``), every shape
-split between programs wherever it may be and never: a quick re-check after a change to the mixer;
-then again with the prepared variants on (EARLY_WEIGHTS, JOINT_SUMS, SPLIT_TILE_ROWS, SPLIT_GROWING_BARRIER).
+split between programs wherever it may be and never: a quick re-check after a change to the mixer.
 
 Usage: python3 bench/check_attn_res.py
 """
@@ -34,12 +33,4 @@ if __name__ == "__main__":
 
     gen = torch.Generator(device=checks.DEV).manual_seed(0)
     run(checks.check_attn_res_partial, gen)
-    # the prepared variants (a program a token: static weights first, joint sums; split: the tile's rows), all on
-    flags = ("EARLY_WEIGHTS", "JOINT_SUMS", "SPLIT_TILE_ROWS", "SPLIT_GROWING_BARRIER")
-    saved = [getattr(attn_res_triton, f) for f in flags]
-    for f in flags:
-        setattr(attn_res_triton, f, True)
-    run(checks.check_attn_res_partial, gen)
-    for f, value in zip(flags, saved):
-        setattr(attn_res_triton, f, value)
     sys.exit(checks.report())

@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: attnres, attnresnext, attnresdeep, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: attnres, attnresdeep, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -46,23 +46,6 @@ case "$1" in
     step graphs "$(left 360)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
     step engine "$(left 580)" python3 bench/gpu_check_engine.py
     tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log" ;;
-  attnresnext)  # the mixers' prepared variants (attn_res_triton EARLY_WEIGHTS, JOINT_SUMS, SPLIT_TILE_ROWS,
-                # SPLIT_GROWING_BARRIER):
-                # checks, alone, the split kernel's trace, then in the k3-slice step at its own depth (1-2 sources:
-                # a program a token) and at K3's (8-9: split), critical-path charges
-    F=k3serve.ops.attn_res_triton
-    step attnres_check 120 python3 bench/check_attn_res.py
-    step attnres_alone "$(left 220)" python3 -m bench.kernels_small --set $F.EARLY_WEIGHTS=True,$F.JOINT_SUMS=True,$F.SPLIT_TILE_ROWS=True,$F.SPLIT_GROWING_BARRIER=True --attn-res
-    step attnres_trace "$(left 240)" sh -c "python3 bench/attn_res_trace.py 9 1; python3 bench/attn_res_trace.py --token 5 1"
-    step attnres_trace_rows "$(left 260)" python3 -c "import sys, runpy, $F as A; A.SPLIT_TILE_ROWS = A.SPLIT_GROWING_BARRIER = A.EARLY_WEIGHTS = A.JOINT_SUMS = True
-for argv in (['x', '9', '1'], ['x', '--token', '5', '1']):
-    sys.argv = argv; runpy.run_path('bench/attn_res_trace.py', run_name='__main__')"
-    step attnres_token "$(left 410)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts ab \
-      --ab @bench/ab/attn_res_token.txt --ab-batches 1,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
-    step attnres_deep "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \
-      --ab @bench/ab/attn_res_deep_next.txt --ab-batches 1,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
-    tail -1 "$OUT/attnres_check.log"; grep "^|" "$OUT/attnres_alone.log" | head -14; tail -22 "$OUT/attnres_trace.log" "$OUT/attnres_trace_rows.log"
-    for f in attnres_token attnres_deep; do grep -A12 "^| variant | set" "$OUT/$f.log"; grep -A12 "AttnRes calls" "$OUT/$f.log"; done ;;
   attnresdeep)  # the AttnRes mixers' share of a graph-replayed k3-slice step on its critical path, the slice's
                 # layers played at K3's depth (layers 84-87: 8-9 sources, bench/deep_slice.py) and at its own
     step attnres_deep "$(left 300)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \

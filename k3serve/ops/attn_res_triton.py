@@ -28,7 +28,7 @@ import triton.language as tl
 from . import pdl
 from .autotune import interpreted, sm_count
 from .pdl import pdl_start
-from .tickets import barrier, leave_all, tickets, wait_all
+from .tickets import barrier, tickets
 
 # Elements of a [blocks, CHUNK] tile. Up to FEW_TOKENS tokens a program is alone on its SM: fewer,
 # longer chunks (2 / 5 / 9 sources at K3's width 5.1 / 5.9 / 10.3 us against 6.1 / 8.5 / 12.0 with
@@ -53,22 +53,9 @@ SPLIT_MIN_SOURCES = 6
 SPLIT_MIN_COLS = 256
 SPLIT_MAX_COLS = 2048
 SPLIT_ROWS = 16  # the split kernel's source rows (the Gram's side, the tensor cores' least): at most 16 sources
-# A program a token, prepared for the next GPU A/B (bench/ab/attn_res_token.txt; off until timed): EARLY_WEIGHTS
-# reads a one-chunk row's static weights (the query, the norm weight) before the PDL wait, as the split kernel
-# does (its norm weight's cold read otherwise comes last, after the partial's store: PTX, twenty-ninth
-# session); JOINT_SUMS reduces the blocks' dots and squares in one cross-warp reduction and the partial's in
-# another (four shared-memory rounds before the scores, each a barrier, become two).
-EARLY_WEIGHTS = False
-JOINT_SUMS = False
-# The split kernel, prepared likewise (bench/ab/attn_res_deep_next.txt): the partial, its update and the query as
-# rows of the [16, COLS] tile, in its layout, the query's dots out of the Gram (as [COLS] vectors they went through
-# shared memory into it, and the dots had a reduction of their own: the PTX of a 9-source row shows 22 barrier
-# rounds before the arrival). Up to SPLIT_ROWS - 2 sources (two rows for the query).
-SPLIT_TILE_ROWS = False
-# The split kernel's barrier: ``tickets.barrier`` (an int64 count that only grows, no atomic after the wait: the
-# leave's round trip ends each program later) or ``wait_all`` + ``leave_all``. Prepared (it hung a graph A/B this
-# session through the tickets buffer's capture-time zeroing, since fixed); off until the next GPU A/B.
-SPLIT_GROWING_BARRIER = False
+# The split kernel's barrier is ``tickets.barrier``: int64 counts that only grow, one a (program count, token),
+# so no atomic runs after the wait (the count-and-leave form's last round trip ended each program later:
+# 72.0 -> 67.4 us of mixers on a k3-slice step's critical path at layers 84-87, thirtieth session).
 BARRIER_SLOTS = 64  # growing counters a program count (a token each: SPLIT_TOKENS at most)
 
 
@@ -76,18 +63,20 @@ BARRIER_SLOTS = 64  # growing counters a program count (a token each: SPLIT_TOKE
 def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stride_out_t, stride_delta_t, M, D, eps,
                      HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
                      CHUNK_ROWS: tl.constexpr, KEEP_LAST: tl.constexpr, HAS_DELTA: tl.constexpr = False,
-                     RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                     EARLY_WEIGHTS: tl.constexpr = False, JOINT_SUMS: tl.constexpr = False, TRACE=None):
+                     RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False, TRACE=None):
     """One token: sources 0 .. M-2 as [BLOCK_M, CHUNK] tiles, source M-1 (the partial; with
-    HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector. EARLY_WEIGHTS (one
-    chunk): the query and the norm weight read before the PDL wait; JOINT_SUMS: the dots and
-    squares in two reductions, not four. TRACE (bench/attn_res_trace.py --token): the global timer
-    past the wait, at the scores, at the mix (the partial stored), at the end."""
+    HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector. A one-chunk row
+    reads its static weights (the query, the norm weight: ops/pdl.py) before the PDL wait (the norm
+    weight's cold read came last otherwise); the dots and squares are summed in two cross-warp
+    reductions, not four (each a shared-memory barrier round). Both: a k3-slice step's mixers
+    47.3 -> 35.4 us on its critical path at batch 1 (thirtieth session). TRACE
+    (bench/attn_res_trace.py --token): the global timer past the wait, at the scores, at the mix
+    (the partial stored), at the end."""
     t = tl.program_id(0)
     mm = tl.arange(0, BLOCK_M)
     cc = tl.arange(0, CHUNK)
     kk = tl.arange(0, CHUNK_ROWS)
-    if EARLY_WEIGHTS:
+    if N_CHUNKS == 1:
         qw_early = tl.load(QW + cc, mask=cc < D, other=0.0).to(tl.float32)
         if HAS_OUT_NORM:
             out_w = tl.load(OUTW + kk[:, None] * CHUNK + cc[None, :], mask=(kk[:, None] * CHUNK + cc[None, :]) < D,
@@ -104,22 +93,16 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     for i in range(N_CHUNKS):
         cols = i * CHUNK + cc
         v, last, _ = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET)
-        if EARLY_WEIGHTS:
+        if N_CHUNKS == 1:
             qw = qw_early
         else:
             qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)  # pseudo-query, key-norm weight folded in
-        if JOINT_SUMS:
-            d, s = tl.reduce((v * qw[None, :], v * v), 1, _add_pairs)
-            d_last, s_last = tl.reduce((last * qw, last * last), 0, _add_pairs)
-            dot += d
-            sq += s
-            dot_last += d_last
-            sq_last += s_last
-        else:
-            dot += tl.sum(v * qw[None, :], 1)
-            sq += tl.sum(v * v, 1)
-            dot_last += tl.sum(last * qw, 0)
-            sq_last += tl.sum(last * last, 0)
+        d, s = tl.reduce((v * qw[None, :], v * v), 1, _add_pairs)
+        d_last, s_last = tl.reduce((last * qw, last * last), 0, _add_pairs)
+        dot += d
+        sq += s
+        dot_last += d_last
+        sq_last += s_last
     score = dot / tl.sqrt(sq / D + eps)
     score = tl.where(mm < M - 1, score, float("-inf"))
     score_last = dot_last / tl.sqrt(sq_last / D + eps)
@@ -150,7 +133,7 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     _trace(TRACE, t * 4 + 2)
     if HAS_OUT_NORM:
         mix = mix / tl.sqrt(tl.sum(tl.sum(mix * mix, 1), 0) / D + eps)
-        if not EARLY_WEIGHTS:
+        if N_CHUNKS != 1:
             out_w = tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
         mix = mix * out_w
     tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
@@ -167,8 +150,7 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
                            stride_delta_t, M, D, eps, HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                            COLS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr, IEEE: tl.constexpr,
                            HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
-                           USE_PDL: tl.constexpr = False, TILE_ROWS: tl.constexpr = False,
-                           GROWING: tl.constexpr = False, TRACE=None):
+                           USE_PDL: tl.constexpr = False, TRACE=None):
     """Program (column block, token): its COLS columns of all M sources in registers; their dots
     with the query and their Gram matrix (bf16 products exact, fp32 sums) to PART; a barrier among
     the token's SPLIT programs; then each sums the parts in a fixed order (so all agree): the
@@ -177,49 +159,26 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
     own columns mixed and stored. PHASE 0: all of it; 1 / 2: before / after the barrier, as two
     launches (Triton's interpreter runs programs one by one: a barrier would never open). TRACE
     (bench/attn_res_trace.py): the global timer at the start, the arrival, past the barrier, the end.
-    The query and the norm weight (static: ops/pdl.py) are read before the PDL wait. TILE_ROWS
-    (``SPLIT_TILE_ROWS``, at most BLOCK_M - 2 sources): everything in the tile's own layout, no
-    vector moved into it through shared memory: the partial, its update and its store as masked
-    rows, and the query as two more rows (bf16 high and low parts, 2^-17 of it lost), so the
-    Gram's last two columns hold the sources' dots with it (no reduction of their own). The token's
-    barrier counter is TICKETS[group0 + t]: GROWING ``tickets.barrier`` (int64), else ``wait_all``."""
+    The query and the norm weight (static: ops/pdl.py) are read before the PDL wait. The token's
+    barrier is ``tickets.barrier`` on the int64 count TICKETS[group0 + t]."""
     s = tl.program_id(0)
     t = tl.program_id(1)
     cols = s * COLS + tl.arange(0, COLS)
     mm = tl.arange(0, BLOCK_M)
-    rows = mm[:, None]
-    cmask = (cols < D)[None, :]
-    if TILE_ROWS:
-        q2 = tl.load(QW + rows * 0 + cols[None, :], mask=(rows >= BLOCK_M - 2) & cmask, other=0.0)
-        q_hi = q2.to(SRC.dtype.element_ty).to(tl.float32)
-        q2 = tl.where(rows == BLOCK_M - 2, q_hi, (q2 - q_hi).to(SRC.dtype.element_ty).to(tl.float32))
-    else:
-        qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
+    qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
     if HAS_OUT_NORM and PHASE != 1:
         out_w = tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
     _trace(TRACE, (t * SPLIT + s) * 4)
     src = SRC + t * stride_src_t
-    if TILE_ROWS:
-        ptrs = src + rows * stride_src_m + cols[None, :]
-        v = tl.load(ptrs, mask=(rows < M - (HAS_DELTA and PHASE != 2 and RESET)) & cmask, other=0.0).to(tl.float32)
-        if HAS_DELTA and PHASE != 2:
-            upd = tl.load(DELTA + t * stride_delta_t + rows * 0 + cols[None, :], mask=(rows == M - 1) & cmask,
-                          other=0.0).to(tl.float32)
-            v = tl.where(rows == M - 1, (v + upd).to(SRC.dtype.element_ty).to(tl.float32), v)
-        v = tl.where(rows >= BLOCK_M - 2, q2, v)  # (rows M .. BLOCK_M - 3 zero)
-    else:
-        v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D,
-                                   HAS_DELTA and PHASE != 2, RESET)
-        v = tl.where(mm[:, None] == M - 1, last[None, :], v)  # all M sources, rows M .. BLOCK_M - 1 zero
+    v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D,
+                               HAS_DELTA and PHASE != 2, RESET)
+    v = tl.where(mm[:, None] == M - 1, last[None, :], v)  # all M sources, rows M .. BLOCK_M - 1 zero
     part = PART + t * SPLIT * BLOCK_M * (BLOCK_M + 1)
     gg = mm[:, None] * BLOCK_M + mm[None, :]
     if PHASE != 2:
         if HAS_DELTA:
-            if TILE_ROWS:
-                tl.store(ptrs, v.to(SRC.dtype.element_ty), mask=(rows == M - 1) & cmask)
-            else:
-                tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
+            tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
         if IEEE:
             gram = tl.dot(v, tl.trans(v), input_precision="ieee")
         else:
@@ -227,24 +186,17 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
             gram = tl.dot(vs, tl.trans(vs), out_dtype=tl.float32)
         mine = part + s * BLOCK_M * (BLOCK_M + 1)
         tl.store(mine + gg, gram)
-        if not TILE_ROWS:
-            tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
+        tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
         if PHASE == 0:
             _trace(TRACE, (t * SPLIT + s) * 4 + 1)
-            if GROWING:
-                barrier(TICKETS, group0 + t, SPLIT)
-            else:
-                wait_all(TICKETS, group0 + t, SPLIT)
+            barrier(TICKETS, group0 + t, SPLIT)
             _trace(TRACE, (t * SPLIT + s) * 4 + 2)
     if PHASE != 1:
         gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
         dot = tl.zeros([BLOCK_M], tl.float32)
         for j in tl.static_range(SPLIT):  # a fixed order; unrolled, the loads in flight together
             gram += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + gg, cache_modifier=".cg")
-            if not TILE_ROWS:
-                dot += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
-        if TILE_ROWS:  # the query's rows' columns
-            dot = tl.sum(tl.where(mm[None, :] >= BLOCK_M - 2, gram, 0.0), 1)
+            dot += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
         sq = tl.sum(tl.where(mm[:, None] == mm[None, :], gram, 0.0), 1)
         score = tl.where(mm < M, dot / tl.sqrt(sq / D + eps), float("-inf"))
         p = tl.exp(score - tl.max(score, 0))
@@ -255,8 +207,6 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
             mix = mix / tl.sqrt(tl.maximum(total, 0.0) / D + eps) * out_w
         tl.store(OUT + t * stride_out_t + cols, mix.to(OUT.dtype.element_ty), mask=cols < D)
         if PHASE == 0:
-            if not GROWING:
-                leave_all(TICKETS, group0 + t, SPLIT)
             _trace(TRACE, (t * SPLIT + s) * 4 + 3)
 
 
@@ -298,15 +248,14 @@ def launch_shape(M: int, D: int, T: int) -> dict:
     warps = max(1, min(16, chunk // (32 * COLS_PER_THREAD)))
     n_chunks = triton.cdiv(D, chunk)
     return dict(BLOCK_M=block_m, CHUNK=chunk, N_CHUNKS=n_chunks, CHUNK_ROWS=triton.next_power_of_2(n_chunks),
-                KEEP_LAST=int(KEEP_LAST and block_m <= KEEP_LAST_ROWS and T <= FEW_TOKENS),
-                EARLY_WEIGHTS=int(EARLY_WEIGHTS and n_chunks == 1), JOINT_SUMS=int(JOINT_SUMS), num_warps=warps)
+                KEEP_LAST=int(KEEP_LAST and block_m <= KEEP_LAST_ROWS and T <= FEW_TOKENS), num_warps=warps)
 
 
 def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
     """Columns a program and programs a token where a token's row is split (None: a program a
     token): the fewest columns (a power of two) that put the T x SPLIT programs on the SMs, one
     each, which the barrier needs (all resident at once)."""
-    if T > min(SPLIT_TOKENS, BARRIER_SLOTS) or M > SPLIT_ROWS - 2 * SPLIT_TILE_ROWS or M < SPLIT_MIN_SOURCES:
+    if T > min(SPLIT_TOKENS, BARRIER_SLOTS) or M > SPLIT_ROWS or M < SPLIT_MIN_SOURCES:
         return None
     sms, cols = sm_count(device), SPLIT_MIN_COLS
     while T * triton.cdiv(D, cols) > sms:
@@ -330,15 +279,14 @@ def launch_split(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     fp32 sources and when interpreted (the interpreter's bf16 dot is wrong)."""
     M, T, D = sources.shape
     cols, n = split["COLS"], split["SPLIT"]
-    growing = SPLIT_GROWING_BARRIER and phase == 0  # (a growing counter serves one program count: n's own slots)
-    counts = tickets(sources.device, (n + 1) * BARRIER_SLOTS, torch.int64) if growing else tickets(sources.device, T)
+    counts = tickets(sources.device, (n + 1) * BARRIER_SLOTS, torch.int64)  # (a program count's own slots)
     _attn_res_split_kernel[(n, T)](
         sources, query, out_norm if out_norm is not None else query, out, delta, part, counts,
-        n * BARRIER_SLOTS if growing else 0, sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D,
+        n * BARRIER_SLOTS, sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D,
         eps,
         HAS_OUT_NORM=out_norm is not None, BLOCK_M=SPLIT_ROWS, COLS=cols, SPLIT=n, PHASE=phase,
         IEEE=sources.dtype == torch.float32 or interpreted(), HAS_DELTA=has_delta, RESET=reset,
-        TILE_ROWS=SPLIT_TILE_ROWS, GROWING=growing, TRACE=trace,
+        TRACE=trace,
         num_warps=max(4, min(16, cols // 128)), **pdl.launch(out.device))
 
 

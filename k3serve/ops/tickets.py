@@ -3,7 +3,7 @@ part, takes a ticket, and the program that draws the last ticket (all the others
 visible to it) does the group's epilogue. Saves the second kernel (and its launch and ramp) that a
 split reduction otherwise needs; the epilogue reads the parts in a fixed order, so results do not
 depend on which program came last. Where every program needs the group's total (a softmax
-over a row split between programs), ``wait_all`` is a barrier instead: all wait, then all go on."""
+over a row split between programs), ``barrier`` is a grid barrier instead: all wait, then all go on."""
 
 from __future__ import annotations
 
@@ -26,36 +26,16 @@ def last_arrival(TICKETS, group, COUNT):
 
 
 @triton.jit
-def wait_all(TICKETS, group, COUNT):
-    """Returns in each of ``COUNT`` programs of ``group`` once all of them have called it, every
-    store they made before it visible to all. Each arrives (release) and spins until the count
-    reaches COUNT (acquire), so the programs must all be resident at once (a grid of at most one
-    program an SM). Each then calls ``leave_all``, which puts the counter back at zero."""
-    tl.debug_barrier()
-    tl.atomic_add(TICKETS + group, 1, sem="release", scope="gpu")
-    while tl.atomic_add(TICKETS + group, 0, sem="acquire", scope="gpu") < COUNT:
-        pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def leave_all(TICKETS, group, COUNT):
-    """After ``wait_all`` (as late as may be: it waits on its atomic): the count runs on to
-    2 x COUNT, and its last program, which knows that none still spins, resets it. (A last
-    arrival that resets the count and moves a phase the others spin on instead, no call after:
-    0.9 us slower a call, the phase's move one more round trip, RESULTS.md twenty-eighth session.)"""
-    if tl.atomic_add(TICKETS + group, 1, sem="relaxed", scope="gpu") == 2 * COUNT - 1:
-        tl.store(TICKETS + group, 0)
-
-
-@triton.jit
 def barrier(COUNTS, group, COUNT):
-    """``wait_all`` with no ``leave_all``: the int64 count only grows, and each program waits for the
-    next multiple of COUNT past its own arrival, so nothing resets it and no atomic round trip runs
-    after the wait. Every launch on a counter must have the same COUNT (so that the count is a
-    multiple of it between launches) and the counts must start at zero: ``tickets(..., torch.int64)``,
-    made outside graph captures (one made in a capture hung a graph A/B, RESULTS.md twenty-ninth
-    session)."""
+    """Returns in each of ``COUNT`` programs of ``group`` once all of them have called it, every
+    store they made before it visible to all: each arrives (release) and spins (acquire) until the
+    count reaches the next multiple of COUNT past its own arrival, so the programs must all be
+    resident at once (a grid of at most one program an SM). The int64 count only grows: nothing
+    resets it, so no atomic round trip runs after the wait (a count reset by a second, leaving
+    atomic ended each program a round trip later: RESULTS.md thirtieth session). Every launch on a
+    counter must have the same COUNT (so that the count is a multiple of it between launches) and
+    the counts must start at zero: ``tickets(..., torch.int64)``, made outside graph captures (one
+    made in a capture hung a graph A/B, RESULTS.md twenty-ninth session)."""
     tl.debug_barrier()
     arrived = tl.atomic_add(COUNTS + group, 1, sem="release", scope="gpu")
     target = (arrived // COUNT + 1) * COUNT
