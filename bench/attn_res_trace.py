@@ -5,7 +5,9 @@ barrier's wait from the programs' own work; ``--token``, the program-a-token mix
 (``_attn_res_kernel``'s: past the PDL wait, the scores, the mix with the partial stored, the end)
 tells its loads and reductions from its tail.
 
-Usage: python3 bench/attn_res_trace.py [--token] [SOURCES [TOKENS]]
+``--summary Q``: the split kernel as a block summary (SOURCES blocks, Q queries).
+
+Usage: python3 bench/attn_res_trace.py [--token | --summary Q] [SOURCES [TOKENS]]
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from k3serve.ops import attn_res_triton
 def main() -> None:
     token = "--token" in sys.argv
     args = [a for a in sys.argv[1:] if a != "--token"]
+    queries = 0
+    if "--summary" in args:
+        i = args.index("--summary")
+        queries = int(args.pop(i + 1))
+        args.pop(i)
     M = int(args[0]) if args else (5 if token else 9)
     T = int(args[1]) if len(args) > 1 else 1
     D = 7168
@@ -38,8 +45,15 @@ def main() -> None:
         n, names = shape["SPLIT"], ("start", "arrival", "past the barrier", "end")
         what = f"{n} programs a token ({shape['COLS']} columns)"
         trace = torch.zeros(T * n * 4, dtype=torch.int64, device="cuda")
-        part = attn_res_triton.split_parts(T, shape, src.device)
-        launch = lambda: attn_res_triton.launch_split(src, q, 1e-5, w, out, src[0], shape, part, trace=trace)  # noqa: E731
+        part = attn_res_triton.split_parts(T, shape, src.device, max(queries, 1))
+        summary = None
+        if queries:
+            what += f", a block summary for {queries} queries"
+            q = torch.randn(queries, D, device="cuda", generator=g)
+            summary = (torch.empty(queries, T, 2, D, dtype=src.dtype, device="cuda"),
+                       torch.empty(queries, T, device="cuda"))
+        launch = lambda: attn_res_triton.launch_split(src, q, 1e-5, w, out, src[0], shape, part, trace=trace,  # noqa: E731
+                                                      summary=summary)
     flush = torch.ones(32 << 20, device="cuda")
     runs = []
     for _ in range(30):

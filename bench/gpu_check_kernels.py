@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
 from k3serve.ops import attn_res_triton, mla_ref
-from k3serve.ops.attn_res_triton import attn_res_mix
+from k3serve.ops.attn_res_triton import attn_res_mix, attn_res_summary
 from k3serve.ops.gemv_triton import GEMV_CONFIGS, gemv
 from k3serve.ops.kda import kda_core
 from k3serve.ops.kda_decode_triton import kda_decode_fused
@@ -178,11 +178,51 @@ def check_attn_res_partial(M: int, T: int, D: int, gen: torch.Generator) -> None
         got = attn_res_mix(fused, q, 1e-5, w, torch.bfloat16, (delta, reset))
         record("AttnRes mix + partial update (1 = differs from update first)", f"M={M} T={T} D={D} reset={reset}{split}",
                float(not (torch.equal(fused, first) and torch.equal(got, expect))), 0.0)
-        v = first.double()  # the mix in float64: scores of the key-normed sources, softmax, sum, RMSNorm
-        score = (v * q.double()).sum(-1) / torch.sqrt((v * v).mean(-1) + 1e-5)
-        mix = (torch.softmax(score, 0)[..., None] * v).sum(0)
-        ref = mix / torch.sqrt((mix * mix).mean(-1, keepdim=True) + 1e-5) * w.double()
-        record("AttnRes mix vs float64 (bf16 output)", f"M={M} T={T} D={D} reset={reset}{split}", rel(got.double(), ref), 1e-2)
+        record("AttnRes mix vs float64 (bf16 output)", f"M={M} T={T} D={D} reset={reset}{split}",
+               rel(got.double(), _mix64(first, q, w)), 1e-2)
+
+
+def _mix64(v: torch.Tensor, q: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """The AttnRes mix of sources v [M, T, D] in float64 (then the RMSNorm with w, unless None)."""
+    v = v.double()
+    score = (v * q.double()).sum(-1) / torch.sqrt((v * v).mean(-1) + 1e-5)
+    mix = (torch.softmax(score, 0)[..., None] * v).sum(0)
+    return mix if w is None else mix / torch.sqrt((mix * mix).mean(-1, keepdim=True) + 1e-5) * w.double()
+
+
+def check_attn_res_summary(M: int, T: int, D: int, Q: int, gen: torch.Generator) -> None:
+    """A block summary (``attn_res_summary``: the block's first mixer, its last block's pending update
+    in the pass, and the M blocks mixed for each of Q queries) and the mixers that read a summary
+    row and the partial (its update, add or reset, in the pass), against float64 mixes over all
+    the sources; the updates bit for bit torch's."""
+    queries = torch.randn(Q, D, generator=gen, device=DEV)
+    w = torch.rand(D, generator=gen, device=DEV) + 0.5
+    buf = torch.randn(M, T, D, generator=gen, device=DEV).bfloat16()
+    delta = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    blocks = buf.clone()
+    blocks[-1].add_(delta)
+    summary = torch.empty(Q, T, 2, D, dtype=torch.bfloat16, device=DEV)
+    logits = torch.empty(Q, T, device=DEV)
+    first = attn_res_summary(buf, queries, 1e-5, w, torch.bfloat16, (delta, False), summary, logits)
+    shape = f"M={M} T={T} D={D} Q={Q}"
+    record("AttnRes summary: block update (1 = differs from torch's add)", shape, float(not torch.equal(buf, blocks)), 0.0)
+    record("AttnRes summary: first mixer vs float64 (bf16 output)", shape, rel(first.double(), _mix64(blocks, queries[0], w)),
+           1e-2)
+    v = blocks.double()
+    scores = torch.einsum("qd,mtd->qmt", queries.double(), v) / torch.sqrt((v * v).mean(-1) + 1e-5)
+    ref = torch.einsum("qmt,mtd->qtd", torch.softmax(scores, 1), v)
+    record("AttnRes summary rows (high + low) vs float64", shape, rel(summary.double().sum(-2), ref), 2e-5)
+    record("AttnRes summary logits vs float64", shape, rel(logits.double(), torch.logsumexp(scores, 1)), 1e-5)
+    partial = torch.randn(1, T, D, generator=gen, device=DEV).bfloat16()
+    for j in (1, Q - 1):
+        for reset in (False, True):
+            fused, updated = partial.clone(), partial.clone()
+            (updated[0].copy_ if reset else updated[0].add_)(delta)
+            got = attn_res_mix(fused, queries[j], 1e-5, w, torch.bfloat16, (delta, reset), (summary[j], logits[j]))
+            record("AttnRes mix of a summary + partial update (1 = differs from torch's)", f"{shape} j={j} reset={reset}",
+                   float(not torch.equal(fused, updated)), 0.0)
+            record("AttnRes mix of a summary vs float64 (bf16 output)", f"{shape} j={j} reset={reset}",
+                   rel(got.double(), _mix64(torch.cat([blocks, updated]), queries[j], w)), 1e-2)
 
 
 def check_router(T: int, E: int, D: int, K: int, gen: torch.Generator) -> None:
@@ -422,6 +462,7 @@ def main() -> int:
     for T in (1, 16, 300):
         check_combine(T, 16, 3584, True, gen)  # K3 latent: the latent norm (14 column blocks a row)
     check_attn_res.run(check_attn_res_partial, gen)  # (split between programs and not)
+    check_attn_res.run_summaries(check_attn_res_summary, gen)
     check_mla_prefill(32, 0, 2048, gen)
     check_mla_prefill(32, 700, 300, gen)
     check_mla_prefill(96, 0, 37, gen)

@@ -13,7 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
-#   (also: attnres, attnresdeep, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: attnres, attnressum, attnresdeep, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -46,6 +46,16 @@ case "$1" in
     step graphs "$(left 360)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
     step engine "$(left 580)" python3 bench/gpu_check_engine.py
     tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log" ;;
+  attnressum)  # block summaries (model/attn_res.py SUMMARY_MIN_BLOCKS): the mixer checks with them, the deep slice's
+               # graphs against eager, then its step with and without them (layers 84-87: 8-9 sources)
+    step attnres_check 150 python3 bench/check_attn_res.py
+    step attnres_trace "$(left 200)" python3 bench/attn_res_trace.py --summary 24 8 1
+    step graphs_deep "$(left 300)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts check --out /tmp/gpu_work
+    step attnres_sum "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \
+      --ab @bench/ab/attn_res_summary.txt --ab-batches 1,4,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
+    tail -3 "$OUT/attnres_check.log"; grep "FAIL" "$OUT/attnres_check.log" | head; tail -9 "$OUT/attnres_trace.log"
+    grep "^{" "$OUT/graphs_deep.log"; tail -3 "$OUT/graphs_deep.log"
+    grep -A10 "^| variant | set" "$OUT/attnres_sum.log"; grep -A10 "AttnRes calls" "$OUT/attnres_sum.log" ;;
   attnresdeep)  # the AttnRes mixers' share of a graph-replayed k3-slice step on its critical path, the slice's
                 # layers played at K3's depth (layers 84-87: 8-9 sources, bench/deep_slice.py) and at its own
     step attnres_deep "$(left 300)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \

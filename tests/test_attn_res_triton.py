@@ -71,3 +71,63 @@ SCRIPT = textwrap.dedent('''
 
 def test_fused_mixer_matches_reference():
     assert worst_error(SCRIPT) < 1e-5
+
+
+SUMMARY_SCRIPT = textwrap.dedent('''
+    import os, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.model.attn_res import AttnResMixer, block_summary, summary_mix
+    from k3serve.model.layers import rms_norm
+    from k3serve.ops import attn_res_triton
+    from k3serve.ops.attn_res_triton import attn_res_mix, attn_res_summary
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    attn_res_triton.SPLIT_MIN_COLS = 32  # (several programs a row at these widths)
+
+    def truncated(x):  # the interpreter rounds fp32 -> bf16 toward zero
+        return (x.float().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+    for M, T, D, Q in [(1, 1, 64, 3), (5, 2, 96, 24), (9, 4, 200, 19), (16, 3, 300, 32)]:
+        mixers = [AttnResMixer(D, 1e-5, torch.float32) for _ in range(Q)]
+        for mixer in mixers:
+            mixer.proj.data.copy_(torch.randn(1, D, generator=gen))
+            mixer.norm.data.copy_(torch.rand(D, generator=gen) + 0.5)
+        queries = torch.stack([mixer.folded_query() for mixer in mixers])
+        out_w = torch.rand(D, generator=gen) + 0.5
+        blocks = torch.stack([torch.randn(T, D, generator=gen) * (i + 1) for i in range(M)]).bfloat16()
+        delta = torch.randn(T, D, generator=gen).bfloat16()
+        # the block's first mixer, the last block's pending update done in the pass
+        summary, logits = torch.empty(Q, T, 2, D, dtype=torch.bfloat16), torch.empty(Q, T)
+        buf = blocks.clone()
+        first = attn_res_summary(buf, queries, 1e-5, out_w, torch.float32, (delta, False), summary, logits)
+        blocks[-1] = truncated(delta.float() + blocks[-1].float())
+        assert torch.equal(buf, blocks)
+        ref_summary, ref_logits = block_summary(blocks.float(), queries, 1e-5)
+        worst = max(worst, ((summary.float().sum(-2) - ref_summary).norm() / ref_summary.norm()).item(),
+                    ((logits - ref_logits).norm() / ref_logits.norm()).item())
+        ref = rms_norm(mixers[0](list(blocks.float())), out_w, 1e-5, torch.float32)
+        worst = max(worst, ((first - ref).norm() / ref.norm()).item())
+        # later mixers: their summary row and the partial (its update, add or reset, in the pass)
+        partial = torch.randn(1, T, D, generator=gen).bfloat16()
+        for j in (1, Q - 1):
+            for reset in (False, True):
+                buf = partial.clone()
+                updated = truncated(delta.float() + (0 if reset else partial[0].float()))
+                ref = rms_norm(mixers[j]([*blocks.float(), updated.float()]), out_w, 1e-5, torch.float32)
+                got = attn_res_mix(buf, queries[j], 1e-5, out_w, torch.float32, (delta, reset), (summary[j], logits[j]))
+                assert torch.equal(buf[0], updated)
+                worst = max(worst, ((got - ref).norm() / ref.norm()).item())
+            final = attn_res_mix(partial, queries[j], 1e-5, None, torch.float32, None, (summary[j], logits[j]))
+            ref = mixers[j]([*blocks.float(), partial[0].float()])
+            torch_path = summary_mix(summary[j], logits[j], partial[0].float(), queries[j], 1e-5)
+            worst = max(worst, ((final - ref).norm() / ref.norm()).item(), ((torch_path - ref).norm() / ref.norm()).item())
+    print(worst)
+''')
+
+
+def test_block_summary_and_its_mixers_match_reference():
+    """``attn_res_summary`` (a block's first mixer and the blocks mixed for each of the block's
+    queries, through the split kernel's two phases) and ``attn_res_mix`` over a summary row and
+    the partial, against the mixers over all sources. The summary's high and low bf16 parts keep
+    2^-16 of it (truncated here), hence the bound."""
+    assert worst_error(SUMMARY_SCRIPT) < 3e-5

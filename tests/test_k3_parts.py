@@ -224,3 +224,44 @@ def test_deep_slice_plays_the_slice_at_k3_depth(tiny_ckpt):
     block = raw["text_config"]["attn_res_block_size"]
     assert seen == deep_slice.source_counts(block, raw["text_config"]["num_hidden_layers"])
     assert min(seen) > -(-deep_slice.FIRST_LAYER // block) and torch.isfinite(out).all()
+
+
+def test_block_summaries_keep_the_model_output(tiny_ckpt, monkeypatch):
+    """Serving few tokens, a block's first mixer summarises the stored blocks for every mixer of
+    the block (``AttnResState.mix``, ``block_summary``), whose later mixers then read their summary
+    row and the partial alone. Forced here at every block (the torch path, fp32 model): the logits
+    of the forward those of the plain mixers, each block summarised once, every row of its
+    queries used in order (a row read out of order would mix with another mixer's query)."""
+    from k3serve.model import attn_res, k3
+
+    path, _, raw = tiny_ckpt
+    model = load_model(path, dtype="float32", device="cpu", progress=False)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 1700, (n,), generator=gen).tolist() for n in (7, 3)]
+    batch = ForwardBatch.build([SeqChunk(p, 0, i, [4 * i + j for j in range(4)]) for i, p in enumerate(prompts)], 16)
+
+    def logits():
+        caches = CacheHandles.allocate(model.config, 2, 8, 16, dtype=torch.float32)
+        with torch.inference_mode():
+            return model.compute_logits(model(batch, caches))
+
+    plain = logits()
+    states = []
+
+    class Summarising(AttnResState):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, summarize=True, **kw)
+            states.append(self)
+
+    monkeypatch.setattr(attn_res, "SUMMARY_MIN_BLOCKS", 1)
+    monkeypatch.setattr(k3, "AttnResState", Summarising)
+    summaries = []
+    real = AttnResMixer.summarize
+    monkeypatch.setattr(AttnResMixer, "summarize", lambda self, *a: summaries.append(a[1].shape[0]) or real(self, *a))
+    summarised = logits()
+    text = raw["text_config"]
+    layers, block = text["num_hidden_layers"], text["attn_res_block_size"]
+    assert summaries == [2 * min(block, layers - start) + (start + block >= layers) for start in range(0, layers, block)]
+    state, = states
+    assert state.summary is not None and state.summary_row == summaries[-1]  # the final mixer: the last row
+    assert rel_err(summarised, plain) < 1e-5, rel_err(summarised, plain)

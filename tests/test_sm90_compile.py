@@ -24,7 +24,7 @@ def _compile(fn, pointers: dict, scalars: dict, consts: dict, divisible: tuple[s
     """``divisible``: arguments marked 16-divisible, as Triton specialises them at launch for
     16-aligned pointers and strides (vector loads, and the layouts that follow from them)."""
     sig = {**pointers, **{n: t for n, t in scalars.items()}, **{k: "constexpr" for k in consts}}
-    names = list(sig)
+    names = list(fn.arg_names)  # (the attributes name arguments by their place in the kernel's signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=HOPPER, options=options)
@@ -463,14 +463,18 @@ def test_hop_cost_link_compiles_for_sm90(read):
     assert ("ld.global" in ptx) == read
 
 
-def _attn_res_token(sources: int, tokens: int, trace: bool = False, **flags):
+def _attn_res_token(sources: int, tokens: int, trace: bool = False, summary: bool = False, **flags):
     """The program-a-token AttnRes mixer at K3's width (7,168) for sm_90, its tiles and flags from
-    ``launch_shape`` (so from the module's constants), ``flags`` over them."""
+    ``launch_shape`` (so from the module's constants), ``flags`` over them; ``summary``: a block
+    summary's row and the partial (sources 2)."""
     from k3serve.ops import attn_res_triton
 
-    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16"}
-    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D")}
-    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True,
+    ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16",
+            **({"SUM": "*bf16", "LOGIT": "*fp32"} if summary else {})}
+    scalars = {n: "i32" for n in ("stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M", "D",
+                                  "stride_sum_t")}
+    consts = dict(HAS_OUT_NORM=True, HAS_DELTA=True, RESET=False, USE_PDL=True, SUMMARY=summary,
+                  **({} if summary else {"SUM": None, "LOGIT": None}),
                   **attn_res_triton.launch_shape(sources, 7168, tokens), **({} if trace else {"TRACE": None}))
     consts.update(flags)
     warps = consts.pop("num_warps")
@@ -478,9 +482,9 @@ def _attn_res_token(sources: int, tokens: int, trace: bool = False, **flags):
                     {**scalars, "eps": "fp32"}, consts, (*ptrs, *(n for n in scalars if n != "M")), num_warps=warps)
 
 
-def _attn_res_split(sources: int, tokens: int, trace: bool = False, **flags):
+def _attn_res_split(sources: int, tokens: int, trace: bool = False, summary: bool = False, **flags):
     """The split AttnRes mixer at K3's width for sm_90 (256 columns a program), ``flags`` over the
-    served constexprs."""
+    served constexprs; ``summary``: a block summary's launch (K3's 24 queries a block)."""
     import torch
 
     from k3serve.ops import attn_res_triton
@@ -488,15 +492,17 @@ def _attn_res_split(sources: int, tokens: int, trace: bool = False, **flags):
     shape = attn_res_triton.split_shape(sources, 7168, tokens, torch.device("cpu"))
     assert shape is not None and shape["COLS"] == 256
     ptrs = {"SRC": "*bf16", "QW": "*fp32", "OUTW": "*bf16", "OUT": "*bf16", "DELTA": "*bf16", "PART": "*fp32",
-            "TICKETS": "*i64"}
+            "TICKETS": "*i64", **({"SUM": "*bf16", "LOGIT": "*fp32"} if summary else {})}
     scalars = {n: "i32" for n in ("group0", "stride_src_m", "stride_src_t", "stride_out_t", "stride_delta_t", "M",
-                                  "D")}
+                                  "D", "Q", "stride_q", "stride_sum_q", "stride_sum_t")}
     consts = dict(HAS_OUT_NORM=True, BLOCK_M=16, PHASE=0, IEEE=False, HAS_DELTA=True, RESET=False, USE_PDL=True,
-                  **shape, **({} if trace else {"TRACE": None}))
+                  BLOCK_Q=attn_res_triton.SUMMARY_ROWS if summary else 1, SUMMARY=summary,
+                  **({} if summary else {"SUM": None, "LOGIT": None}), **shape, **({} if trace else {"TRACE": None}))
     consts.update(flags)
     return _compile(attn_res_triton._attn_res_split_kernel, {**ptrs, **({"TRACE": "*i64"} if trace else {})},
-                    {**scalars, "eps": "fp32"}, consts, (*ptrs, *(n for n in scalars if n not in ("M", "group0"))),
-                    num_warps=max(4, min(16, shape["COLS"] // 128)))
+                    {**scalars, "eps": "fp32"}, consts,
+                    (*ptrs, *(n for n in scalars if n not in ("M", "group0", "Q"))),
+                    num_warps=max(8 if summary else 4, min(16, shape["COLS"] // 128)))
 
 
 @pytest.mark.parametrize("tokens", [1, 4096])
@@ -553,6 +559,31 @@ def test_attn_res_split_kernel_keeps_k3_columns_in_registers_and_waits_on_its_to
     # before the PDL wait only the static weights' two loads (the query, the norm weight), no store
     before_wait = ptx[:ptx.find("griddepcontrol.wait")]
     assert len(re.findall(r"ld\.global", before_wait)) == 2 and "st.global" not in before_wait
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_attn_res_block_summary_compiles_for_sm90(tokens):
+    """A block summary at K3's width, 8 blocks and 24 queries (a block's mixers), 1 and 4 tokens:
+    no spill under the device's Triton (3.6; a few spill stores under 3.9, of the 28 parts' loads
+    in flight), its products on the tensor cores (the Gram, and the queries' and the weights'
+    three bf16 parts), the growing barrier, only the norm weight read before the PDL wait; and
+    the mixer that reads a summary row (its high and low rows and the partial): no spill, the
+    static weights first, no more barrier rounds than a program-a-token mixer of plain sources."""
+    from bench.sass_mix import sass_text
+
+    kernel = _attn_res_split(8, tokens, summary=True)
+    ptx, sass = kernel.asm["ptx"], sass_text(kernel)
+    assert sass.count("STL") <= (0 if triton.__version__.startswith("3.6") else 16), sass.count("STL")
+    assert sass.count("HMMA") >= 7 * 4  # (the Gram's, the queries' three, the weights' three)
+    assert re.search(r"atom\.global\.gpu\.release\.add\.u64", ptx)
+    before_wait = ptx[:ptx.find("griddepcontrol.wait")]
+    assert "st.global" not in before_wait and len(re.findall(r"ld\.global", before_wait)) >= 1
+    mixer = _attn_res_token(3, tokens, summary=True)
+    ptx, sass = mixer.asm["ptx"], sass_text(mixer)
+    assert "STL" not in sass and "LDL" not in sass
+    before_wait = ptx[:ptx.find("griddepcontrol.wait")]
+    assert "st.global" not in before_wait and len(re.findall(r"ld\.global", before_wait)) >= 2
+    assert ptx.count("bar.sync") <= _attn_res_token(3, tokens).asm["ptx"].count("bar.sync")
 
 
 def test_attn_res_split_trace_reads_the_global_timer():

@@ -63,6 +63,7 @@ class K3ForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
+        self.attn_res_block_queries: list[torch.Tensor] | None = None  # (fuse_projections)
         # Layer -> ordinal within its cache kind.
         kda_i = mla_i = 0
         self.cache_index: list[int] = []
@@ -95,13 +96,30 @@ class K3ForCausalLM(nn.Module):
                 m.cache_absorption_weight()
             elif isinstance(m, AttnResMixer):
                 m.fold_query()
+        self.attn_res_block_queries = self._attn_res_block_queries()
+
+    def _attn_res_block_queries(self) -> list[torch.Tensor] | None:
+        """Each AttnRes block's mixers' folded queries in the order they run ([Q, d] fp32: the
+        token and channel mixers of its layers, then the final mixer in the last block), for the
+        block summaries (``AttnResState.mix``)."""
+        B, layers = self.config.attn_res_block_size, self.model.layers
+        if not B:
+            return None
+        blocks = []
+        for start in range(0, len(layers), B):
+            queries = [q for layer in layers[start: start + B]
+                       for q in (layer.self_attention_res.folded_query(), layer.mlp_res.folded_query())]
+            if start + B >= len(layers):
+                queries.append(self.model.output_attn_res.folded_query())
+            blocks.append(torch.stack(queries).contiguous())
+        return blocks
 
     def forward(self, batch: ForwardBatch, caches: CacheHandles) -> torch.Tensor:
         """Serving callers run under inference_mode (the runner does); parameters are loaded with
         requires_grad=False, so no graph is built unless a trainer turns gradients on."""
         h = self.model.embed_tokens(batch.input_ids)
         B = self.config.attn_res_block_size
-        res = AttnResState(h, B, len(self.model.layers)) if B else None
+        res = AttnResState(h, B, len(self.model.layers), block_queries=self.attn_res_block_queries) if B else None
         m = x = None
         layers = self.model.layers
         for i, layer in enumerate(layers):
@@ -123,14 +141,12 @@ class K3ForCausalLM(nn.Module):
                 else:
                     h = h + f  # the final norm runs on the sampled rows only (compute_logits)
                 continue
-            x = layer.self_attention_res.mix_and_norm(res.token_mixer_sources(i, m), layer.input_layernorm, self.dtype,
-                                                      res.take_pending())
+            x = res.mix(layer.self_attention_res, res.token_mixer_sources(i, m), layer.input_layernorm, self.dtype)
             a = layer.self_attn(x, batch, cache)
-            x = layer.mlp_res.mix_and_norm(res.channel_mixer_sources(i, a), layer.post_attention_layernorm, self.dtype,
-                                           res.take_pending())
+            x = res.mix(layer.mlp_res, res.channel_mixer_sources(i, a), layer.post_attention_layernorm, self.dtype)
             m = layer.ffn(x)
         if res is not None:
-            return self.model.output_attn_res.mix_and_norm(res.final_sources(m), None, self.dtype, res.take_pending())
+            return res.mix(self.model.output_attn_res, res.final_sources(m), None, self.dtype)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

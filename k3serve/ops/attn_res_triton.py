@@ -53,6 +53,7 @@ SPLIT_MIN_SOURCES = 6
 SPLIT_MIN_COLS = 256
 SPLIT_MAX_COLS = 2048
 SPLIT_ROWS = 16  # the split kernel's source rows (the Gram's side, the tensor cores' least): at most 16 sources
+SUMMARY_ROWS = 32  # a block summary's query rows: at most 32 mixers a block (K3: 24)
 # The split kernel's barrier is ``tickets.barrier``: int64 counts that only grow, one a (program count, token),
 # so no atomic runs after the wait (the count-and-leave form's last round trip ended each program later:
 # 72.0 -> 67.4 us of mixers on a k3-slice step's critical path at layers 84-87, thirtieth session).
@@ -63,9 +64,13 @@ BARRIER_SLOTS = 64  # growing counters a program count (a token each: SPLIT_TOKE
 def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stride_out_t, stride_delta_t, M, D, eps,
                      HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
                      CHUNK_ROWS: tl.constexpr, KEEP_LAST: tl.constexpr, HAS_DELTA: tl.constexpr = False,
-                     RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False, TRACE=None):
+                     RESET: tl.constexpr = False, USE_PDL: tl.constexpr = False, TRACE=None, SUM=None, LOGIT=None,
+                     stride_sum_t=0, SUMMARY: tl.constexpr = False):
     """One token: sources 0 .. M-2 as [BLOCK_M, CHUNK] tiles, source M-1 (the partial; with
-    HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector. A one-chunk row
+    HAS_DELTA first updated by DELTA, rounded as stored) as a [CHUNK] vector. SUMMARY (M 3, the
+    partial at SRC, stride_src_m 0): the blocks as one row of SUM (its high and low parts in the
+    sources' dtype: the tile's two rows), their softmax already taken, with the log of their total
+    weight LOGIT (``_attn_res_split_kernel``'s summary). A one-chunk row
     reads its static weights (the query, the norm weight: ops/pdl.py) before the PDL wait (the norm
     weight's cold read came last otherwise); the dots and squares are summed in two cross-warp
     reductions, not four (each a shared-memory barrier round). Both: a k3-slice step's mixers
@@ -84,6 +89,10 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     pdl_start(USE_PDL)
     _trace(TRACE, t * 4)
     src = SRC + t * stride_src_t
+    if SUMMARY:
+        rows = SUM + t * stride_sum_t
+    else:
+        rows = None
     dot = tl.zeros([BLOCK_M], tl.float32)
     sq = tl.zeros([BLOCK_M], tl.float32)
     dot_last = 0.0
@@ -92,19 +101,22 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     last = tl.zeros([CHUNK], tl.float32)
     for i in range(N_CHUNKS):
         cols = i * CHUNK + cc
-        v, last, _ = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET)
+        v, last, _ = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET, rows)
         if N_CHUNKS == 1:
             qw = qw_early
         else:
             qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)  # pseudo-query, key-norm weight folded in
-        d, s = tl.reduce((v * qw[None, :], v * v), 1, _add_pairs)
+        if not SUMMARY:
+            d, s = tl.reduce((v * qw[None, :], v * v), 1, _add_pairs)
+            dot += d
+            sq += s
         d_last, s_last = tl.reduce((last * qw, last * last), 0, _add_pairs)
-        dot += d
-        sq += s
         dot_last += d_last
         sq_last += s_last
-    score = dot / tl.sqrt(sq / D + eps)
-    score = tl.where(mm < M - 1, score, float("-inf"))
+    if SUMMARY:  # (the low row takes the high row's weight below)
+        score = tl.where(mm == 0, tl.load(LOGIT + t), float("-inf"))
+    else:
+        score = tl.where(mm < M - 1, dot / tl.sqrt(sq / D + eps), float("-inf"))
     score_last = dot_last / tl.sqrt(sq_last / D + eps)
     top = tl.maximum(tl.max(score, 0), score_last)
     p = tl.exp(score - top)
@@ -112,6 +124,8 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
     total = tl.sum(p, 0) + p_last
     p = p / total
     p_last = p_last / total
+    if SUMMARY:
+        p = tl.where(mm < 2, tl.sum(p, 0), 0.0)
     _trace(TRACE, t * 4 + 1)
     # the whole mixed row, chunk i in row i; with KEEP_LAST the last chunk from the registers pass 1
     # left it in (no second read; K3's up to 5 sources are one chunk), the others read again
@@ -124,7 +138,8 @@ def _attn_res_kernel(SRC, QW, OUTW, OUT, DELTA, stride_src_m, stride_src_t, stri
             tl.store(src + (M - 1) * stride_src_m + cols, last.to(SRC.dtype.element_ty), mask=cols < D)
     for i in range(N_CHUNKS - KEEP_LAST):
         cols = i * CHUNK + cc
-        v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET)
+        v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D, HAS_DELTA, RESET,
+                                   rows)
         piece = tl.sum(p[:, None] * v, 0) + p_last * last
         mix = tl.where(kk[:, None] == i, piece[None, :], mix)
         if HAS_DELTA:  # after this chunk's last read of the old partial, by the same threads (same layout)
@@ -150,7 +165,8 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
                            stride_delta_t, M, D, eps, HAS_OUT_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                            COLS: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr, IEEE: tl.constexpr,
                            HAS_DELTA: tl.constexpr = False, RESET: tl.constexpr = False,
-                           USE_PDL: tl.constexpr = False, TRACE=None):
+                           USE_PDL: tl.constexpr = False, TRACE=None, SUM=None, LOGIT=None, Q=1, stride_q=0,
+                           stride_sum_q=0, stride_sum_t=0, BLOCK_Q: tl.constexpr = 1, SUMMARY: tl.constexpr = False):
     """Program (column block, token): its COLS columns of all M sources in registers; their dots
     with the query and their Gram matrix (bf16 products exact, fp32 sums) to PART; a barrier among
     the token's SPLIT programs; then each sums the parts in a fixed order (so all agree): the
@@ -160,12 +176,22 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
     launches (Triton's interpreter runs programs one by one: a barrier would never open). TRACE
     (bench/attn_res_trace.py): the global timer at the start, the arrival, past the barrier, the end.
     The query and the norm weight (static: ops/pdl.py) are read before the PDL wait. The token's
-    barrier is ``tickets.barrier`` on the int64 count TICKETS[group0 + t]."""
+    barrier is ``tickets.barrier`` on the int64 count TICKETS[group0 + t].
+
+    SUMMARY (the sources all stored blocks, at a block's first mixer): QW holds the Q queries of the
+    block's mixers, [Q, D] (the first this mixer's); each query's dots with the sources come out of
+    the parts as a [BLOCK_Q, BLOCK_M] product, and each program also writes, for every query j, its
+    columns of SUM[j] = the blocks mixed by j's softmax ([2, D]: its high and low parts in the
+    sources' dtype, so that j's mixer reads them in the sources' layout) and (program 0) LOGIT[j] = the log of
+    that softmax's total, so that j's own mixer needs the partial alone beside them
+    (``_attn_res_kernel``'s SUMMARY): the block's later mixers read that row, not all the blocks."""
     s = tl.program_id(0)
     t = tl.program_id(1)
     cols = s * COLS + tl.arange(0, COLS)
     mm = tl.arange(0, BLOCK_M)
-    qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
+    qq = tl.arange(0, BLOCK_Q)
+    if not SUMMARY:
+        qw = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
     if HAS_OUT_NORM and PHASE != 1:
         out_w = tl.load(OUTW + cols, mask=cols < D, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
@@ -174,8 +200,9 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
     v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D,
                                HAS_DELTA and PHASE != 2, RESET)
     v = tl.where(mm[:, None] == M - 1, last[None, :], v)  # all M sources, rows M .. BLOCK_M - 1 zero
-    part = PART + t * SPLIT * BLOCK_M * (BLOCK_M + 1)
+    part = PART + t * SPLIT * BLOCK_M * (BLOCK_M + BLOCK_Q)
     gg = mm[:, None] * BLOCK_M + mm[None, :]
+    qg = BLOCK_M * BLOCK_M + qq[:, None] * BLOCK_M + mm[None, :]  # (BLOCK_Q 1: the [BLOCK_M] dots)
     if PHASE != 2:
         if HAS_DELTA:
             tl.store(last_ptr, last.to(SRC.dtype.element_ty), mask=cols < D)
@@ -184,23 +211,50 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
         else:
             vs = v.to(SRC.dtype.element_ty)  # (exact: the sources' own values)
             gram = tl.dot(vs, tl.trans(vs), out_dtype=tl.float32)
-        mine = part + s * BLOCK_M * (BLOCK_M + 1)
+        mine = part + s * BLOCK_M * (BLOCK_M + BLOCK_Q)
         tl.store(mine + gg, gram)
-        tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
+        if SUMMARY:  # (the queries read here, not before the wait: held across the loads, they spilled)
+            qs = tl.load(QW + qq[:, None] * stride_q + cols[None, :], mask=(qq[:, None] < Q) & (cols < D)[None, :],
+                         other=0.0).to(tl.float32)
+            tl.store(mine + qg, tl.trans(_dot3(v, tl.trans(qs), IEEE)))
+        else:
+            tl.store(mine + BLOCK_M * BLOCK_M + mm, tl.sum(v * qw[None, :], 1))
         if PHASE == 0:
             _trace(TRACE, (t * SPLIT + s) * 4 + 1)
             barrier(TICKETS, group0 + t, SPLIT)
             _trace(TRACE, (t * SPLIT + s) * 4 + 2)
     if PHASE != 1:
         gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
-        dot = tl.zeros([BLOCK_M], tl.float32)
+        if SUMMARY:
+            dots = tl.zeros([BLOCK_Q, BLOCK_M], tl.float32)
+        else:
+            dot = tl.zeros([BLOCK_M], tl.float32)
         for j in tl.static_range(SPLIT):  # a fixed order; unrolled, the loads in flight together
-            gram += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + gg, cache_modifier=".cg")
-            dot += tl.load(part + j * BLOCK_M * (BLOCK_M + 1) + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
+            gram += tl.load(part + j * BLOCK_M * (BLOCK_M + BLOCK_Q) + gg, cache_modifier=".cg")
+            if SUMMARY:
+                dots += tl.load(part + j * BLOCK_M * (BLOCK_M + BLOCK_Q) + qg, cache_modifier=".cg")
+            else:
+                dot += tl.load(part + j * BLOCK_M * (BLOCK_M + BLOCK_Q) + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
         sq = tl.sum(tl.where(mm[:, None] == mm[None, :], gram, 0.0), 1)
-        score = tl.where(mm < M, dot / tl.sqrt(sq / D + eps), float("-inf"))
-        p = tl.exp(score - tl.max(score, 0))
-        p = p / tl.sum(p, 0)
+        if not SUMMARY:
+            score = tl.where(mm < M, dot / tl.sqrt(sq / D + eps), float("-inf"))
+            p = tl.exp(score - tl.max(score, 0))
+            p = p / tl.sum(p, 0)
+        else:  # every query's softmax; the blocks mixed by each, in the sources' dtype, high and low parts
+            score = tl.where(mm[None, :] < M, dots / tl.sqrt(sq / D + eps)[None, :], float("-inf"))
+            top = tl.max(score, 1)
+            w = tl.exp(score - top[:, None])
+            total_w = tl.sum(w, 1)
+            w = w / total_w[:, None]
+            summ = tl.trans(_dot3(tl.trans(v), tl.trans(w), IEEE))
+            high = summ.to(SRC.dtype.element_ty)
+            ptrs = SUM + qq[:, None] * stride_sum_q + t * stride_sum_t + cols[None, :]
+            smask = (qq[:, None] < Q) & (cols < D)[None, :]
+            tl.store(ptrs, high, mask=smask)
+            tl.store(ptrs + D, (summ - high.to(tl.float32)).to(SRC.dtype.element_ty), mask=smask)
+            if s == 0:
+                tl.store(LOGIT + qq * tl.num_programs(1) + t, top + tl.log(total_w), mask=qq < Q)
+            p = tl.sum(tl.where(qq[:, None] == 0, w, 0.0), 0)  # this mixer's: query 0's
         mix = tl.sum(p[:, None] * v, 0)
         if HAS_OUT_NORM:
             total = tl.sum(tl.sum(p[:, None] * gram * p[None, :], 1), 0)
@@ -211,6 +265,22 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
 
 
 @triton.jit
+def _dot3(a, b, IEEE: tl.constexpr):
+    """a @ b for fp32 a whose values are bf16 (the sources) and fp32 b: b as three bf16 parts (high,
+    middle, low: its 24 bits), each through the tensor cores with a (exact products, fp32 sums: the
+    FMA product of the queries took ~10 us of a 17.7 us summary, the parts as the left operand
+    spilled); IEEE (fp32 sources, the interpreter): one fp32 product."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    b_hi = b.to(tl.bfloat16)
+    rest = b - b_hi.to(tl.float32)
+    b_mid = rest.to(tl.bfloat16)
+    b_lo = (rest - b_mid.to(tl.float32)).to(tl.bfloat16)
+    a = a.to(tl.bfloat16)
+    return tl.dot(a, b_hi) + tl.dot(a, b_mid) + tl.dot(a, b_lo)
+
+
+@triton.jit
 def _trace(TRACE, i):
     if TRACE is not None:
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
@@ -218,13 +288,18 @@ def _trace(TRACE, i):
 
 
 @triton.jit
-def _chunk(src, delta, stride_src_m, mm, cols, M, D, HAS_DELTA: tl.constexpr, RESET: tl.constexpr):
+def _chunk(src, delta, stride_src_m, mm, cols, M, D, HAS_DELTA: tl.constexpr, RESET: tl.constexpr, rows=None):
     """Columns ``cols`` of the sources in fp32: the [BLOCK_M, CHUNK] tile of sources 0 .. M-2, the
     last source's vector (with HAS_DELTA its updated value, rounded to the sources' dtype) and that
-    vector's addresses."""
+    vector's addresses. ``rows`` (a block summary's high and low rows, D apart, M = 3): the tile
+    from there, the last source at ``src``."""
     cmask = cols < D
-    tile = tl.load(src + mm[:, None] * stride_src_m + cols[None, :], mask=(mm[:, None] < M - 1) & cmask[None, :],
-                   other=0.0).to(tl.float32)
+    if rows is None:
+        tile = tl.load(src + mm[:, None] * stride_src_m + cols[None, :], mask=(mm[:, None] < M - 1) & cmask[None, :],
+                       other=0.0).to(tl.float32)
+    else:
+        tile = tl.load(rows + mm[:, None] * D + cols[None, :], mask=(mm[:, None] < M - 1) & cmask[None, :],
+                       other=0.0).to(tl.float32)
     last_ptr = src + (M - 1) * stride_src_m + cols
     if HAS_DELTA:
         upd = tl.load(delta + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -265,38 +340,87 @@ def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
     return dict(COLS=cols, SPLIT=triton.cdiv(D, cols))
 
 
-def split_parts(T: int, split: dict, device: torch.device) -> torch.Tensor:
-    """The split kernel's parts: each program's Gram matrix and query dots, [T, SPLIT, rows, rows + 1]."""
-    return torch.empty(T, split["SPLIT"], SPLIT_ROWS, SPLIT_ROWS + 1, dtype=torch.float32, device=device)
+def split_parts(T: int, split: dict, device: torch.device, queries: int = 1) -> torch.Tensor:
+    """The split kernel's parts: each program's Gram matrix and query dots, [T, SPLIT, rows x (rows +
+    the queries' rows)] (``queries`` > 1: a summary's, padded to SUMMARY_ROWS)."""
+    q_rows = 1 if queries == 1 else SUMMARY_ROWS
+    return torch.empty(T, split["SPLIT"], SPLIT_ROWS * (SPLIT_ROWS + q_rows), dtype=torch.float32, device=device)
 
 
 def launch_split(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None,
                  out: torch.Tensor, delta: torch.Tensor, split: dict, part: torch.Tensor, phase: int = 0,
-                 has_delta: bool = False, reset: bool = False, trace: torch.Tensor | None = None) -> None:
+                 has_delta: bool = False, reset: bool = False, trace: torch.Tensor | None = None,
+                 summary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One launch of ``_attn_res_split_kernel`` at ``split`` (``split_shape``), its parts in ``part``
     (``split_parts``; the two phases of an interpreted run share them); ``trace``: int64
     [T * SPLIT * 4] for the programs' timer stamps (bench/attn_res_trace.py). The Gram in fp32 for
-    fp32 sources and when interpreted (the interpreter's bf16 dot is wrong)."""
+    fp32 sources and when interpreted (the interpreter's bf16 dot is wrong). ``summary`` (SUM [Q, T,
+    2, D] in the sources' dtype, LOGIT [Q, T] fp32) with ``query`` [Q, D]: a block summary's launch."""
     M, T, D = sources.shape
     cols, n = split["COLS"], split["SPLIT"]
     counts = tickets(sources.device, (n + 1) * BARRIER_SLOTS, torch.int64)  # (a program count's own slots)
+    extra = {} if summary is None else dict(
+        SUM=summary[0], LOGIT=summary[1], Q=query.shape[0], stride_q=query.stride(0), stride_sum_q=summary[0].stride(0),
+        stride_sum_t=summary[0].stride(1), BLOCK_Q=SUMMARY_ROWS, SUMMARY=True)
     _attn_res_split_kernel[(n, T)](
         sources, query, out_norm if out_norm is not None else query, out, delta, part, counts,
         n * BARRIER_SLOTS, sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D,
         eps,
         HAS_OUT_NORM=out_norm is not None, BLOCK_M=SPLIT_ROWS, COLS=cols, SPLIT=n, PHASE=phase,
         IEEE=sources.dtype == torch.float32 or interpreted(), HAS_DELTA=has_delta, RESET=reset,
-        TRACE=trace,
-        num_warps=max(4, min(16, cols // 128)), **pdl.launch(out.device))
+        TRACE=trace, **extra,
+        num_warps=max(4 if summary is None else 8, min(16, cols // 128)), **pdl.launch(out.device))
+
+
+def summary_shape(M: int, Q: int, D: int, T: int, device: torch.device) -> dict | None:
+    """The split launch of a block summary (``attn_res_summary``) for M blocks and Q queries, or None
+    where it cannot run (more tokens than the split takes, more than SUMMARY_ROWS queries)."""
+    if Q > SUMMARY_ROWS or M > SPLIT_ROWS or T > min(SPLIT_TOKENS, BARRIER_SLOTS):
+        return None
+    sms, cols = sm_count(device), SPLIT_MIN_COLS
+    while T * triton.cdiv(D, cols) > sms:
+        cols *= 2
+    if cols > SPLIT_MAX_COLS:
+        return None
+    return dict(COLS=cols, SPLIT=triton.cdiv(D, cols))
+
+
+def attn_res_summary(sources: torch.Tensor, queries: torch.Tensor, eps: float, out_norm: torch.Tensor | None,
+                     out_dtype, partial_update: tuple[torch.Tensor, bool] | None, summary: torch.Tensor,
+                     logits: torch.Tensor) -> torch.Tensor:
+    """A block's first mixer (sources [M, T, d]: the stored blocks only, the last one's pending
+    ``partial_update`` done in the pass) and the summary of those blocks for every mixer of the
+    block: queries [Q, d] (row 0 this mixer's) -> summary [Q, T, 2, d] in the sources' dtype, the
+    blocks mixed by each query's softmax over them as high and low parts, logits [Q, T] fp32, the
+    log of that softmax's total (reference: ``model.attn_res.block_summary``). Returns this mixer's
+    output [T, d]. Needs ``summary_shape``."""
+    M, T, D = sources.shape
+    split = summary_shape(M, queries.shape[0], D, T, sources.device)
+    if (split is None or sources.stride(2) != 1 or not summary.is_contiguous() or summary.dtype != sources.dtype
+            or summary.shape != (queries.shape[0], T, 2, D)):
+        raise ValueError(f"no block summary for {M} sources x {T} tokens x {D} and {queries.shape[0]} queries")
+    delta, reset = partial_update if partial_update is not None else (sources[0], False)
+    out = torch.empty(T, D, dtype=out_dtype, device=sources.device)
+    part = split_parts(T, split, sources.device, queries.shape[0])
+    for phase, has_delta in ((1, partial_update is not None), (2, False)) if interpreted() else \
+            ((0, partial_update is not None),):
+        launch_split(sources, queries, eps, out_norm, out, delta.contiguous(), split, part, phase, has_delta, reset,
+                     summary=(summary, logits))
+    return out
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None = None,
-                 out_dtype=torch.float32, partial_update: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
+                 out_dtype=torch.float32, partial_update: tuple[torch.Tensor, bool] | None = None,
+                 summary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sources [M, T, d] (M <= 16); query [d]: the pseudo-query times the key-norm weight
     (``AttnResMixer.folded_query``); out_norm [d]: the RMSNorm weight applied to the mix (None for
     the final mixer). Returns [T, d] in ``out_dtype``, written by the kernel (no cast pass).
     ``partial_update`` (delta [T, d], reset): first sources[-1] += delta (reset: = delta), in
-    place and rounded to the sources' dtype, as ``AttnResState`` would have done before the call."""
+    place and rounded to the sources' dtype, as ``AttnResState`` would have done before the call.
+    ``summary`` (summary [T, 2, d], logit [T]: this mixer's row of ``attn_res_summary``'s): the
+    stored blocks given by it, sources [1, T, d] the partial alone."""
+    if summary is not None:
+        return _mix_summary(sources, query, eps, out_norm, out_dtype, partial_update, *summary)
     M, T, D = sources.shape
     if sources.stride(2) != 1:
         if partial_update is not None:
@@ -315,6 +439,26 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
             launch_split(sources, query, eps, out_norm, out, delta, split, part, phase, has_delta, reset)
         return out
     launch_token(sources, query, eps, out_norm, out, delta, partial_update is not None, reset)
+    return out
+
+
+def _mix_summary(partial: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None, out_dtype,
+                 partial_update: tuple[torch.Tensor, bool] | None, summary: torch.Tensor,
+                 logit: torch.Tensor) -> torch.Tensor:
+    """``attn_res_mix`` with a block summary: a program a token over three rows, the summary's two
+    and the partial (its update done in the pass)."""
+    _, T, D = partial.shape
+    if (partial.shape[0] != 1 or partial.stride(2) != 1 or not summary.is_contiguous() or logit.stride(0) != 1
+            or summary.dtype != partial.dtype):
+        raise ValueError("a summary's mix takes the partial alone, [1, T, d], and contiguous rows")
+    delta, reset = partial_update if partial_update is not None else (partial[0], False)
+    delta = delta.contiguous()
+    out = torch.empty(T, D, dtype=out_dtype, device=partial.device)
+    _attn_res_kernel[(T,)](partial, query, out_norm if out_norm is not None else query, out, delta, 0,
+                           partial.stride(1), out.stride(0), delta.stride(0), 3, D, eps,
+                           HAS_OUT_NORM=out_norm is not None, HAS_DELTA=partial_update is not None, RESET=reset,
+                           SUM=summary, LOGIT=logit, stride_sum_t=summary.stride(0), SUMMARY=True,
+                           **launch_shape(3, D, T), **pdl.launch(out.device))
     return out
 
 
