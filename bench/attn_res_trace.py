@@ -45,7 +45,7 @@ def main() -> None:
         n, names = shape["SPLIT"], ("start", "arrival", "past the barrier", "end")
         what = f"{n} programs a token ({shape['COLS']} columns)"
         trace = torch.zeros(T * n * 4, dtype=torch.int64, device="cuda")
-        part = attn_res_triton.split_parts(T, shape, src.device, max(queries, 1))
+        part = attn_res_triton.split_parts(T, shape, src.device, queries)
         summary = None
         if queries:
             what += f", a block summary for {queries} queries"
