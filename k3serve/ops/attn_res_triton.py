@@ -53,13 +53,7 @@ SPLIT_MIN_SOURCES = 6
 SPLIT_MIN_COLS = 256
 SPLIT_MAX_COLS = 2048
 SPLIT_ROWS = 16  # the split kernel's source rows (the Gram's side, the tensor cores' least): at most 16 sources
-SUMMARY_ROWS = 32  # a block summary's query rows: at most 32 mixers a block (K3: 24)
-
-
-def summary_rows(queries: int) -> int:
-    """A block summary's query rows for ``queries`` (0: the plain split mixer's one): a power of two,
-    at least the tensor cores' 16 (fewer rows, smaller parts to sum after the barrier)."""
-    return 1 if queries == 0 else max(16, triton.next_power_of_2(queries))
+SUMMARY_ROWS = 32  # a block summary's query rows: at most 32 mixers a block (K3: 24; 16 rows spilled, Triton 3.6)
 # The split kernel's barrier is ``tickets.barrier``: int64 counts that only grow, one a (program count, token),
 # so no atomic runs after the wait (the count-and-leave form's last round trip ended each program later:
 # 72.0 -> 67.4 us of mixers on a k3-slice step's critical path at layers 84-87, thirtieth session).
@@ -349,9 +343,9 @@ def split_shape(M: int, D: int, T: int, device: torch.device) -> dict | None:
 
 def split_parts(T: int, split: dict, device: torch.device, queries: int = 0) -> torch.Tensor:
     """The split kernel's parts: each program's Gram matrix and query dots, [T, SPLIT, rows x (rows +
-    the queries' rows)] (``queries``: a summary's, ``summary_rows``)."""
-    return torch.empty(T, split["SPLIT"], SPLIT_ROWS * (SPLIT_ROWS + summary_rows(queries)), dtype=torch.float32,
-                       device=device)
+    the queries' rows)] (``queries``: a summary's, SUMMARY_ROWS rows; 0: the plain mixer's one)."""
+    q_rows = SUMMARY_ROWS if queries else 1
+    return torch.empty(T, split["SPLIT"], SPLIT_ROWS * (SPLIT_ROWS + q_rows), dtype=torch.float32, device=device)
 
 
 def launch_split(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None,
@@ -368,7 +362,7 @@ def launch_split(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     counts = tickets(sources.device, (n + 1) * BARRIER_SLOTS, torch.int64)  # (a program count's own slots)
     extra = {} if summary is None else dict(
         SUM=summary[0], LOGIT=summary[1], Q=query.shape[0], stride_q=query.stride(0), stride_sum_q=summary[0].stride(0),
-        stride_sum_t=summary[0].stride(1), BLOCK_Q=summary_rows(query.shape[0]), SUMMARY=True)
+        stride_sum_t=summary[0].stride(1), BLOCK_Q=SUMMARY_ROWS, SUMMARY=True)
     _attn_res_split_kernel[(n, T)](
         sources, query, out_norm if out_norm is not None else query, out, delta, part, counts,
         n * BARRIER_SLOTS, sources.stride(0), sources.stride(1), out.stride(0), delta.stride(0), M, D,
