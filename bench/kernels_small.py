@@ -134,11 +134,13 @@ def attn_res(old_file: str | None) -> None:
     """The fused AttnRes mixer at K3's width (7,168) over 2 / 5 / 9 / 16 sources (K3's mixers read 1
     to 9) next to the torch form (mixer + RMSNorm) and, given a file, another version of the kernel
     module; bytes: every source row read once, the bf16 output written. Then the sum over K3's 187
-    mixers, each at its own source count, a step and a layer."""
+    mixers, each at its own source count, a step and a layer: each mixer over its sources, and as
+    served (a block summary at each block start from SUMMARY_MIN_BLOCKS blocks, where the tokens
+    allow one, then the block's mixers over their summary row and the partial)."""
     import importlib.util
 
-    from k3serve.model.attn_res import AttnResMixer
-    from k3serve.ops.attn_res_triton import attn_res_mix
+    from k3serve.model.attn_res import SUMMARY_MIN_BLOCKS, AttnResMixer
+    from k3serve.ops.attn_res_triton import attn_res_mix, attn_res_summary, summary_shape
 
     old = None
     if old_file:
@@ -176,15 +178,36 @@ def attn_res(old_file: str | None) -> None:
     # the whole K3 (93 layers, blocks of 12): every mixer at its own source count
     counts = mixer_source_counts(93, 12)
     q, out_w = torch.randn(D, device="cuda", generator=g), torch.rand(D, device="cuda", generator=g).bfloat16() + 0.5
-    print(f"\n| K3's {len(counts)} mixers, tokens | us a step | us a layer, mean | layers 0-47 / 48-92 |\n|---|---|---|---|")
+    print(f"\n| K3's {len(counts)} mixers, tokens | us a step | us a layer, mean | layers 0-47 / 48-92 | served "
+          f"(summaries) us a step | a layer | layers 0-47 / 48-92 |\n|---|---|---|---|---|---|---|")
     for T in (1, 4, 16, 64):
         us = {}
         for M in sorted(set(counts)):
             src = torch.randn(M, T, D, device="cuda", generator=g).bfloat16()
             us[M] = _us(lambda: attn_res_mix(src, q, 1e-5, out_w, torch.bfloat16))
-        per_mixer = [us[M] for M in counts]
-        print(f"| {T} | {sum(per_mixer):.0f} | {sum(per_mixer) / 93:.1f} | {sum(per_mixer[:96]) / 48:.1f} / "
-              f"{sum(per_mixer[96:-1]) / 45:.1f} |", flush=True)
+        partial = torch.randn(1, T, D, device="cuda", generator=g).bfloat16()
+        served, summaries = [], {}
+        for start in range(0, 93, 12):  # a block: its mixers' source counts (with the final mixer in the last)
+            block = counts[2 * start: 2 * min(start + 12, 93)] + ([counts[-1]] if start + 12 >= 93 else [])
+            M, Q = block[0], len(block)
+            if M < SUMMARY_MIN_BLOCKS or summary_shape(M, Q, D, T, partial.device) is None:
+                served += [us[m] for m in block]
+                continue
+            if (M, Q) not in summaries:
+                src = torch.randn(M, T, D, device="cuda", generator=g).bfloat16()
+                queries = torch.randn(Q, D, device="cuda", generator=g)
+                rows = torch.empty(Q, T, 2, D, dtype=torch.bfloat16, device="cuda")
+                logits = torch.empty(Q, T, device="cuda")
+                summaries[M, Q] = _us(lambda: attn_res_summary(src, queries, 1e-5, out_w, torch.bfloat16, None, rows,
+                                                               logits))
+                summaries["mix"] = _us(lambda: attn_res_mix(partial, q, 1e-5, out_w, torch.bfloat16, None,
+                                                            (rows[1], logits[1])))
+            served += [summaries[M, Q]] + [summaries["mix"]] * (Q - 1)
+        cells = []
+        for per_mixer in ([us[M] for M in counts], served):
+            cells += [f"{sum(per_mixer):.0f}", f"{sum(per_mixer) / 93:.1f}",
+                      f"{sum(per_mixer[:96]) / 48:.1f} / {sum(per_mixer[96:-1]) / 45:.1f}"]
+        print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
