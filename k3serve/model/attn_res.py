@@ -21,9 +21,11 @@ FUSE_PARTIAL = True
 # Serving, a few tokens: at a block's first mixer, where the stored blocks number SUMMARY_MIN_BLOCKS or
 # more, one launch mixes them for every mixer of the block at once (``block_summary``; Triton:
 # ``attn_res_triton.attn_res_summary``), so the block's later mixers each read that summary row and the
-# partial, 2 rows instead of up to 9 (K3's deep mixers had split each row between programs that meet
-# at a barrier). From 5 blocks: where the mixers' sources (with the partial) reach the split's 6.
-SUMMARY_MIN_BLOCKS = 5
+# partial instead of up to 9 sources (K3's deep mixers had split each row between programs that meet
+# at a barrier). From 3 blocks (K3's layers 24-92): a k3-slice step played at layers 24 / 36 / 84 spent
+# 44.7 / 45.8 / 69.7 us of mixers on its critical path without, 40.7 / 40.2 / 40.7 with; at 2 blocks
+# (layer 12) 35.9 against 41.3 (RESULTS.md thirtieth session).
+SUMMARY_MIN_BLOCKS = 3
 
 
 class AttnResMixer(nn.Module):
