@@ -27,6 +27,8 @@ class DeepAttnResState(AttnResState):
 
     def __init__(self, embeddings: torch.Tensor, block_size: int, num_layers: int, first: int | None = None, **kw):
         self.first = FIRST_LAYER if first is None else first
+        if self.first % block_size:  # (the model's block queries are its own blocks': they fit only from a block start)
+            kw["block_queries"] = None
         super().__init__(embeddings, block_size, self.first + num_layers, **kw)
         if self.first == 0:
             return

@@ -182,6 +182,8 @@ class AttnResState:
                 return mixer.summarize(sources, queries, out_norm, out_dtype, pending, *self.summary)
         if self.summary is not None:
             row, self.summary_row = self.summary_row, self.summary_row + 1
+            if row >= self.summary[1].shape[0]:
+                raise RuntimeError(f"AttnRes: mixer {row} of a block summarised for {self.summary[1].shape[0]}")
             return mixer.mix_and_norm(sources[-1:], out_norm, out_dtype, pending,
                                       (self.summary[0][row], self.summary[1][row]))
         return mixer.mix_and_norm(sources, out_norm, out_dtype, pending)

@@ -15,6 +15,11 @@ K3's width) a decode step's few tokens instead split each row between programs, 
 meet at a barrier (``_attn_res_split_kernel``): one read of the sources whatever their count (9
 sources x 1 token 9.8 -> 7.9 us), the barrier's cost on top (2 sources: 5.1 against 7.3 us).
 
+All mixers of a block read the same stored blocks, so at a block's first mixer the split kernel can
+mix them once for every mixer of the block (``attn_res_summary``: a row and a logit a query); the
+block's later mixers then read that row and the partial, 3 rows whatever the depth
+(``model.attn_res.AttnResState.mix`` decides: SUMMARY_MIN_BLOCKS, a few tokens).
+
 Reference: ``model.attn_res.AttnResMixer`` + ``model.layers.rms_norm``. Checked on CPU with
 ``TRITON_INTERPRET=1`` (tests/test_attn_res_triton.py).
 """
