@@ -63,7 +63,7 @@ class AttnResMixer(nn.Module):
         with the Triton backend (ops/backend.py) one fused pass per token. ``partial_update``
         (``AttnResState.take_pending``): (delta, reset) still owed to the last source, the buffer's
         partial slot: added (or, with reset, copied) in that pass, or here first. ``summary``
-        (this mixer's row of a ``block_summary``: [T, d], [T]): the stored blocks given by it, the
+        (this mixer's row of ``summarize``'s: [T, 2, d], [T]): the stored blocks given by it, the
         sources the partial alone."""
         if self._fused(sources, out_norm):
             from ..ops.attn_res_triton import attn_res_mix
@@ -82,8 +82,8 @@ class AttnResMixer(nn.Module):
                   logits: torch.Tensor) -> torch.Tensor:
         """A block's first mixer (sources: the stored blocks alone) as ``mix_and_norm``, and the
         ``block_summary`` of those blocks for the block's mixers, queries [Q, d] (row 0 this one's),
-        written into summary [Q, T, 2, d] (high and low parts in the sources' dtype: 2^-16 of it
-        lost in bf16) and logits [Q, T] (fp32)."""
+        written into summary [Q, T, 2, d] (high and low parts in the sources' dtype: at most 2^-16
+        of it lost in bf16) and logits [Q, T] (fp32)."""
         if self._fused(sources, out_norm):
             from ..ops.attn_res_triton import attn_res_summary
 
