@@ -47,15 +47,21 @@ case "$1" in
     step engine "$(left 580)" python3 bench/gpu_check_engine.py
     tail -c 2500 "$OUT/graphs.log"; tail -c 1500 "$OUT/engine.log" ;;
   attnressum)  # block summaries (model/attn_res.py SUMMARY_MIN_BLOCKS): the mixer checks with them, the deep slice's
-               # graphs against eager, then its step with and without them (layers 84-87: 8-9 sources)
+               # graphs against eager, then its step with and without them at layers 84-87 (8-9 sources), and
+               # at 24-27 / 36-39 (3 / 4 blocks) from 2 / 3 / 5 blocks
     step attnres_check 150 python3 bench/check_attn_res.py
-    step attnres_trace "$(left 200)" python3 bench/attn_res_trace.py --summary 24 8 1
-    step graphs_deep "$(left 300)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts check --out /tmp/gpu_work
-    step attnres_sum "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \
-      --ab @bench/ab/attn_res_summary.txt --ab-batches 1,4,16 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
-    tail -3 "$OUT/attnres_check.log"; grep "FAIL" "$OUT/attnres_check.log" | head; tail -9 "$OUT/attnres_trace.log"
+    step attnres_trace "$(left 170)" python3 bench/attn_res_trace.py --summary 24 8 1
+    step graphs_deep "$(left 330)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 36 --parts check --out /tmp/gpu_work
+    step attnres_sum "$(left 420)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \
+      --ab @bench/ab/attn_res_summary.txt --ab-batches 1,4 --ab-rounds 2 --ab-charged 2 --iters 10 --out /tmp/gpu_work
+    for d in 24 36; do
+      step attnres_min_$d "$(left $((420 + (d - 12) * 6)))" python3 bench/gpu_check_graphs.py --preset k3-slice \
+        --attn-res-depth $d --parts ab --ab @bench/ab/attn_res_summary_min.txt --ab-batches 1,4 --ab-rounds 2 \
+        --ab-charged 2 --iters 10 --out /tmp/gpu_work
+    done
+    tail -1 "$OUT/attnres_check.log"; grep "FAIL" "$OUT/attnres_check.log" | head; tail -9 "$OUT/attnres_trace.log"
     grep "^{" "$OUT/graphs_deep.log"; tail -3 "$OUT/graphs_deep.log"
-    grep -A10 "^| variant | set" "$OUT/attnres_sum.log"; grep -A10 "AttnRes calls" "$OUT/attnres_sum.log" ;;
+    for f in attnres_sum attnres_min_24 attnres_min_36; do grep -A8 "AttnRes calls" "$OUT/$f.log"; done ;;
   attnresdeep)  # the AttnRes mixers' share of a graph-replayed k3-slice step on its critical path, the slice's
                 # layers played at K3's depth (layers 84-87: 8-9 sources, bench/deep_slice.py) and at its own
     step attnres_deep "$(left 300)" python3 bench/gpu_check_graphs.py --preset k3-slice --attn-res-depth 84 --parts ab \
