@@ -226,12 +226,14 @@ def test_deep_slice_plays_the_slice_at_k3_depth(tiny_ckpt):
     assert min(seen) > -(-deep_slice.FIRST_LAYER // block) and torch.isfinite(out).all()
 
 
-def test_block_summaries_keep_the_model_output(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("defer", [False, True])
+def test_block_summaries_keep_the_model_output(tiny_ckpt, monkeypatch, defer):
     """Serving few tokens, a block's first mixer summarises the stored blocks for every mixer of
     the block (``AttnResState.mix``, ``block_summary``), whose later mixers then read their summary
-    row and the partial alone. Forced here at every block (the torch path, fp32 model): the logits
-    of the forward those of the plain mixers, each block summarised once, every row of its
-    queries used in order (a row read out of order would mix with another mixer's query)."""
+    row and the partial alone. Forced here at every block (the torch path, fp32 model), the partial
+    updates done first or left to the mixers (defer, as served): the logits of the forward those
+    of the plain mixers, each block summarised once, every row of its queries used in order (a row
+    read out of order would mix with another mixer's query)."""
     from k3serve.model import attn_res, k3
 
     path, _, raw = tiny_ckpt
@@ -250,7 +252,8 @@ def test_block_summaries_keep_the_model_output(tiny_ckpt, monkeypatch):
 
     class Summarising(AttnResState):
         def __init__(self, *args, **kw):
-            super().__init__(*args, summarize=True, **kw)
+            super().__init__(*args, summarize=True, defer=defer, **kw)
+            assert self.defer == defer
             states.append(self)
 
     monkeypatch.setattr(attn_res, "SUMMARY_MIN_BLOCKS", 1)
