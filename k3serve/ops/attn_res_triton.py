@@ -208,7 +208,8 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
     v, last, last_ptr = _chunk(src, DELTA + t * stride_delta_t, stride_src_m, mm, cols, M, D,
                                HAS_DELTA and PHASE != 2, RESET)
     v = tl.where(mm[:, None] == M - 1, last[None, :], v)  # all M sources, rows M .. BLOCK_M - 1 zero
-    part = PART + t * SPLIT * BLOCK_M * (BLOCK_M + BLOCK_Q)
+    size = BLOCK_M * (BLOCK_M + BLOCK_Q)  # a program's part: the Gram, the queries' dots
+    part = PART + t * SPLIT * size
     gg = mm[:, None] * BLOCK_M + mm[None, :]
     qg = BLOCK_M * BLOCK_M + qq[:, None] * BLOCK_M + mm[None, :]  # (BLOCK_Q 1: the [BLOCK_M] dots)
     if PHASE != 2:
@@ -219,7 +220,7 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
         else:
             vs = v.to(SRC.dtype.element_ty)  # (exact: the sources' own values)
             gram = tl.dot(vs, tl.trans(vs), out_dtype=tl.float32)
-        mine = part + s * BLOCK_M * (BLOCK_M + BLOCK_Q)
+        mine = part + s * size
         tl.store(mine + gg, gram)
         if SUMMARY:
             tl.store(mine + qg, tl.trans(_dot3(v, tl.trans(qs), IEEE)))
@@ -236,11 +237,11 @@ def _attn_res_split_kernel(SRC, QW, OUTW, OUT, DELTA, PART, TICKETS, group0, str
         else:
             dot = tl.zeros([BLOCK_M], tl.float32)
         for j in tl.static_range(SPLIT):  # a fixed order; unrolled, the loads in flight together
-            gram += tl.load(part + j * BLOCK_M * (BLOCK_M + BLOCK_Q) + gg, cache_modifier=".cg")
+            gram += tl.load(part + j * size + gg, cache_modifier=".cg")
             if SUMMARY:
-                dots += tl.load(part + j * BLOCK_M * (BLOCK_M + BLOCK_Q) + qg, cache_modifier=".cg")
+                dots += tl.load(part + j * size + qg, cache_modifier=".cg")
             else:
-                dot += tl.load(part + j * BLOCK_M * (BLOCK_M + BLOCK_Q) + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
+                dot += tl.load(part + j * size + BLOCK_M * BLOCK_M + mm, cache_modifier=".cg")
         sq = tl.sum(tl.where(mm[:, None] == mm[None, :], gram, 0.0), 1)
         if not SUMMARY:
             score = tl.where(mm < M, dot / tl.sqrt(sq / D + eps), float("-inf"))
@@ -431,9 +432,10 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     place and rounded to the sources' dtype, as ``AttnResState`` would have done before the call.
     ``summary`` (summary [T, 2, d], logit [T]: this mixer's row of ``attn_res_summary``'s): the
     stored blocks given by it, sources [1, T, d] the partial alone."""
-    if summary is not None:
-        return _mix_summary(sources, query, eps, out_norm, out_dtype, partial_update, *summary)
     M, T, D = sources.shape
+    if summary is not None and (M != 1 or sources.stride(2) != 1 or not summary[0].is_contiguous()
+                                or summary[1].stride(0) != 1 or summary[0].dtype != sources.dtype):
+        raise ValueError("a summary's mix takes the partial alone, [1, T, d], and contiguous rows")
     if sources.stride(2) != 1:
         if partial_update is not None:
             raise ValueError("a partial update is written in place: the sources need a contiguous last dim")
@@ -442,7 +444,7 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
     if delta.stride(-1) != 1:
         delta = delta.contiguous()
     out = torch.empty(T, D, dtype=out_dtype, device=sources.device)
-    split = split_shape(M, D, T, sources.device)
+    split = split_shape(M, D, T, sources.device) if summary is None else None
     if split is not None:
         part = split_parts(T, split, sources.device)
         # (interpreted: the barrier's two sides as two launches, the partial's update in the first)
@@ -450,37 +452,23 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, eps: float, out_nor
                 ((0, partial_update is not None),):
             launch_split(sources, query, eps, out_norm, out, delta, split, part, phase, has_delta, reset)
         return out
-    launch_token(sources, query, eps, out_norm, out, delta, partial_update is not None, reset)
-    return out
-
-
-def _mix_summary(partial: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None, out_dtype,
-                 partial_update: tuple[torch.Tensor, bool] | None, summary: torch.Tensor,
-                 logit: torch.Tensor) -> torch.Tensor:
-    """``attn_res_mix`` with a block summary: a program a token over three rows, the summary's two
-    and the partial (its update done in the pass)."""
-    _, T, D = partial.shape
-    if (partial.shape[0] != 1 or partial.stride(2) != 1 or not summary.is_contiguous() or logit.stride(0) != 1
-            or summary.dtype != partial.dtype):
-        raise ValueError("a summary's mix takes the partial alone, [1, T, d], and contiguous rows")
-    delta, reset = partial_update if partial_update is not None else (partial[0], False)
-    delta = delta.contiguous()
-    out = torch.empty(T, D, dtype=out_dtype, device=partial.device)
-    _attn_res_kernel[(T,)](partial, query, out_norm if out_norm is not None else query, out, delta, 0,
-                           partial.stride(1), out.stride(0), delta.stride(0), 3, D, eps,
-                           HAS_OUT_NORM=out_norm is not None, HAS_DELTA=partial_update is not None, RESET=reset,
-                           SUM=summary, LOGIT=logit, stride_sum_t=summary.stride(0), SUMMARY=True,
-                           **launch_shape(3, D, T), **pdl.launch(out.device))
+    launch_token(sources, query, eps, out_norm, out, delta, partial_update is not None, reset, summary=summary)
     return out
 
 
 def launch_token(sources: torch.Tensor, query: torch.Tensor, eps: float, out_norm: torch.Tensor | None,
                  out: torch.Tensor, delta: torch.Tensor, has_delta: bool = False, reset: bool = False,
-                 trace: torch.Tensor | None = None) -> None:
+                 trace: torch.Tensor | None = None, summary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One launch of ``_attn_res_kernel`` (a program a token) at ``launch_shape``; ``trace``: int64
-    [T * 4] for the programs' timer stamps (bench/attn_res_trace.py --token)."""
+    [T * 4] for the programs' timer stamps (bench/attn_res_trace.py --token). ``summary`` (a
+    summary row [T, 2, d] and its logits [T]; sources the partial alone): three rows, the summary's
+    two and the partial."""
     M, T, D = sources.shape
-    _attn_res_kernel[(T,)](sources, query, out_norm if out_norm is not None else query, out, delta, sources.stride(0),
+    stride_m, extra = sources.stride(0), {}
+    if summary is not None:
+        M, stride_m = 3, 0  # (the partial is the last source, at SRC)
+        extra = dict(SUM=summary[0], LOGIT=summary[1], stride_sum_t=summary[0].stride(0), SUMMARY=True)
+    _attn_res_kernel[(T,)](sources, query, out_norm if out_norm is not None else query, out, delta, stride_m,
                            sources.stride(1), out.stride(0), delta.stride(0), M, D, eps,
                            HAS_OUT_NORM=out_norm is not None, HAS_DELTA=has_delta, RESET=reset, TRACE=trace,
-                           **launch_shape(M, D, T), **pdl.launch(out.device))
+                           **extra, **launch_shape(M, D, T), **pdl.launch(out.device))
