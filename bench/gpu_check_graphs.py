@@ -303,17 +303,18 @@ def ab_timing(model, rng, variants: str, sizes, ctx, pool_bytes, iters, rounds: 
         print(rows[-1], flush=True)
     for name, assigns, runs, _graphs in (kept if charged else []):
         for n, run in runs:
-            got = charged_kernels(run, charged)
+            got = charged_kernels(run, charged, mark="attn_res")
             row = next(r for r in rows if (r["variant"], r["set"], r["batch"]) == (name, assigns, n))
             row["charged_us"] = {r["kernel"][:40]: r["charged_us"] for r in got["by_name"][:12]}
             row["charged_pairs_us"] = {r["kernel"]: r["charged_us"] for r in got["by_pair"][:16]}
-            # the AttnRes mixers' share: of the step, and of the step less its longest kernel (at
-            # batch 1 the LM head, which no layer holds)
+            # the AttnRes mixers' share: of the step, of the step less its longest kernel (at
+            # batch 1 the LM head, which no layer holds), and of the layers' own time (the step up
+            # to the final mixer, which belongs to the head; their mixers only)
             head = max(got["by_name"], key=lambda r: r["charged_us_each"])
             row["attn_res"] = {"charged_us": round(sum(r["charged_us"] for r in got["by_name"] if "attn_res" in r["kernel"]), 1),
                                "calls": sum(r["count"] for r in got["by_name"] if "attn_res" in r["kernel"]),
                                "span_us": round(got["span_ms"] * 1e3, 1), "longest": head["kernel"][:40],
-                               "longest_us": head["charged_us_each"]}
+                               "longest_us": head["charged_us_each"], "layers": got.get("before_last_mark")}
     del kept, shared
     torch.cuda.empty_cache()
     forget_tuning()
@@ -473,7 +474,7 @@ def kernel_profile(model, rng, batch: int, ctx: int, pool_bytes: int, top: int =
             "top": rows[:top]}
 
 
-def charged_kernels(fn, reps: int = 1, show: range = range(0)) -> dict:
+def charged_kernels(fn, reps: int = 1, show: range = range(0), mark: str = "") -> dict:
     """``bench.charge.charge`` of ``reps`` runs of ``fn`` (a graph replay) under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -485,7 +486,7 @@ def charged_kernels(fn, reps: int = 1, show: range = range(0)) -> dict:
             torch.cuda.synchronize()
     return charge([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
-                   and "memset" not in e.name.lower()], reps, show)
+                   and "memset" not in e.name.lower()], reps, show, mark)
 
 
 def graph_timeline(model, rng, batch: int, ctx: int, pool_bytes: int, show: range = range(25, 75)) -> dict:
@@ -569,12 +570,15 @@ def main() -> None:
                 for r in charged_rows:
                     print(f"| {r['variant']} | {r['batch']} | " + " | ".join(str(r[field].get(k, "-")) for k in names) + " |")
             print("\n| variant | batch | AttnRes calls | AttnRes charged us | step span us | longest kernel | its us | "
-                  "AttnRes % of the step | % of the step less the longest |\n|---|---|---|---|---|---|---|---|---|")
+                  "AttnRes % of the step | % of the step less the longest | layers' mixers (calls, us) | layers' span us | "
+                  "% of the layers' time |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
             for r in charged_rows:
-                a = r["attn_res"]
+                a, lay = r["attn_res"], r["attn_res"]["layers"] or {}
+                share = f"{100 * lay['mark_us'] / lay['span_us']:.2f}" if lay.get("span_us") else "-"
                 print(f"| {r['variant']} | {r['batch']} | {a['calls']:g} | {a['charged_us']} | {a['span_us']} | {a['longest']} | "
                       f"{a['longest_us']} | {100 * a['charged_us'] / a['span_us']:.2f} | "
-                      f"{100 * a['charged_us'] / (a['span_us'] - a['longest_us']):.2f} |")
+                      f"{100 * a['charged_us'] / (a['span_us'] - a['longest_us']):.2f} | "
+                      f"{lay.get('mark_calls', '-')}, {lay.get('mark_us', '-')} | {lay.get('span_us', '-')} | {share} |")
     if "prefill_graphs" in parts:
         res["prefill_graphs"] = prefill_graphs_check(
             model, rng, [([37], 0, 0), ([500], 0, 0), ([1100], 0, 0), ([300, 700], 0, 0), ([37], 4, 0), ([200], 1, 0),

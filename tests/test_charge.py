@@ -28,3 +28,13 @@ def test_a_kernel_ending_inside_its_predecessor_is_charged_nothing():
 
 def test_short_names():
     assert short("_gemv_kernel") == "gemv" and short("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT").startswith("nvjet")
+
+
+def test_what_runs_charged_before_their_last_marked_kernel():
+    # two runs of: mixer, layer, mixer, layer, final mixer, head; the window ends where the final mixer starts
+    run = [(0.0, 2.0, "_attn_res_kernel"), (2.0, 10.0, "_gemv_kernel"), (9.0, 12.0, "_attn_res_kernel"),
+           (12.0, 20.0, "_gemv_kernel"), (20.0, 23.0, "_attn_res_kernel"), (23.0, 50.0, "lm_head")]
+    events = run + [(s + 1000.0, e + 1000.0, n) for s, e, n in run]
+    got = charge(events, runs=2, mark="attn_res")
+    assert got["before_last_mark"] == {"span_us": 20.0, "mark_us": 2.0 + 2.0, "mark_calls": 2.0}
+    assert "before_last_mark" not in charge(events, runs=2)
