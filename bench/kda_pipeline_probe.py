@@ -24,17 +24,17 @@ for N in (1, 5, 64, 256):
     args = (q, k, v, f, b, A_log, dt_bias, state, slots, x, conv_w, gate, has)
     st, cs = state.clone(), conv_state.clone()
     y0 = call(N, 1, 0, 4, st, cs, args)
-    for parts, lead, hp in ((1, 64, 4), (2, 64, 4), (1, 8, 8), (2, 300, 8), (1, -1, 4), (2, -1, 8), (1, -1, 1)):
+    for parts, lead, hp in ((1, 64, 4), (2, 64, 4), (1, 8, 8), (2, 300, 8)):
         st2, cs2 = state.clone(), conv_state.clone()
         y = call(N, parts, lead, hp, st2, cs2, args)
         worst = max(worst, rel(y, y0), rel(st2, st), rel(cs2, cs))
 print(f"check: pipelined vs default (y, state, conv state), N 1 / 5 / 64 / 256: worst rel err {worst:.1e}")
-print("| N | parts | lead (groups; -1: two launches) | heads a group | ms | state % copy |\n|---|---|---|---|---|---|")
+print("| N | parts | lead (groups) | heads a group | ms | state % copy |\n|---|---|---|---|---|---|")
 for N in (64, 256):
     q, k, v, f, b, A_log, dt_bias, state, slots = inputs(N, H, D, max(N, 8), 7)
     x, conv_w, conv_state, gate, has = mixer_inputs(N, H, D, state.shape[0], 11)
     args = (q, k, v, f, b, A_log, dt_bias, state, slots, x, conv_w, gate, has)
-    for parts, lead, hp in [(1, 0, 4), (1, 256, 8)] + [(p, -1, h) for p in (1, 2) for h in (1, 2, 4, 8)]:
+    for parts, lead, hp in [(1, 0, 4)] + [(p, l, h) for p in (1, 2) for h in (4, 8) for l in (16, 64, 256, 1024)]:
         ms = gpu_ms(lambda: call(N, parts, lead, hp, state, conv_state, args), rep=200)
         print(f"| {N} | {parts} | {lead} | {hp} | {ms:.3f} | {100 * N * H * D * D * 8 / (ms * 1e-3) / 1e12 / ceil:.0f} % |",
               flush=True)

@@ -86,7 +86,7 @@ FUSED = textwrap.dedent('''
         # default rule. Each call must leave the per-head tickets at zero for the next.
         # Then the pipelined form (producer programs first): a head a program, and two.
         for bv, parts, prod in ((D, 1, 0), (D // 4, 1, 0), (D // 2, 2, 0), (D // 4, 4, 0), (D // 4, 2, 0), (D // 2, None, 0),
-                                (D // 2, 2, 0), (D // 2, 1, 2), (D // 4, 2, 3), (D, 1, 1), (D // 2, 1, 99), (D // 2, 1, -1), (D // 4, 2, -1)):
+                                (D // 2, 2, 0), (D // 2, 1, 2), (D // 4, 2, 3), (D, 1, 1), (D // 2, 1, 99)):
             conv_t, state_t = conv0.clone(), state0.clone()
             y = kda_decode_fused(xs, conv_w, conv_t, torch.tensor(ctx) > 0, fs, bs, A_log, dt_bias, gs, onw, 1e-5, lb,
                                  state_t, slots, H, block_v=bv, parts=parts, lead=prod)

@@ -238,63 +238,8 @@ def _produce_heads(X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, SLOT
     tl.store(SCR + rows + 2 * D, tl.exp(g))
     tl.store(SCR + rows + 3 * D, v)
     tl.store(BSCR + item, tl.sigmoid(tl.load(BETA + n * stride_b + hh).to(tl.float32)))
-    if CONSUMERS > 0:
-        tl.debug_barrier()  # every thread's stores before the release (one thread takes it; release is cumulative)
-        tl.atomic_xchg(READY + grp, CONSUMERS, sem="release", scope="gpu")
-
-
-@triton.jit
-def _kda_prologue_kernel(X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, SLOTS, SCR, BSCR,
-                         stride_conv_slot, stride_x, stride_f, stride_b, scale, lower_bound, H,
-                         D: tl.constexpr, W: tl.constexpr, HP: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
-    """The two-launch form's first kernel: a program a group of HP heads (``_produce_heads``)."""
-    pdl_start(USE_PDL)
-    _produce_heads(X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, SLOTS, SCR, BSCR, SCR, tl.program_id(0),
-                   stride_conv_slot, stride_x, stride_f, stride_b, scale, lower_bound, H, 0, D, W, HP, USE_LOWER_BOUND)
-
-
-@triton.jit
-def _kda_state_kernel(HAS_CTX, GATE, ONORM_W, STATE, SLOTS, SCR, BSCR, O_SCRATCH, SUMSQ, TICKETS, Y,
-                      stride_state_slot, stride_g, eps, H, D: tl.constexpr, BV: tl.constexpr, BLOCKS: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
-    """The two-launch form's second kernel: a program (head, part) loads its first state tile before
-    its PDL wait (no kernel of the step writes the state but this one: the tile streams while the
-    prologue kernel runs), then the delta rule on the prologue's scratch and the gated RMSNorm."""
-    pid = tl.program_id(0)
-    PARTS: tl.constexpr = D // (BV * BLOCKS)
-    head = pid // PARTS
-    part = pid % PARTS
-    n = head // H
-    h = head % H
-    dk = tl.arange(0, D)
-    slot = tl.load(SLOTS + n).to(tl.int64)
-    tile = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D
-    s = tl.load(tile + part * BLOCKS * BV + tl.arange(0, BV)[None, :])
-    pdl_start(USE_PDL)
-    has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-    row = SCR + head.to(tl.int64) * (4 * D)
-    q = tl.load(row + dk)
-    k = tl.load(row + D + dk)
-    decay = tl.load(row + 2 * D + dk)
-    beta = tl.load(BSCR + head)
-    sumsq = 0.0
-    for j in tl.static_range(BLOCKS):
-        dv = (part * BLOCKS + j) * BV + tl.arange(0, BV)
-        if j > 0:
-            s = tl.load(tile + dv[None, :])
-        s, o = _delta_rule(s, q, k, tl.load(row + 3 * D + dv), decay, beta, has)
-        tl.store(tile + dv[None, :], s)
-        tl.store(O_SCRATCH + head * D + dv, o)
-        sumsq += tl.sum(o * o)
-    if PARTS == 1:
-        tl.debug_barrier()
-        _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, H * D, D, False)
-    else:
-        tl.store(SUMSQ + head * PARTS + part, sumsq)
-        if last_arrival(TICKETS, head, PARTS):
-            sumsq = tl.sum(tl.load(SUMSQ + head * PARTS + tl.arange(0, PARTS), cache_modifier=".cg"))
-            _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, H * D, D, True)
+    tl.debug_barrier()  # every thread's stores before the release (one thread takes it; release is cumulative)
+    tl.atomic_xchg(READY + grp, CONSUMERS, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -398,25 +343,6 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         return kda_decode_fused_gluon(x_qkv, conv_w, conv_state, has_ctx, f, beta_logits, A_log, dt_bias, gate,
                                       o_norm_w, eps, lower_bound, state, slots, H, out_dtype)
     lead = PIPELINE_LEAD if lead is None else lead
-    if lead < 0:  # the two-launch form
-        hp = next(c for c in (PIPELINE_HEADS, 4, 2, 1) if H % c == 0)
-        scr = torch.empty(N * H, 4, D, dtype=torch.float32, device=x_qkv.device)
-        bscr = torch.empty(N * H, dtype=torch.float32, device=x_qkv.device)
-        has32 = has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32)
-        x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-        _kda_prologue_kernel[(N * H // hp,)](
-            x_qkv, conv_w.float().contiguous(), conv_state, has32, f, beta_logits, A_log.float().contiguous(),
-            dt_bias.float().contiguous(), slots, scr, bscr, conv_state.stride(0), x_qkv.stride(0), f.stride(0),
-            beta_logits.stride(0), D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0, H,
-            D=D, W=W, HP=hp, USE_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl.launch(x_qkv.device))
-        o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
-        sumsq = torch.empty(N, H, parts, dtype=torch.float32, device=x_qkv.device)
-        y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
-        _kda_state_kernel[(N * H * parts,)](
-            has32, gate, o_norm_w.float().contiguous(), state, slots, scr, bscr, o_scratch, sumsq,
-            tickets(x_qkv.device, N * H), y, state.stride(0), gate.stride(0), eps, H, D=D, BV=bv,
-            BLOCKS=D // (bv * parts), num_warps=num_warps, **pdl.launch(y.device))
-        return y
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
     sumsq = torch.empty(N, H, parts, dtype=torch.float32, device=x_qkv.device)
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
