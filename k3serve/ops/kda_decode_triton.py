@@ -33,10 +33,6 @@ from .tickets import last_arrival, tickets
 # 80 / 83 % (RESULTS.md fourteenth session), so off.
 GLUON_FUSED = False
 
-# The pipelined form: its producers' lead in groups (0: the one-program-a-head kernel), heads a group.
-PIPELINE_LEAD = 0
-PIPELINE_HEADS = 4
-
 
 @triton.jit
 def _kda_decode_kernel(
@@ -165,7 +161,10 @@ def _kda_decode_fused_kernel(
         s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
         s = tl.load(s_ptr)
         v = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dv, stride_conv_slot, stride_x, W)
-        s, o = _delta_rule(s, q, k, v, decay, beta, has)
+        s = tl.where(has > 0, s, 0.0) * decay[:, None]  # a fresh sequence starts from zeros, whatever its slot holds
+        r = v - tl.sum(s * k[:, None], 0)
+        s = s + beta * k[:, None] * r[None, :]
+        o = tl.sum(s * q[:, None], 0)
         tl.store(s_ptr, s)
         tl.store(O_SCRATCH + head * D + dv, o)
         sumsq += tl.sum(o * o)
@@ -183,15 +182,6 @@ def _kda_decode_fused_kernel(
 
 
 @triton.jit
-def _delta_rule(s, q, k, v, decay, beta, has):
-    """One token's update of a [D, BV] state tile (rows: key channels) and its read-out."""
-    s = tl.where(has > 0, s, 0.0) * decay[:, None]  # a fresh sequence starts from zeros, whatever its slot holds
-    r = v - tl.sum(s * k[:, None], 0)
-    s = s + beta * k[:, None] * r[None, :]
-    return s, tl.sum(s * q[:, None], 0)
-
-
-@triton.jit
 def _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, P, D: tl.constexpr,
                     FROM_L2: tl.constexpr):
     """y = RMSNorm(o; w) * sigmoid(gate) over the head's output in scratch (FROM_L2: written by
@@ -206,112 +196,12 @@ def _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, ep
     tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
 
 
-@triton.jit
-def _produce_heads(X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, SLOTS, SCR, BSCR, READY, grp,
-                   stride_conv_slot, stride_x, stride_f, stride_b, scale, lower_bound, H, CONSUMERS,
-                   D: tl.constexpr, W: tl.constexpr, HP: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
-    """A group of HP heads of one sequence, everything before the state: the q / k / v convs (their
-    conv state shifted: no other program reads it), SiLU, L2 norms, decay and beta, written to
-    scratch (q, k, decay, v a head, fp32) and announced by ``READY[grp] = CONSUMERS``."""
-    n = grp // (H // HP)
-    h0 = grp % (H // HP) * HP
-    P = H * D
-    c = h0 * D + tl.arange(0, HP * D)
-    slot = tl.load(SLOTS + n).to(tl.int64)
-    has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-    q = tl.reshape(_conv_silu(X, CONV_W, CONV_STATE, n, slot, has, c, stride_conv_slot, stride_x, W), (HP, D))
-    k = tl.reshape(_conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + c, stride_conv_slot, stride_x, W), (HP, D))
-    v = tl.reshape(_conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + c, stride_conv_slot, stride_x, W), (HP, D))
-    q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale
-    k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    hh = h0 + tl.arange(0, HP)
-    f = tl.reshape(tl.load(F + n * stride_f + c).to(tl.float32) + tl.load(DT_BIAS + c), (HP, D))
-    a = tl.exp(tl.load(A_LOG + hh))[:, None]
-    if USE_LOWER_BOUND:
-        g = lower_bound * tl.sigmoid(a * f)
-    else:
-        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
-    item = n * H + hh
-    rows = item[:, None].to(tl.int64) * (4 * D) + tl.arange(0, D)[None, :]
-    tl.store(SCR + rows, q)
-    tl.store(SCR + rows + D, k)
-    tl.store(SCR + rows + 2 * D, tl.exp(g))
-    tl.store(SCR + rows + 3 * D, v)
-    tl.store(BSCR + item, tl.sigmoid(tl.load(BETA + n * stride_b + hh).to(tl.float32)))
-    tl.debug_barrier()  # every thread's stores before the release (one thread takes it; release is cumulative)
-    tl.atomic_xchg(READY + grp, CONSUMERS, sem="release", scope="gpu")
-
-
-@triton.jit
-def _kda_decode_pipelined_kernel(
-    X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, SCR, BSCR, READY,
-    O_SCRATCH, SUMSQ, TICKETS, Y,
-    stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H, N,
-    LEAD, D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, BLOCKS: tl.constexpr, HP: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    """The fused mixer with its prologue taken off the state's path. A producer program computes a
-    group of HP heads' convs, gates and norms into scratch; a consumer program (head, part) loads
-    its first state tile, waits for its group, then runs the delta rule and the gated RMSNorm as
-    ``_kda_decode_fused_kernel`` does. Program ids: the producers of groups 0 .. LEAD-1, then for
-    each group g the producer of group g + LEAD and g's HP * PARTS consumers. A consumer waits only
-    on a lower program id (dispatched before it), and its producer started LEAD groups earlier."""
-    pdl_start(USE_PDL)
-    pid = tl.program_id(0)
-    PARTS: tl.constexpr = D // (BV * BLOCKS)
-    C: tl.constexpr = HP * PARTS + 1  # programs a group: its consumers and a producer
-    blk = (pid - LEAD) // C
-    off = (pid - LEAD) % C
-    if pid < LEAD or off == 0:
-        grp = tl.where(pid < LEAD, pid, blk + LEAD)
-        if grp < N * H // HP:
-            _produce_heads(X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, SLOTS, SCR, BSCR, READY, grp,
-                           stride_conv_slot, stride_x, stride_f, stride_b, scale, lower_bound, H, HP * PARTS,
-                           D, W, HP, USE_LOWER_BOUND)
-    else:
-        head = blk * HP + (off - 1) // PARTS
-        part = (off - 1) % PARTS
-        n = head // H
-        h = head % H
-        dk = tl.arange(0, D)
-        slot = tl.load(SLOTS + n).to(tl.int64)
-        has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-        tile = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D
-        s = tl.load(tile + part * BLOCKS * BV + tl.arange(0, BV)[None, :])  # in flight while the producers work
-        while tl.atomic_add(READY + head // HP, 0, sem="acquire", scope="gpu") == 0:
-            pass
-        row = SCR + head.to(tl.int64) * (4 * D)
-        q = tl.load(row + dk, cache_modifier=".cg")
-        k = tl.load(row + D + dk, cache_modifier=".cg")
-        decay = tl.load(row + 2 * D + dk, cache_modifier=".cg")
-        beta = tl.load(BSCR + head, cache_modifier=".cg")
-        sumsq = 0.0
-        for j in tl.static_range(BLOCKS):
-            dv = (part * BLOCKS + j) * BV + tl.arange(0, BV)
-            if j > 0:
-                s = tl.load(tile + dv[None, :])
-            s, o = _delta_rule(s, q, k, tl.load(row + 3 * D + dv, cache_modifier=".cg"), decay, beta, has)
-            tl.store(tile + dv[None, :], s)
-            tl.store(O_SCRATCH + head * D + dv, o)
-            sumsq += tl.sum(o * o)
-        tl.atomic_add(READY + head // HP, -1, sem="relaxed", scope="gpu")  # the group's last reader leaves it 0
-        if PARTS == 1:
-            tl.debug_barrier()
-            _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, H * D, D, False)
-        else:
-            tl.store(SUMSQ + head * PARTS + part, sumsq)
-            if last_arrival(TICKETS, head, PARTS):
-                sumsq = tl.sum(tl.load(SUMSQ + head * PARTS + tl.arange(0, PARTS), cache_modifier=".cg"))
-                _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, H * D, D, True)
-
-
 def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, has_ctx: torch.Tensor,
                      f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 64,
                      out_dtype: torch.dtype = torch.float32, num_warps: int = 4,
-                     parts: int | None = None, gluon: bool | None = None,
-                     lead: int | None = None) -> torch.Tensor:
+                     parts: int | None = None, gluon: bool | None = None) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
@@ -322,8 +212,7 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
     the next value block inside one program, TMA state tiles, evict-first loads with streaming
     stores; RESULTS.md seventh and eighth sessions.) ``gluon`` (None: ``GLUON_FUSED``): a head's
-    program in ``kda_decode_gluon`` instead, where one program a head serves and D = 128. ``lead`` (None:
-    ``PIPELINE_LEAD``): > 0 runs ``_kda_decode_pipelined_kernel``, its producers that many groups ahead."""
+    program in ``kda_decode_gluon`` instead, where one program a head serves and D = 128."""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -342,29 +231,11 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
 
         return kda_decode_fused_gluon(x_qkv, conv_w, conv_state, has_ctx, f, beta_logits, A_log, dt_bias, gate,
                                       o_norm_w, eps, lower_bound, state, slots, H, out_dtype)
-    lead = PIPELINE_LEAD if lead is None else lead
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
     sumsq = torch.empty(N, H, parts, dtype=torch.float32, device=x_qkv.device)
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-    if lead > 0:
-        hp = next(c for c in (PIPELINE_HEADS, 4, 2, 1) if H % c == 0)
-        groups = N * H // hp
-        lead = min(lead, groups)
-        scr = torch.empty(N * H, 4, D, dtype=torch.float32, device=x_qkv.device)
-        bscr = torch.empty(N * H, dtype=torch.float32, device=x_qkv.device)
-        counters = tickets(x_qkv.device, N * H + groups)
-        _kda_decode_pipelined_kernel[(lead + groups * (hp * parts + 1),)](
-            x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
-            f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(), gate, o_norm_w.float().contiguous(),
-            state, slots, scr, bscr, counters[N * H:], o_scratch, sumsq, counters, y,
-            conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
-            D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0, eps, H, N, lead,
-            D=D, W=W, BV=bv, BLOCKS=D // (bv * parts), HP=hp, USE_LOWER_BOUND=lower_bound is not None,
-            num_warps=num_warps, **pdl.launch(y.device),
-        )
-        return y
     _kda_decode_fused_kernel[(N, H, parts)](
         x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
