@@ -158,7 +158,9 @@ def engine_48b(max_seqs: int, max_model_len: int, prefill_graphs: str, **config)
     return LLMEngine.from_pretrained(None, preset="kimi-linear-48b", dtype="bfloat16", device="cuda",
                                      load_format="dummy", config=EngineConfig(**(dict(
                                          max_num_seqs=max_seqs, max_model_len=max_model_len,
-                                         max_num_batched_tokens=max(8192, max_model_len),
+                                         # (whole prompts in a step; a server's 1M context keeps 8,192)
+                                         max_num_batched_tokens=max(8192, max_model_len) if max_model_len <= 65536
+                                         else 8192,
                                          prefill_graphs=prefill_graphs) | config)))
 
 
@@ -174,9 +176,13 @@ def _tally(counts: dict, key: str, us: float) -> None:
     counts[key] = (n + 1, total + us)
 
 
-def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto") -> list[dict]:
-    """kimi-linear-48b through LLMEngine: TTFT (all B first tokens) and decode tok/s after it."""
-    eng = engine_48b(max(batches), prompt_len + new_tokens + 64, prefill_graphs)
+def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto",
+                    max_model_len: int = 0, max_num_seqs: int = 0) -> list[dict]:
+    """kimi-linear-48b through LLMEngine: TTFT (all B first tokens) and decode tok/s after it.
+    ``max_model_len`` 0: just what the requests need; a server's default is the model's context
+    length (1M tokens), which sizes the static steps' block tables; ``max_num_seqs`` 0: the largest
+    batch (a server's default: 256)."""
+    eng = engine_48b(max_num_seqs or max(batches), max_model_len or prompt_len + new_tokens + 64, prefill_graphs)
     rows = []
     for B in batches:
         for attempt in ("warm-up", "timed"):
@@ -194,7 +200,9 @@ def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto
                     t_first = time.perf_counter()
             t_end = time.perf_counter()
         dec = (t_end - t_first) / (new_tokens - 1)
-        rows.append({"batch": B, "prompt": prompt_len, "new": new_tokens, "ttft_s": round(t_first - t0, 3),
+        rows.append({"batch": B, "prompt": prompt_len, "new": new_tokens, "max_model_len": eng.max_model_len,
+                     "max_num_seqs": eng.config.max_num_seqs,
+                     "ttft_s": round(t_first - t0, 3),
                      "decode_ms_per_step": round(dec * 1e3, 2), "decode_tok_s": round(B / dec, 1),
                      "graph_steps": eng.runner.graph_steps, "prefill_graph_steps": eng.runner.prefill_graph_steps,
                      "overlapped_steps": eng.overlapped_steps})
@@ -427,6 +435,9 @@ def main() -> None:
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--engine-batches", default="1,16,64")
     ap.add_argument("--prefill-graphs", default="auto", help="the engine's prefill_graphs mode (auto, on, off)")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the engine part's max_model_len (0: what its requests need; 1048576: a server's default)")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="the engine part's max_num_seqs (0: its largest batch)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
                     "(e.g. k3serve.model.mla.VARLEN_PREFILL=True: the engine's TTFT with an opt-in path)")
@@ -449,7 +460,8 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     if "engine" in parts:
-        res["engine_48b"] = engine_generate(ints(args.engine_batches), 512, 32, args.prefill_graphs)
+        res["engine_48b"] = engine_generate(ints(args.engine_batches), 512, 32, args.prefill_graphs,
+                                             args.max_model_len, args.max_num_seqs)
     if "engine_profile" in parts:  # (at the engine batches; not in the default parts)
         res["engine_profile"] = [engine_profile(b) for b in ints(args.engine_batches)]
         for r in res["engine_profile"]:

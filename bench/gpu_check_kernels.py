@@ -133,22 +133,28 @@ def check_mla_prefill_varlen(Ha: int, layout: list[tuple[int, int]], gen: torch.
     record("MLA flash prefill, prompts in one launch", f"Ha={Ha} (ctx, new)={layout}", rel(out, ref), 2e-2)
 
 
-def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluon: bool = False) -> None:
+def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluon: bool = False,
+                     width: int = 0) -> None:
     """The split-KV decode (Triton, or with ``gluon`` mla_decode_gluon's keys-major kernel) vs the
-    fp32 reference; then (Triton only) the latent rows' cache store."""
+    fp32 reference, its table row-major and page-major (a static step's) with ``width`` pages a row
+    (a long max_model_len's: most splits empty; past each row's pages other valid page ids); then
+    (Triton only) the latent rows' cache store."""
     rkv, dr, page = 512, 64, 64
-    max_pages = max(-(-n // page) for n in lens) + 2
-    pool = torch.randn(B * max_pages + 5, page, rkv + dr, generator=gen, device=DEV).bfloat16()
-    table = torch.randperm(pool.shape[0], generator=gen, device=DEV)[: B * max_pages].view(B, max_pages)
+    need = max(-(-n // page) for n in lens) + 2
+    pool = torch.randn(B * need + 5, page, rkv + dr, generator=gen, device=DEV).bfloat16()
+    table = torch.randint(0, pool.shape[0], (B, max(width, need)), generator=gen, device=DEV)
+    table[:, :need] = torch.randperm(pool.shape[0], generator=gen, device=DEV)[: B * need].view(B, need)
+    by_page = torch.empty(table.numel(), dtype=table.dtype, device=DEV).as_strided(table.shape, (1, B)).copy_(table)
     seq_lens = torch.tensor(lens, device=DEV)
     q = torch.randn(B, H, rkv + dr, generator=gen, device=DEV).bfloat16()
-    S = table.shape[1] * page
-    lat = pool[table].flatten(1, 2).float()
+    S = need * page
+    lat = pool[table[:, :need]].flatten(1, 2).float()
     mask = torch.arange(S, device=DEV)[None, :] < seq_lens[:, None]
     ref = mla_ref.mla_absorbed_ref(q.float()[:, None], lat, mask[:, None], rkv, 0.07)[:, 0]
-    out = mla_decode(q, pool, table, seq_lens, rkv, 0.07, gluon=gluon)
-    record("MLA split-KV decode (default splits)" + (", Gluon" if gluon else ""), f"B={B} H={H} lens={lens[:4]}",
-           rel(out, ref), 2e-2)
+    for name, t in (("", table), (", page-major table", by_page)):
+        out = mla_decode(q, pool, t, seq_lens, rkv, 0.07, gluon=gluon)
+        record("MLA split-KV decode (default splits)" + (", Gluon" if gluon else "") + name,
+               f"B={B} H={H} lens={lens[:4]} width={t.shape[1]}", rel(out, ref), 2e-2)
     if gluon:
         return
     # the new rows' latent norm, k_pe and their cache store in one launch
@@ -425,6 +431,8 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
         check_mla_decode(1, 32, [4096], gen, gluon=True)
         check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
         check_mla_decode(3, 16, [1, 64, 129], gen, gluon=True)  # one key, one whole page, a page and a key
+        check_mla_decode(1, 32, [300], gen, gluon=True, width=16384)  # a 1M-token table: 64 splits, 59 empty
+        check_mla_decode(4, 32, [1, 700, 64, 5000], gen, gluon=True, width=16384)
     elif family == "kda":
         for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0), (300, 96, -5.0)):
             check_kda_fused(N, H, 128, lb, gen, gluon=True)
@@ -441,7 +449,7 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
 
 def main() -> int:
     """Every check; ``--no-gluon``: all but the Gluon kernels' rows; ``--gluon FAMILY``: one
-    family of those alone."""
+    family of those alone; ``--mla-decode``: the MLA decode rows alone, Triton and Gluon."""
     from bench import check_attn_res
 
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -449,6 +457,11 @@ def main() -> int:
     args = sys.argv[1:]
     if "--gluon" in args:
         gluon_checks(args[args.index("--gluon") + 1], gen)
+        return report()
+    if "--mla-decode" in args:
+        check_mla_decode(1, 32, [4096], gen)
+        check_mla_decode(2, 32, [300, 1], gen, width=16384)
+        gluon_checks("mla", gen)
         return report()
     check_short_conv(12288, [(1, 40), (1, 7), (2, 1), (8192, 0), (300, 129)], gen)  # kimi-linear: 3 x 32 x 128
     check_short_conv(3 * 96 * 128, [(1, 5), (2048, 64), (3, 0)], gen)  # K3 widths
@@ -468,6 +481,7 @@ def main() -> int:
     check_mla_prefill(96, 0, 37, gen)
     check_mla_prefill_varlen(32, [(0, 512), (700, 300), (0, 1), (64, 2048), (5, 37)], gen)
     check_mla_decode(1, 32, [4096], gen)
+    check_mla_decode(2, 32, [300, 1], gen, width=16384)
     for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16),
                        (8192, 256, 2304, 8), (2048, 896, 7168, 16)):  # (prefill sizes: cuBLAS's fp32 GEMM)
         check_router(T, E, D, K, gen)

@@ -149,9 +149,9 @@ def mla_decode_rows() -> None:
 
     ptrs = {"QC": "*bf16", "QP": "*bf16", "KV": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*fp32", "LSE": "*fp32"}
     strides = ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_kvt", "stride_btb",
-               "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")
+               "stride_btp", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")
     ints = dict({n: "i32" for n in strides}, scale="fp32", H="i32", NUM_SPLITS="i32", CTX_BUCKET="i32")
-    divisible = tuple(ptrs) + tuple(n for n in strides if n not in ("stride_os", "stride_lh"))
+    divisible = tuple(ptrs) + tuple(n for n in strides if n not in ("stride_os", "stride_lh", "stride_btp"))
     print("\n| MLA split decode (64-token pages) | tile (BLOCK_H, BLOCK_N, warps, stages) | registers "
           "| loop instr / thread | per latent element (lanes) | top opcodes |\n|---|---|---|---|---|---|")
     for bh, bn, nw, st in ((16, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)):

@@ -81,6 +81,38 @@ def test_padded_static_step_equals_eager_and_touches_only_scratch(model, n_decod
         assert torch.equal(pool.page_bytes_of(p), twin.page_bytes_of(p))
 
 
+def _twin(model, pool, nbytes):
+    twin = UnifiedPool(model.config, nbytes, torch.float32, "cpu", PAGE)
+    twin.buffer.copy_(pool.buffer)
+    twin.num_slots, twin.num_pages = pool.num_slots, pool.num_pages
+    return twin
+
+
+def test_a_wide_table_sends_only_the_steps_pages(model):
+    """A table as wide as a long max_model_len makes: each step sends its rows' pages alone (the
+    table is page-major, so they are one prefix of it; the device entries past them keep what they
+    held), and steps of different buckets in a row, whose rows hold older layouts' entries past
+    their own pages, still equal the eager step."""
+    rng = random.Random(11)
+    pool = UnifiedPool(model.config, 8 << 20, torch.float32, "cpu", PAGE)
+    seqs = _prefill(model, pool, [rng.randrange(3, 30) for _ in range(5)], rng)
+    graphs = DecodeGraphs(model, pool, max_batch=8, max_pages=512, capture=False)
+    table = graphs.inputs.dev["block_table"]
+    for n in (5, 1, 3, 5):
+        chunks = [SeqChunk([rng.randrange(1500)], len(t), s, p) for s, p, t in seqs[:n]]
+        twin = _twin(model, pool, 8 << 20)
+        with torch.inference_mode():
+            eager = model.compute_logits(model(ForwardBatch.build(chunks, PAGE), twin.handles))
+        before = table.clone()
+        torch.testing.assert_close(graphs.run(chunks), eager, rtol=1e-5, atol=1e-5)
+        b = graphs.bucket_for(n)
+        sent = b * max(len(c.pages) for c in chunks)
+        assert sent < 8 * 6 and torch.equal(table[sent:], before[sent:])
+        assert not torch.equal(table[:sent], before[:sent])
+        for (_, _, t), c in zip(seqs, chunks):
+            t.append(c.token_ids[0])
+
+
 @pytest.mark.parametrize("pool, system", [("32MiB", 0), (1_000_000, 40)])
 def test_engine_with_static_decode_generates_the_same_tokens(model, pool, system):
     """Plain batches; and a small pool (preemption by recompute) with a shared system prompt

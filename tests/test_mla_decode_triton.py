@@ -27,6 +27,8 @@ SCRIPT = textwrap.dedent('''
         latent = pool[:, 1]
         perm = torch.randperm(n_pages, generator=gen)
         table = perm[: B * max_pages].view(B, max_pages)
+        # also page-major (a static step's table: its used pages one contiguous run); same pages
+        table_t = torch.empty(B * max_pages, dtype=table.dtype).as_strided((B, max_pages), (1, B)).copy_(table)
         seq_lens = torch.tensor(lens)
         q = torch.randn(B, H, width, generator=gen)
         scale = 0.11
@@ -35,6 +37,8 @@ SCRIPT = textwrap.dedent('''
         q_c = torch.cat([q[..., :rkv], torch.zeros(B, H, 3)], -1)[..., :rkv].transpose(0, 1).contiguous().transpose(0, 1)
         out_split = mla_decode(q_c, latent, table, seq_lens, rkv, scale, num_splits=splits, q_pe=q[..., rkv:])
         assert torch.allclose(out_split, out, atol=1e-6), "q_pe apart differs"
+        assert torch.equal(mla_decode(q, latent, table_t, seq_lens, rkv, scale, num_splits=splits), out), \
+            "a page-major table differs"
         # key tiles as wide as a page, a quarter of one, and wider (page-local vs per-row addressing)
         for bn in (16, 64):
             tiled = mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits,
@@ -63,9 +67,9 @@ MERGE_SCRIPT = textwrap.dedent('''
     for B, H, S, C in [(1, 32, 64, 512), (3, 4, 5, 48), (2, 3, 1, 200)]:  # (S = 1: nothing to merge)
         partial = torch.randn(B, H, S + 2, C, generator=gen)[:, :, 1:S + 1]  # strided splits
         lse = torch.randn(B, H, S, generator=gen) * 3
-        if S > 2:  # empty splits (-inf, zero rows) weigh nothing
+        if S > 2:  # empty splits (-inf; their rows never written: garbage) weigh nothing
             lse[0, :, 1] = float("-inf")
-            partial[0, :, 1] = 0.0
+            partial[0, :, 1] = float("nan")
         ref = torch.einsum("bhs,bhsc->bhc", torch.softmax(lse.double(), -1), partial.double())
         out = merge_splits(partial, lse)
         assert out.shape == (B, H, C) and out.dtype == torch.float32 and not out.isnan().any()

@@ -106,8 +106,9 @@ def test_static_prefill_inputs_on_the_device_equal_the_host_built_ones(model, co
                            buckets=[32, 64])
     nd, d, b, c = graphs._split(chunks)
     assert (nd, d, b, c) == (len(contexts), len(contexts), 32, 0)
-    qlens, ctx = graphs._fill_host(chunks, nd, d, b)
-    graphs.inputs.upload()
+    qlens, ctx, width = graphs._fill_host(chunks, nd, d, b)
+    assert width == max(len(c.pages) for c in chunks)
+    graphs.inputs.upload((d + 3) * width)  # the step's pages alone (its table is page-major)
     static = graphs._static_batch(d, 2, b, c, qlens, ctx)
     host = ForwardBatch.build(chunks, PAGE)
     assert static.num_decodes == host.num_decodes == d
@@ -270,8 +271,8 @@ def test_prompts_on_cached_context_equal_eager(model, prompts, decodes):
                                rtol=1e-5, atol=1e-5)
     assert torch.equal(pool.slot_bytes_of(b_slot), twin.slot_bytes_of(b_slot))
     # the device-built latent rows (what a captured step's MLA prefill reads) equal the host-built ones
-    qlens, ctx = graphs._fill_host(chunks, nd, d, b)
-    graphs.inputs.upload()
+    qlens, ctx, width = graphs._fill_host(chunks, nd, d, b)
+    graphs.inputs.upload((d + len(prompts) + 1) * width)
     page, offset, seqs, max_new = graphs._static_batch(d, len(prompts), b, c, qlens, ctx).prefill_latents
     h_page, h_offset, h_seqs, _ = batch.prefill_latents
     rows = h_page.shape[0]

@@ -160,7 +160,7 @@ def test_gluon_mla_decode_compiles_keys_major_on_wgmma(seq_len_type):
 
     ptrs = {"QC": "*bf16", "QP": "*bf16", "KV": "*bf16", "BT": "*i32", "SL": seq_len_type, "O": "*fp32", "LSE": "*fp32"}
     ints = {n: "i32" for n in ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_btb",
-                               "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")}
+                               "stride_btp", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")}
     ints.update(scale="fp32", H="i32", NUM_SPLITS="i32")
     block_h = mla_decode_gluon.BLOCK_H
     consts = dict(PAGE=64, BLOCK_H=block_h, USE_PDL=True)

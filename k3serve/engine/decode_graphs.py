@@ -53,15 +53,17 @@ def capture_blockers(device: torch.device) -> list[str]:
 class StaticInputs:
     """A static step's int64 inputs as named fields of one device buffer, written each step through
     numpy views of one (pinned) host buffer and sent by one copy: a step's inputs cost one transfer,
-    not one per field. ``host()`` waits until the previous copy has left the host buffer."""
+    not one per field. ``host()`` waits until the previous copy has left the host buffer. Both
+    buffers start at -1 (a block table's "no page")."""
 
     def __init__(self, device: torch.device, sizes: dict[str, int]):
-        self.device_buf = torch.empty(sum(sizes.values()), dtype=torch.int64, device=device)
-        self.host_buf = torch.empty(self.device_buf.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device_buf = torch.full((sum(sizes.values()),), -1, dtype=torch.int64, device=device)
+        self.host_buf = torch.full(self.device_buf.shape, -1, dtype=torch.int64, pin_memory=device.type == "cuda")
         host, self.dev, self._host, at = self.host_buf.numpy(), {}, {}, 0
         for name, n in sizes.items():
             self.dev[name], self._host[name] = self.device_buf[at:at + n], host[at:at + n]
             at += n
+        self._last = n  # the last field's size
         self._copied = None  # CUDA event: the last host -> device copy is done
 
     def host(self) -> dict[str, np.ndarray]:
@@ -69,11 +71,24 @@ class StaticInputs:
             self._copied.synchronize()
         return self._host
 
-    def upload(self) -> None:
-        self.device_buf.copy_(self.host_buf, non_blocking=True)
+    def upload(self, last_used: int | None = None) -> None:
+        """Send the fields, the last one only up to ``last_used`` elements (None: whole)."""
+        n = self.device_buf.numel() - self._last + (self._last if last_used is None else last_used)
+        self.device_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
         if self.device_buf.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+
+def page_major(flat, rows: int, max_pages: int):
+    """A static step's block table [rows, max_pages] over the flat buffer ``flat`` (numpy or torch),
+    the page index outer: the first w pages of every row are the buffer's first w * rows entries,
+    so one copy of that prefix sends a step's pages however wide max_model_len makes the table
+    (row-major, a 1M-token max_model_len sent 128 KB a row every step: 32 MB at 256 rows). The
+    decode kernels read it through its strides."""
+    if isinstance(flat, np.ndarray):
+        return flat[:rows * max_pages].reshape(max_pages, rows).T
+    return flat[:rows * max_pages].view(max_pages, rows).t()
 
 
 def check_ids(pool: UnifiedPool, pages: np.ndarray, slots: np.ndarray) -> None:
@@ -127,7 +142,9 @@ def fill_decode_rows(pool: UnifiedPool, chunks: list[SeqChunk], b: int, ids, ctx
                      table) -> list[int]:
     """Rows 0..b of a static step's host arrays (numpy) for decode ``chunks`` (one token each) and
     padding rows after them: no context, the scratch slot and page (nothing live is touched).
-    Returns the context lengths (the padding's 0)."""
+    Only the pages a row owns are written: past them its table row keeps older page ids (or -1),
+    which no kernel reads (each stops at its sequence's length). Returns the context lengths
+    (the padding's 0)."""
     n, ps = len(chunks), pool.layout.page_size
     ctx_list = [c.context_len for c in chunks]
     npages = np.fromiter((len(c.pages) for c in chunks), np.int64, n)
@@ -139,7 +156,6 @@ def fill_decode_rows(pool: UnifiedPool, chunks: list[SeqChunk], b: int, ids, ctx
                          f"got {npages[i]}")
     seq[:n] = ctx[:n] + 1
     slots[:n] = [c.kda_slot for c in chunks]
-    table[:b] = -1
     write_pages(pool, table, 0, chunks, npages, slots[:n])
     mapping[:n] = table[np.arange(n), ctx[:n] // ps] * ps + ctx[:n] % ps
     ids[n:b], ctx[n:b], seq[n:b], slots[n:b] = 0, 0, 1, pool.scratch_slot
@@ -162,14 +178,12 @@ class DecodeGraphs:
         self.inputs = StaticInputs(dev, {**{f: B for f in self._fields}, "block_table": B * max_pages})
         for name in self._fields:
             setattr(self, name, self.inputs.dev[name])
-        self.block_table = self.inputs.dev["block_table"].view(B, max_pages)
         self.input_ids.zero_()
         self.context_lens.zero_()
         self.seq_lens.fill_(1)
         self.kda_slots.fill_(pool.scratch_slot)
         self.slot_mapping.fill_(pool.scratch_page * self.page_size)
-        self.block_table.fill_(-1)
-        self.block_table[:, 0] = pool.scratch_page
+        self.inputs.dev["block_table"][:B] = pool.scratch_page  # page 0 of every row, in every bucket's layout
         self.query_start = torch.arange(B + 1, **i64)
         self.logits_indices = torch.arange(B, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -191,7 +205,7 @@ class DecodeGraphs:
         batch 1 and ~1 ms at 256 on the host). Returns the context lengths."""
         host = self.inputs.host()
         return fill_decode_rows(self.pool, chunks, b, *(host[f] for f in self._fields),
-                                host["block_table"].reshape(-1, self.max_pages))
+                                page_major(host["block_table"], b, self.max_pages))
 
     def run(self, chunks: list[SeqChunk], fixup: tuple | None = None) -> torch.Tensor:
         """fp32 logits [n, V] of a decode-only step (``fits(chunks)`` must hold). ``fixup`` =
@@ -199,7 +213,8 @@ class DecodeGraphs:
         n = len(chunks)
         b = self.bucket_for(n)
         context_lens = self._fill_host(chunks, b)
-        self.inputs.upload()  # rows past b are stale and never read by bucket b
+        # rows past b are stale and never read by bucket b; pages past the step's widest row neither
+        self.inputs.upload(b * max(len(c.pages) for c in chunks))
         fill_pending_tokens(self.input_ids, fixup)
         if b in self.graphs:
             self.graphs[b].replay()
@@ -210,7 +225,8 @@ class DecodeGraphs:
     def _static_batch(self, b: int, context_lens_host: list[int]) -> ForwardBatch:
         return ForwardBatch(
             input_ids=self.input_ids[:b], query_start=self.query_start[:b + 1], context_lens=self.context_lens[:b],
-            seq_lens=self.seq_lens[:b], kda_slots=self.kda_slots[:b], block_table=self.block_table[:b],
+            seq_lens=self.seq_lens[:b], kda_slots=self.kda_slots[:b],
+            block_table=page_major(self.inputs.dev["block_table"], b, self.max_pages),
             slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b], num_decodes=b,
             page_size=self.page_size, query_lens_host=[1] * b, context_lens_host=context_lens_host,
             static_shapes=True)

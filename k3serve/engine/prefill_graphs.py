@@ -43,7 +43,8 @@ import torch
 from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
-from .decode_graphs import StaticInputs, bucket_sizes, capture_blockers, capture_graphs, fill_decode_rows, write_pages
+from .decode_graphs import (StaticInputs, bucket_sizes, capture_blockers, capture_graphs, fill_decode_rows, page_major,
+                            write_pages)
 from .transfer import fill_pending_tokens
 
 log = logging.getLogger(__name__)
@@ -175,12 +176,12 @@ class PrefillGraphs:
     def fits(self, chunks: list[SeqChunk]) -> bool:
         return self._split(chunks) is not None
 
-    def _fill_host(self, chunks: list[SeqChunk], nd: int, d: int, b: int) -> tuple[list[int], list[int]]:
+    def _fill_host(self, chunks: list[SeqChunk], nd: int, d: int, b: int) -> tuple[list[int], list[int], int]:
         """Write the step's inputs into the host buffer: decode rows padded to d, then the prompts'
         tokens padded to b (each prompt's rows of the block table cover its context too). Returns
-        the sequences' (token counts, context lengths)."""
+        the sequences' (token counts, context lengths) and the table's used width (pages)."""
         ps, pool, h = self.page_size, self.pool, self.inputs.host()
-        table = h["block_table"].reshape(-1, self.max_pages)
+        table = page_major(h["block_table"], d + len(chunks) - nd + 1, self.max_pages)
         ids, ctx, seq, slots, mapping = (h[f] for f in self._fields)
         ctx_list = fill_decode_rows(pool, chunks[:nd], d, ids, ctx, seq, slots, mapping, table)
         prompts = chunks[nd:]
@@ -190,7 +191,6 @@ class PrefillGraphs:
         for c, p, q in zip(prompts, npages, lens):
             if len(c.pages) < p:
                 raise ValueError(f"sequence with {c.context_len}+{q} tokens needs {p} pages of {ps}, got {len(c.pages)}")
-        table[d:d + n + 1] = -1
         write_pages(pool, table, d, prompts, npages, np.array([c.kda_slot for c in prompts], np.int64))
         ids[d:d + L] = list(chain.from_iterable(c.token_ids for c in prompts))
         ids[d + L:d + b] = 0
@@ -203,12 +203,14 @@ class PrefillGraphs:
         slots[d:d + n], slots[d + n] = [c.kda_slot for c in prompts], pool.scratch_slot
         h["logits_indices"][:d] = np.arange(d)
         h["logits_indices"][d:d + n] = qs[d + 1:d + n + 1] - 1
-        table[d + n] = pool.scratch_page  # the padding sequence: every position in the scratch page
+        pad_pages = -(-(b - L) // ps)
+        table[d + n, :pad_pages] = pool.scratch_page  # the padding sequence: every position in the scratch page
         seq_of = d + np.repeat(np.arange(n), lens)
         pos = np.arange(L) - np.repeat(qs[d:d + n] - d, lens) + np.repeat(pctx, lens)
         mapping[d:d + L] = table[seq_of, pos // ps] * ps + pos % ps
         mapping[d + L:d + b] = pool.scratch_page * ps + np.arange(b - L) % ps
-        return [1] * d + lens + [b - L], ctx_list + pctx + [0]
+        width = max(pad_pages, int(npages.max()), max((len(c.pages) for c in chunks[:nd]), default=0))
+        return [1] * d + lens + [b - L], ctx_list + pctx + [0], width
 
     def run(self, chunks: list[SeqChunk], fixup: tuple | None = None) -> torch.Tensor:
         """fp32 logits [len(chunks), V]: each decode row's and each prompt's last token, in
@@ -216,8 +218,8 @@ class PrefillGraphs:
         positions of the unpadded step: decode rows lead, so only theirs can be pending)."""
         nd, d, b, c = self._split(chunks)
         n = len(chunks) - nd
-        qlens, ctx = self._fill_host(chunks, nd, d, b)
-        self.inputs.upload()
+        qlens, ctx, width = self._fill_host(chunks, nd, d, b)
+        self.inputs.upload((d + n + 1) * width)
         fill_pending_tokens(self.dev["input_ids"], fixup)
         key = (d, n, b, c)
         if key in self.graphs:
@@ -233,7 +235,7 @@ class PrefillGraphs:
         return ForwardBatch(
             input_ids=dv["input_ids"][:T], query_start=dv["query_start"][:S + 1], context_lens=dv["context_lens"][:S],
             seq_lens=dv["seq_lens"][:S], kda_slots=dv["kda_slots"][:S],
-            block_table=dv["block_table"].view(-1, self.max_pages)[:S], slot_mapping=dv["slot_mapping"][:T],
+            block_table=page_major(dv["block_table"], S, self.max_pages), slot_mapping=dv["slot_mapping"][:T],
             logits_indices=dv["logits_indices"][:d + n], num_decodes=d, page_size=self.page_size,
             query_lens_host=qlens, context_lens_host=ctx, static_shapes=True, static_latent_rows=c + b if c else None)
 
@@ -329,5 +331,5 @@ class PrefillGraphs:
         dv["seq_lens"][:S].copy_(torch.tensor([1] * d + [1 + pc] * n + [b - n], device=dev))
         dv["kda_slots"][:S].fill_(self.pool.scratch_slot)
         dv["logits_indices"][:d + n].copy_(torch.arange(d + n, device=dev))
-        dv["block_table"].view(-1, self.max_pages)[:S].fill_(self.pool.scratch_page)
+        page_major(dv["block_table"], S, self.max_pages).fill_(self.pool.scratch_page)
         dv["slot_mapping"][:T].copy_(self.pool.scratch_page * ps + torch.arange(T, device=dev) % ps)

@@ -42,11 +42,11 @@ D_PE = gl.constexpr(64)  # its rotary part
 
 
 @gluon.jit
-def _copy_tile(KV, BT, b, n0, end, stride_btb, stride_kvp, kc_slot, kp_slot, rc, cc, cp, PAGE: gl.constexpr,
-               WIDTH: gl.constexpr):
+def _copy_tile(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc_slot, kp_slot, rc, cc, cp,
+               PAGE: gl.constexpr, WIDTH: gl.constexpr):
     """Start copying the key tile at n0 (one page: PAGE % BLOCK_N == 0) into a ring slot; rows at
     or past ``end`` are not read (zero-filled), a tile past the split copies nothing."""
-    page = gl.load(BT + b * stride_btb + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
+    page = gl.load(BT + b * stride_btb + (n0 // PAGE) * stride_btp, mask=n0 < end, other=0).to(gl.int64)
     base = KV + page * stride_kvp + (n0 % PAGE) * WIDTH
     live = gl.expand_dims(n0 + rc < end, 1)
     async_load(kc_slot, base + gl.expand_dims(rc * WIDTH, 1) + gl.expand_dims(cc, 0), mask=live)
@@ -57,7 +57,7 @@ def _copy_tile(KV, BT, b, n0, end, stride_btb, stride_kvp, kc_slot, kp_slot, rc,
 @gluon.jit
 def _mla_decode_split_kernel(
     QC, QP, KV, BT, SL, O, LSE,
-    stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_ob, stride_oh, stride_os,
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, scale, H, NUM_SPLITS,
     PAGE: gl.constexpr, BLOCK_H: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):
@@ -92,7 +92,7 @@ def _mla_decode_split_kernel(
     kp = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE], kp_s)
     p_t = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_s)
     rc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
-    _copy_tile(KV, BT, b, start, end, stride_btb, stride_kvp, kc.index(0), kp.index(0), rc, cc, cp, PAGE, WIDTH)
+    _copy_tile(KV, BT, b, start, end, stride_btb, stride_btp, stride_kvp, kc.index(0), kp.index(0), rc, cc, cp, PAGE, WIDTH)
     fence_async_shared()  # the queries, stored by every thread, before any wgmma reads them
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, s_l))
@@ -103,8 +103,8 @@ def _mla_decode_split_kernel(
         slot = (t % 2).to(gl.int32)  # seq_lens may be int64: ring indices must be int32
         n0 = start + t * BLOCK_N
         # the next tile's copy into the other slot (its previous wgmmas completed last iteration)
-        _copy_tile(KV, BT, b, n0 + BLOCK_N, end, stride_btb, stride_kvp, kc.index(1 - slot), kp.index(1 - slot), rc,
-                   cc, cp, PAGE, WIDTH)
+        _copy_tile(KV, BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc.index(1 - slot),
+                   kp.index(1 - slot), rc, cc, cp, PAGE, WIDTH)
         async_copy.wait_group(1)
         cta_barrier()
         fence_async_shared()
@@ -131,7 +131,7 @@ def _mla_decode_split_kernel(
     ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_l))
     do = gl.arange(0, D_C, layout=gl.SliceLayout(1, s_l))
     gl.store(O + b * stride_ob + gl.expand_dims(ho * stride_oh, 0) + sp * stride_os + gl.expand_dims(do, 1), out,
-             mask=gl.expand_dims(ho < H, 0))
+             mask=gl.expand_dims(ho < gl.where(start < end, H, 0), 0))  # (an empty split: its -inf alone)
     gl.store(LSE + b * stride_lb + ho * stride_lh + sp, lse, mask=ho < H)
 
 
@@ -154,6 +154,6 @@ def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages
     _mla_decode_split_kernel[(B, triton.cdiv(H, BLOCK_H), partial.shape[2])](
         q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0),
-        block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+        block_table.stride(0), block_table.stride(1), partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
         lse.stride(1), scale, H, partial.shape[2], PAGE=page, BLOCK_H=BLOCK_H, num_warps=4,
         **(pdl.launch(partial.device) if PDL else {}))

@@ -38,8 +38,8 @@ def split_range(SL, b, sp, NUM_SPLITS, BLOCK_N: tl.constexpr):
 @triton.jit
 def _mla_decode_split_kernel(
     QC, QP, KV, BT, SL, O, LSE,
-    stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_kvt, stride_btb, stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh, scale, H, NUM_SPLITS, CTX_BUCKET,
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_kvt, stride_btb, stride_btp, stride_ob, stride_oh,
+    stride_os, stride_lb, stride_lh, scale, H, NUM_SPLITS, CTX_BUCKET,
     PAGE: tl.constexpr, D_C: tl.constexpr, D_PE: tl.constexpr,
     D_C_P: tl.constexpr, D_PE_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -68,11 +68,11 @@ def _mla_decode_split_kernel(
         offs = n0 + tl.arange(0, BLOCK_N)
         nmask = offs < end
         if PAGE % BLOCK_N == 0:  # the tile lies in one page: one table entry, 32-bit row offsets
-            page = tl.load(BT + b * stride_btb + n0 // PAGE).to(tl.int64)
+            page = tl.load(BT + b * stride_btb + (n0 // PAGE) * stride_btp).to(tl.int64)
             kv = KV + page * stride_kvp + (n0 % PAGE) * stride_kvt
             row = tl.arange(0, BLOCK_N) * stride_kvt
         else:
-            page = tl.load(BT + b * stride_btb + offs // PAGE, mask=nmask, other=0)
+            page = tl.load(BT + b * stride_btb + (offs // PAGE) * stride_btp, mask=nmask, other=0)
             kv = KV
             row = page.to(tl.int64) * stride_kvp + (offs % PAGE) * stride_kvt
         c = tl.load(kv + row[:, None] + dc[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
@@ -89,8 +89,10 @@ def _mla_decode_split_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    # (an empty split writes its -inf alone: the merge never reads its rows)
+    rows = heads < tl.where(start < end, H, 0)
     tl.store(O + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + dc[None, :], out,
-             mask=hmask[:, None] & cmask[None, :])
+             mask=rows[:, None] & cmask[None, :])
     tl.store(LSE + b * stride_lb + heads * stride_lh + sp, lse, mask=hmask)
 
 
@@ -143,7 +145,7 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
                q_pe: torch.Tensor | None = None, gluon: bool | None = None) -> torch.Tensor:
     """q_abs [B, H, rkv+dr], or [B, H, rkv] with ``q_pe`` [B, H, dr] apart (both may be strided
     views: the absorbed part straight from a batched GEMM, q_pe a slice of the projected queries);
-    latent_pages [num_pages, page, rkv+dr] (any page stride); block_table [B, max_pages]; seq_lens
+    latent_pages [num_pages, page, rkv+dr] (any page stride); block_table [B, max_pages] (any strides); seq_lens
     [B] (tokens to attend, >= 1). Returns the latent-space output [B, H, rkv] fp32 (unabsorb
     through W_UV afterwards). ``num_splits`` None: from the batch, the heads and the table's width
     (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps, num_stages) None: autotuned.
@@ -172,13 +174,14 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
         kernel[lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]), num_splits)](
             q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
             q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0),
-            latent_pages.stride(1), block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2),
+            latent_pages.stride(1), block_table.stride(0), block_table.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
             lse.stride(0), lse.stride(1), scale, H, num_splits,
             triton.next_power_of_2(block_table.shape[1] * latent_pages.shape[1]), PAGE=latent_pages.shape[1],
             D_C=kv_lora_rank, D_PE=d_pe, D_C_P=max(16, triton.next_power_of_2(kv_lora_rank)),
             D_PE_P=max(16, triton.next_power_of_2(d_pe)), **tiles, **pdl.launch(partial.device),
         )
-    if not MERGE_KERNEL:
+    if not MERGE_KERNEL:  # (an empty split's rows are never written)
+        partial = torch.where(torch.isfinite(lse)[..., None], partial, 0.0)
         return torch.matmul(torch.softmax(lse, dim=-1).unsqueeze(2), partial).squeeze(2)
     return merge_splits(partial, lse)
 
@@ -190,7 +193,9 @@ MERGE_KERNEL = True
 @triton.jit
 def _merge_splits_kernel(PARTIAL, LSE, OUT, S, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
                          stride_oh, C, S_P: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Program (sequence, head, column block): sum_s softmax(lse)_s * partial_s over the splits."""
+    """Program (sequence, head, column block): sum_s softmax(lse)_s * partial_s over the splits; an
+    empty split's (lse -inf) rows are not read: a static step splits the table's full width, so at
+    a 1M-token max_model_len a short sequence leaves most of its 64 splits empty."""
     pdl_start(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -200,7 +205,7 @@ def _merge_splits_kernel(PARTIAL, LSE, OUT, S, stride_pb, stride_ph, stride_ps, 
     w = w / tl.sum(w, 0)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     part = tl.load(PARTIAL + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + cols[None, :],
-                   mask=(s < S)[:, None] & (cols < C)[None, :], other=0.0)
+                   mask=(lse > float("-inf"))[:, None] & (cols < C)[None, :], other=0.0)
     tl.store(OUT + b * stride_ob + h * stride_oh + cols, tl.sum(part * w[:, None], 0), mask=cols < C)
 
 
