@@ -164,9 +164,11 @@ def engine_48b(max_seqs: int, max_model_len: int, prefill_graphs: str, **config)
                                          prefill_graphs=prefill_graphs) | config)))
 
 
-def greedy_requests(eng: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> list[tuple]:
-    """``batch`` (random prompt of ``prompt_len`` tokens, ``new_tokens`` greedy tokens) requests."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def greedy_requests(eng: LLMEngine, batch: int, prompt_len: int, new_tokens: int, sampling: dict | None = None
+                    ) -> list[tuple]:
+    """``batch`` (random prompt of ``prompt_len`` tokens, ``new_tokens`` tokens) requests: greedy,
+    or sampled with ``sampling`` (SamplingParams fields, e.g. temperature and top_p)."""
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **(sampling or {"temperature": 0.0}))
     return [(p, params) for p in torch.randint(0, eng.model.config.vocab_size - 300, (batch, prompt_len)).tolist()]
 
 
@@ -177,16 +179,16 @@ def _tally(counts: dict, key: str, us: float) -> None:
 
 
 def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto",
-                    max_model_len: int = 0, max_num_seqs: int = 0) -> list[dict]:
+                    max_model_len: int = 0, max_num_seqs: int = 0, sampling: dict | None = None) -> list[dict]:
     """kimi-linear-48b through LLMEngine: TTFT (all B first tokens) and decode tok/s after it.
     ``max_model_len`` 0: just what the requests need; a server's default is the model's context
     length (1M tokens), which sizes the static steps' block tables; ``max_num_seqs`` 0: the largest
-    batch (a server's default: 256)."""
+    batch (a server's default: 256); ``sampling``: SamplingParams fields (None: greedy)."""
     eng = engine_48b(max_num_seqs or max(batches), max_model_len or prompt_len + new_tokens + 64, prefill_graphs)
     rows = []
     for B in batches:
         for attempt in ("warm-up", "timed"):
-            requests = greedy_requests(eng, B, prompt_len, new_tokens)
+            requests = greedy_requests(eng, B, prompt_len, new_tokens, sampling)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for prompt, params in requests:
@@ -201,7 +203,8 @@ def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto
             t_end = time.perf_counter()
         dec = (t_end - t_first) / (new_tokens - 1)
         rows.append({"batch": B, "prompt": prompt_len, "new": new_tokens, "max_model_len": eng.max_model_len,
-                     "max_num_seqs": eng.config.max_num_seqs,
+                     "max_num_seqs": eng.config.max_num_seqs, "sampling": ",".join(f"{k}={v}" for k, v in
+                                                                                  (sampling or {}).items()) or "greedy",
                      "ttft_s": round(t_first - t0, 3),
                      "decode_ms_per_step": round(dec * 1e3, 2), "decode_tok_s": round(B / dec, 1),
                      "graph_steps": eng.runner.graph_steps, "prefill_graph_steps": eng.runner.prefill_graph_steps,
@@ -437,6 +440,8 @@ def main() -> None:
     ap.add_argument("--prefill-graphs", default="auto", help="the engine's prefill_graphs mode (auto, on, off)")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the engine part's max_model_len (0: what its requests need; 1048576: a server's default)")
+    ap.add_argument("--sampling", default="", help="the engine part's sampling, SamplingParams fields "
+                    "'temperature=0.7,top_p=0.95' (empty: greedy)")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="the engine part's max_num_seqs (0: its largest batch)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
@@ -461,7 +466,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "engine" in parts:
         res["engine_48b"] = engine_generate(ints(args.engine_batches), 512, 32, args.prefill_graphs,
-                                             args.max_model_len, args.max_num_seqs)
+                                             args.max_model_len, args.max_num_seqs,
+                                             {k: float(v) if "." in v else int(v) for k, v in
+                                              (kv.split("=") for kv in args.sampling.split(",") if kv)} or None)
     if "engine_profile" in parts:  # (at the engine batches; not in the default parts)
         res["engine_profile"] = [engine_profile(b) for b in ints(args.engine_batches)]
         for r in res["engine_profile"]:
