@@ -168,6 +168,57 @@ def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluo
            float(not torch.equal(pool, before)), 0.0)
 
 
+def _kept_float64(x: torch.Tensor, tk: torch.Tensor, tp: torch.Tensor, mp: torch.Tensor, band: float = 1e-4):
+    """What top-k, top-p (on the top-k's renormalised mass) and min-p keep of x [S, V], from a sort
+    in float64, and the tokens at a boundary: a prefix mass within ``band`` of top_p, or a
+    probability ratio to the top within ``band`` relative of min_p (where fp32 sums may decide
+    either way)."""
+    V = x.shape[1]
+    xs, order = x.double().sort(-1, descending=True)
+    xs = xs.masked_fill(torch.arange(V, device=x.device) >= torch.where(tk > 0, tk, V)[:, None], float("-inf"))
+    probs = xs.softmax(-1)
+    before = probs.cumsum(-1) - probs
+    ratio = (xs - xs[:, :1]).exp()
+    keep = (xs > float("-inf")) & ~((before >= tp[:, None]) & (tp < 1)[:, None]) & (ratio >= mp[:, None])
+    edge = (((before - tp[:, None]).abs() < band) & (tp < 1)[:, None]) | ((ratio - mp[:, None]).abs() < band * mp[:, None])
+    back = lambda t: torch.empty_like(t).scatter_(1, order, t)  # noqa: E731
+    return back(keep), back(edge)
+
+
+def check_sampling(S: int, V: int, gen: torch.Generator) -> None:
+    """The sort-free sampling kernel (one launch, rows split between programs at grid barriers):
+    its kept sets against a float64 sort (rows differing at a token off the fp32 boundary band: 0),
+    and its tokens against the sorting fp32 path's on the same noise wherever their kept sets agree."""
+    from k3serve.engine.sampler import filter_logits
+    from k3serve.ops.sampling_triton import keys, sample_filtered
+
+    logits = torch.randn(S, V, generator=gen, device=DEV) * (torch.rand(S, 1, generator=gen, device=DEV) * 6 + 0.5)
+    logits[0, V // 3:] = float("-inf")
+    rows = torch.randperm(S, generator=gen, device=DEV)
+    temp = torch.rand(S, generator=gen, device=DEV) + 0.5
+    x = logits[rows] / temp[:, None]
+    q = torch.empty(S, V, device=DEV).exponential_(generator=gen)
+    for top_k, top_p, min_p in [((0,), (0.95,), (0.0,)), ((0, 50, 7), (0.9, 1.0, 0.5), (0.0, 0.0, 0.1)),
+                                ((40,), (1.0,), (0.0,)), ((0,), (1.0,), (0.05,))]:
+        tk = torch.tensor([top_k[i % len(top_k)] for i in range(S)], device=DEV)
+        tp = torch.tensor([top_p[i % len(top_p)] for i in range(S)], dtype=torch.float32, device=DEV)
+        mp = torch.tensor([min_p[i % len(min_p)] for i in range(S)], dtype=torch.float32, device=DEV)
+        tau = torch.empty(S, dtype=torch.int64, device=DEV)
+        tok = sample_filtered(logits, rows, q, torch.stack([temp, tk.float(), tp, mp]), max(top_k) > 0,
+                              min(top_p) < 1, max(min_p) > 0, tau=tau)
+        kept = (keys(x) >= tau[:, None]) & (x > float("-inf"))
+        kept &= torch.exp(x - x.max(1, keepdim=True).values) >= mp[:, None]
+        exact, edge = _kept_float64(x, tk, tp.double(), mp.double())
+        ref = filter_logits(x, tk, tp, mp)
+        shape = f"S={S} V={V} top_k={top_k} top_p={top_p} min_p={min_p}"
+        record("sampling: rows keeping a token off the float64 sort's boundary", shape,
+               float(((kept != exact) & ~edge).any(1).float().mean()), 0.0)
+        same = (kept == (ref > float("-inf"))).all(1)
+        print(f"|   (rows whose kept set equals the fp32 sort's) | {shape} | {same.float().mean().item():.3f} | | |")
+        record("sampling: token differing from the fp32 sort's where the kept sets agree", shape,
+               float((tok != (ref.softmax(-1) / q).argmax(-1))[same].float().mean().nan_to_num(0.0)), 0.0)
+
+
 def check_attn_res_partial(M: int, T: int, D: int, gen: torch.Generator) -> None:
     """The AttnRes mixer doing the partial's pending update in its pass (``attn_res.FUSE_PARTIAL``):
     the buffer and the output bit for bit those of torch's add (or copy) first, then the mix."""
@@ -457,6 +508,10 @@ def main() -> int:
     args = sys.argv[1:]
     if "--gluon" in args:
         gluon_checks(args[args.index("--gluon") + 1], gen)
+        return report()
+    if "--sampling" in args:
+        for S in (1, 3, 16, 64, 256):
+            check_sampling(S, 163840, gen)
         return report()
     if "--mla-decode" in args:
         check_mla_decode(1, 32, [4096], gen)

@@ -605,3 +605,20 @@ def test_combine_normalised_in_column_blocks_compiles_for_sm90():
     ptx = kernel.asm["ptx"]
     assert "ld.global.cg" in ptx and "atom.global.gpu.acq_rel.add" in ptx
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
+
+
+def test_sort_free_sampling_compiles_in_one_launch_for_sm90():
+    """ops/sampling_triton.py's GPU form: every phase in one launch, the row's programs meeting at
+    grid barriers (acquire spins on the int64 counts); no spills."""
+    from bench.sass_mix import registers, sass_text
+    from k3serve.ops import sampling_triton
+
+    ptrs = {"X": "*fp32", "ROWS": "*i64", "Q": "*fp32", "PARAMS": "*fp32", "PART": "*fp32", "COUNTS": "*i64",
+            "OUT": "*i64", "TAU": "*i64"}
+    scalars = {n: "i32" for n in ("V", "S", "stride_x", "stride_q", "P")}
+    consts = dict(NB_P=64, HAS_K=True, HAS_P=True, HAS_MIN=True, PHASE=0, BLOCK=sampling_triton.BLOCK,
+                  GROUP=sampling_triton.GROUP)
+    compiled = _compile(sampling_triton._sample_kernel, ptrs, scalars, consts, num_warps=sampling_triton.WARPS)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("atom.global.gpu.release.add") == 1 + 8 + 8 + 1  # a barrier a phase
+    assert "STL" not in sass_text(compiled) and registers(compiled) <= 255

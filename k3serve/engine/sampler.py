@@ -13,7 +13,9 @@ Pipeline (the order matters and matches vLLM):
 5. other rows: temperature, top-k, top-p, min-p, then an exponential race
    ``argmax(probs / q)``, ``q ~ Exp(1)``. That is an exact draw from ``probs``, and it lets a
    seeded request draw its noise row (shape [V]) from its own generator, so its tokens do
-   not depend on what else is in the batch.
+   not depend on what else is in the batch. On CUDA the filters and the race run in one Triton
+   launch that finds what the filters keep as a threshold by radix selection instead of sorting
+   the vocabulary (ops/sampling_triton.py; ``KERNEL``); ``filter_logits`` is its reference.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ import torch
 
 from k3serve.engine.sampling_params import SamplingParams
 from k3serve.engine.transfer import to_device
+from k3serve.ops.backend import triton_enabled
+
+# The sampled rows' filters and draw in one Triton launch (ops/sampling_triton.py: no sort of the
+# vocabulary) where the SAMPLE backend is Triton (CUDA by default); None: that choice, True / False:
+# forced (tests under Triton's interpreter, A/B timing).
+KERNEL: bool | None = None
+# ... except for top-k past this many sampled rows, where its 8 count passes over every row made it
+# no faster than the sort on the H200 (64 / 256 rows of 163,840 logits: 1.74 / 7.35 ms against 1.85 /
+# 5.87; top-p alone 1.07 / 4.18 against 1.83 / 5.86, bench/kernels_sampling.py, RESULTS.md
+# thirty-second session).
+KERNEL_TOP_K_MAX_ROWS = 32
 
 
 @dataclass
@@ -170,25 +183,32 @@ class Sampler:
         if sampled:
             ps = [rows[i].params for i in sampled]
             s_idx = to_device(sampled, dev)
-            temp = to_device([p.temperature for p in ps], dev, torch.float32).unsqueeze(1)
-            top_k = to_device([p.top_k for p in ps], dev)
-            top_p = to_device([p.top_p for p in ps], dev, torch.float32)
-            min_p = to_device([p.min_p for p in ps], dev, torch.float32)
-            probs = filter_logits(processed[s_idx] / temp, top_k, top_p, min_p,
-                                  sort_needed=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
-                                  min_p_needed=any(p.min_p > 0 for p in ps)).softmax(dim=-1)
+            # (one upload: temperature, top-k, top-p, min-p a row; top-k exact in fp32 below 2^24)
+            params = to_device([[p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                                [p.min_p for p in ps]], dev, torch.float32)
+            has_k, has_p = any(p.top_k > 0 for p in ps), any(p.top_p < 1.0 for p in ps)
+            has_min = any(p.min_p > 0 for p in ps)
 
             # Exponential race. Seeded rows overwrite their noise row from their own generator,
             # a fixed-size [V] draw, so it depends only on that request's generator state.
-            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            q = torch.empty(len(ps), processed.shape[1], device=dev).exponential_(generator=self.generator)
             for j, i in enumerate(sampled):
                 if rows[i].params.seed is not None:
                     gen = rows[i].generator
                     if gen is None:
                         raise ValueError(f"row {i} has seed={rows[i].params.seed} but no generator")
                     q[j].exponential_(generator=gen)
-            q.clamp_(min=torch.finfo(q.dtype).tiny)  # exponential_ may return exactly 0
-            token_ids[s_idx] = (probs / q).argmax(dim=-1)
+            if KERNEL if KERNEL is not None else (triton_enabled("SAMPLE", dev)
+                                                  and not (has_k and len(ps) > KERNEL_TOP_K_MAX_ROWS)):
+                from k3serve.ops.sampling_triton import sample_filtered
+
+                token_ids[s_idx] = sample_filtered(processed, s_idx, q, params, has_k, has_p, has_min)
+            else:
+                scaled = processed[s_idx] / params[0].unsqueeze(1)
+                probs = filter_logits(scaled, params[1].long(), params[2], params[3], sort_needed=has_k or has_p,
+                                      min_p_needed=has_min).softmax(dim=-1)
+                q.clamp_(min=torch.finfo(q.dtype).tiny)  # exponential_ may return exactly 0
+                token_ids[s_idx] = (probs / q).argmax(dim=-1)
 
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:

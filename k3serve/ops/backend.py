@@ -1,7 +1,7 @@
 """Which implementation an op runs on a tensor's device: the plain-torch reference or Triton.
 
 ``K3SERVE_<OP>_BACKEND`` picks per op (OP: MOE, MLA, KDA, NORM, ATTNRES, GLU, GEMV: dense linears
-of a few tokens): ``triton`` or
+of a few tokens, SAMPLE: the sampler's top-k / top-p / min-p draw): ``triton`` or
 ``torch`` (KDA also ``fla``: fla-core's kernels without our fused decode), ``auto`` or unset for
 the default, which ``K3SERVE_BACKEND=triton|torch`` sets for every op at once. CPU tensors always
 take the reference, the path CI tests. On CUDA the default is otherwise ``TRITON_BY_DEFAULT``: on
@@ -21,7 +21,7 @@ import torch
 TRITON_BY_DEFAULT = True
 _CHOICES = {"MOE": ("triton", "torch"), "MLA": ("triton", "torch"), "NORM": ("triton", "torch"),
             "ATTNRES": ("triton", "torch"), "GLU": ("triton", "torch"), "KDA": ("triton", "torch", "fla"),
-            "GEMV": ("triton", "torch")}
+            "GEMV": ("triton", "torch"), "SAMPLE": ("triton", "torch")}
 
 OPS = tuple(_CHOICES)
 _resolved: dict[str, str] | None = None  # op -> auto | triton | torch | fla, read by reload()
