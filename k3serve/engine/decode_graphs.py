@@ -139,12 +139,12 @@ def write_pages(pool: UnifiedPool, table: np.ndarray, row0: int, chunks: list[Se
 
 
 def fill_decode_rows(pool: UnifiedPool, chunks: list[SeqChunk], b: int, ids, ctx, seq, slots, mapping,
-                     table) -> list[int]:
+                     table) -> tuple[list[int], int]:
     """Rows 0..b of a static step's host arrays (numpy) for decode ``chunks`` (one token each) and
     padding rows after them: no context, the scratch slot and page (nothing live is touched).
     Only the pages a row owns are written: past them its table row keeps older page ids (or -1),
     which no kernel reads (each stops at its sequence's length). Returns the context lengths
-    (the padding's 0)."""
+    (the padding's 0) and the widest row's pages (what of the table the step uses)."""
     n, ps = len(chunks), pool.layout.page_size
     ctx_list = [c.context_len for c in chunks]
     npages = np.fromiter((len(c.pages) for c in chunks), np.int64, n)
@@ -161,7 +161,7 @@ def fill_decode_rows(pool: UnifiedPool, chunks: list[SeqChunk], b: int, ids, ctx
     ids[n:b], ctx[n:b], seq[n:b], slots[n:b] = 0, 0, 1, pool.scratch_slot
     mapping[n:b] = pool.scratch_page * ps
     table[n:b, 0] = pool.scratch_page
-    return ctx_list + [0] * (b - n)
+    return ctx_list + [0] * (b - n), int(npages.max(initial=1))
 
 
 class DecodeGraphs:
@@ -199,10 +199,10 @@ class DecodeGraphs:
         return (self.bucket_for(len(chunks)) is not None and all(len(c.token_ids) == 1 for c in chunks)
                 and max(len(c.pages) for c in chunks) <= self.max_pages)
 
-    def _fill_host(self, chunks: list[SeqChunk], b: int) -> list[int]:
+    def _fill_host(self, chunks: list[SeqChunk], b: int) -> tuple[list[int], int]:
         """Write a decode step's inputs (padded to bucket b) into the host buffer with numpy: one
         token per sequence, so no ForwardBatch is built (its ~20 small torch ops cost ~0.2 ms at
-        batch 1 and ~1 ms at 256 on the host). Returns the context lengths."""
+        batch 1 and ~1 ms at 256 on the host). Returns the context lengths and the table's used width."""
         host = self.inputs.host()
         return fill_decode_rows(self.pool, chunks, b, *(host[f] for f in self._fields),
                                 page_major(host["block_table"], b, self.max_pages))
@@ -212,9 +212,8 @@ class DecodeGraphs:
         (rows, source rows, tokens on the device): input ids still on the device (overlap)."""
         n = len(chunks)
         b = self.bucket_for(n)
-        context_lens = self._fill_host(chunks, b)
-        # rows past b are stale and never read by bucket b; pages past the step's widest row neither
-        self.inputs.upload(b * max(len(c.pages) for c in chunks))
+        context_lens, width = self._fill_host(chunks, b)
+        self.inputs.upload(b * width)  # rows past b, pages past the widest row: never read by this step
         fill_pending_tokens(self.input_ids, fixup)
         if b in self.graphs:
             self.graphs[b].replay()

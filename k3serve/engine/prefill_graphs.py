@@ -183,7 +183,7 @@ class PrefillGraphs:
         ps, pool, h = self.page_size, self.pool, self.inputs.host()
         table = page_major(h["block_table"], d + len(chunks) - nd + 1, self.max_pages)
         ids, ctx, seq, slots, mapping = (h[f] for f in self._fields)
-        ctx_list = fill_decode_rows(pool, chunks[:nd], d, ids, ctx, seq, slots, mapping, table)
+        ctx_list, decode_width = fill_decode_rows(pool, chunks[:nd], d, ids, ctx, seq, slots, mapping, table)
         prompts = chunks[nd:]
         n, lens, pctx = len(prompts), [len(c.token_ids) for c in prompts], [c.context_len for c in prompts]
         L = sum(lens)
@@ -209,7 +209,7 @@ class PrefillGraphs:
         pos = np.arange(L) - np.repeat(qs[d:d + n] - d, lens) + np.repeat(pctx, lens)
         mapping[d:d + L] = table[seq_of, pos // ps] * ps + pos % ps
         mapping[d + L:d + b] = pool.scratch_page * ps + np.arange(b - L) % ps
-        width = max(pad_pages, int(npages.max()), max((len(c.pages) for c in chunks[:nd]), default=0))
+        width = max(pad_pages, int(npages.max()), decode_width)
         return [1] * d + lens + [b - L], ctx_list + pctx + [0], width
 
     def run(self, chunks: list[SeqChunk], fixup: tuple | None = None) -> torch.Tensor:

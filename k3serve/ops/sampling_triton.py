@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .autotune import interpreted
+from .autotune import interpreted, sm_count
 from .tickets import barrier
 
 BLOCK = 1024  # elements a program handles at once: 4 a thread of 8 warps
@@ -106,6 +106,27 @@ def _select(PART, NB, NB_P: tl.constexpr, prefix, above, target, SHIFT: tl.const
 
 
 @triton.jit
+def _radix_select(X, PART, COUNTS, r, P, lo, hi, temp, M, tau_k, target, NB, NB_P: tl.constexpr, PH0: tl.constexpr,
+                  PHASE: tl.constexpr, MASS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """The largest key t whose candidates (keys >= tau_k) at or above it reach ``target``: their
+    count, or with MASS their mass, ``target`` then a share of the candidates' total. PASSES phases
+    from PH0, each a histogram (this launch's, where PHASE says so), a barrier (PHASE 0), a digit."""
+    prefix = tl.full((), 0, tl.uint32)
+    above = 0.0
+    for j in tl.static_range(PASSES):
+        ph = PH0 + j
+        SHIFT = 28 - 4 * j
+        if PHASE == 0 or PHASE == ph + 1:
+            _histogram(X, PART + ph * NB_P * 16, lo, hi, temp, M, tau_k, prefix, SHIFT, MASS, BLOCK, GROUP)
+        if PHASE == 0:
+            barrier(COUNTS, r, P)
+        if MASS and j == 0:  # the candidates' mass: every one of them is in the first pass
+            target = target * tl.sum(_bins(PART + ph * NB_P * 16, NB, NB_P), 0)
+        prefix, above = _select(PART + ph * NB_P * 16, NB, NB_P, prefix, above, target, SHIFT)
+    return prefix
+
+
+@triton.jit
 def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, V, S, stride_x, stride_q, P,
                    NB_P: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN: tl.constexpr,
                    PHASE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
@@ -138,33 +159,14 @@ def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, V, S, stride_x, s
     tau_k = tl.full((), 0, tl.uint32)
     if HAS_K:
         k = tl.load(PARAMS + S + r)
-        target = tl.where(k > 0, k, V + 1.0)
-        above = 0.0
-        for j in tl.static_range(PASSES):
-            ph = 1 + j
-            SHIFT = 28 - 4 * j
-            if PHASE == 0 or PHASE == ph + 1:
-                _histogram(X, PART + ph * NB_P * 16, lo, hi, temp, M, 0, tau_k, SHIFT, False, BLOCK, GROUP)
-            if PHASE == 0:
-                barrier(COUNTS, r, P)
-            tau_k, above = _select(PART + ph * NB_P * 16, NB, NB_P, tau_k, above, target, SHIFT)
+        tau_k = _radix_select(X, PART, COUNTS, r, P, lo, hi, temp, M, tau_k, tl.where(k > 0, k, V + 1.0), NB, NB_P,
+                              1, PHASE, False, BLOCK, GROUP)
     # -- top-p over the top-k: the shortest prefix whose mass reaches top_p of theirs (mass passes)
     tau = tau_k
     if HAS_P:
         top_p = tl.load(PARAMS + 2 * S + r)
-        tau_p = tl.full((), 0, tl.uint32)
-        above = 0.0
-        target = 0.0
-        for j in tl.static_range(PASSES):
-            ph = 1 + PASSES * HAS_K + j
-            SHIFT = 28 - 4 * j
-            if PHASE == 0 or PHASE == ph + 1:
-                _histogram(X, PART + ph * NB_P * 16, lo, hi, temp, M, tau_k, tau_p, SHIFT, True, BLOCK, GROUP)
-            if PHASE == 0:
-                barrier(COUNTS, r, P)
-            if j == 0:  # the top-k's mass: every candidate of the first pass
-                target = top_p * tl.sum(_bins(PART + ph * NB_P * 16, NB, NB_P), 0)
-            tau_p, above = _select(PART + ph * NB_P * 16, NB, NB_P, tau_p, above, target, SHIFT)
+        tau_p = _radix_select(X, PART, COUNTS, r, P, lo, hi, temp, M, tau_k, top_p, NB, NB_P,
+                              1 + PASSES * HAS_K, PHASE, True, BLOCK, GROUP)
         tau = tl.where((top_p < 1.0) & (tau_p > tau), tau_p, tau)
     # -- the draw: argmax over kept tokens of (x - M) - log q, the first index on ties
     LAST: tl.constexpr = N_PH - 1
@@ -233,7 +235,7 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
     if S == 0:
         return out
     split = interpreted()
-    sms = 2 * S if split else torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = 2 * S if split else sm_count(q.device)
     per = triton.cdiv(triton.cdiv(V, programs or programs_per_row(S, V, sms)), BLOCK * GROUP) * BLOCK * GROUP
     P = triton.cdiv(V, per)  # (the kernel's split: no program without elements)
     NB_P = max(2, triton.next_power_of_2(triton.cdiv(V, BLOCK * GROUP)))
