@@ -2,7 +2,12 @@
 163,840): the sorting torch path against the sort-free kernel (ops/sampling_triton.py), each call
 eager as the engine makes it (host work included: CUDA events around back-to-back calls).
 
-    python -m bench.kernels_sampling [--batches 1,16,64,256]
+    python -m bench.kernels_sampling [--batches 1,16,64,256] [--bare 3:1024:8,3:1024:16]
+
+``--bare``: the kernel alone (ops/sampling_triton.sample_filtered, no host work: graph-replayed,
+bench/timing.gpu_ms) at each of these pipelining depths : blocks : warps (``STAGES``, ``BLOCK``, ``WARPS``),
+with the logits' bytes over every full pass it makes (the row
+maximum, 8 a filter, the draw's logits and noise) as a fraction of copy.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import torch
 
 from bench.ceilings import copy_tbs
+from bench.timing import gpu_ms
 from k3serve.engine import sampler as smp
 from k3serve.engine.sampling_params import SamplingParams
 
@@ -36,18 +42,49 @@ def call_ms(sampler, logits, rows, calls: int = 30) -> float:
     return start.elapsed_time(end) / calls
 
 
+def bare_table(batches: list[int], vocab: int, variants: list[tuple[int, int, int]], copy: float) -> list[dict]:
+    from k3serve.ops.sampling_triton import PASSES, sample_filtered
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cols = " | ".join(":".join(map(str, v)) + " us" for v in variants)
+    print(f"\n| rows | sampling | {cols} | best: full passes' bytes, % of copy |"
+          f"\n|---|---|{'---|' * len(variants)}---|")
+    out = []
+    for S in batches:
+        logits = torch.randn(S, vocab, generator=gen, device="cuda") * 3
+        q = torch.empty(S, vocab, device="cuda").exponential_(generator=gen)
+        rows = torch.arange(S, device="cuda")
+        for name, kw in SETTINGS.items():
+            if kw["temperature"] == 0.0:
+                continue
+            params = torch.tensor([[kw["temperature"]] * S, [kw.get("top_k", 0)] * S, [kw.get("top_p", 1.0)] * S,
+                                   [kw.get("min_p", 0.0)] * S], device="cuda")
+            has = (kw.get("top_k", 0) > 0, kw.get("top_p", 1.0) < 1.0, kw.get("min_p", 0.0) > 0)
+            us = [1e3 * gpu_ms(lambda: sample_filtered(logits, rows, q, params, *has, stages=st, block=b, warps=w))
+                  for st, b, w in variants]
+            passes = 1 + PASSES.value * (has[0] + has[1]) + 2  # (the draw reads logits and noise)
+            frac = S * vocab * 4 * passes / (min(us) * 1e-6) / (copy * 1e12)
+            out.append({"rows": S, "sampling": name, "us": {":".join(map(str, v)): u for v, u in zip(variants, us)}})
+            print(f"| {S} | {name} | {' | '.join(f'{u:.1f}' for u in us)} | {100 * frac:.1f} % |", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--bare", default="", help="stages:block:warps variants to time the kernel alone at "
+                    "(e.g. 3:1024:8,3:1024:16)")
+    ap.add_argument("--skip-sampler", action="store_true", help="only the --bare table")
     args = ap.parse_args()
     copy = copy_tbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, copy {copy:.2f} TB/s\n\n| rows | sampling | torch (sort) us | kernel us | "
           f"speedup | kernel: logits read once, % of copy |\n|---|---|---|---|---|---|")
     rows_out = []
-    for S in (int(b) for b in args.batches.split(",")):
+    batches = [int(b) for b in args.batches.split(",")]
+    for S in [] if args.skip_sampler else batches:
         logits = torch.randn(S, args.vocab, generator=gen, device="cuda") * 3
         for name, kw in SETTINGS.items():
             rows = [smp.SamplingRow(SamplingParams(**kw), [], [], [0]) for _ in range(S)]
@@ -61,8 +98,11 @@ def main() -> None:
                              "kernel_us": round(ms[True] * 1e3, 1)})
             print(f"| {S} | {name} | {ms[False] * 1e3:.1f} | {ms[True] * 1e3:.1f} | {ms[False] / ms[True]:.2f}x | "
                   f"{100 * frac:.1f} % |", flush=True)
+    variants = [tuple(int(n) for n in v.split(":")) for v in args.bare.split(",")] if args.bare else []
+    bare = bare_table(batches, args.vocab, variants, copy) if variants else []
     with open(os.path.join(args.out, "kernels_sampling.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_TBps": copy, "rows": rows_out}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "copy_TBps": copy, "rows": rows_out, "bare": bare}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":

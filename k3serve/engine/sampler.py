@@ -32,11 +32,6 @@ from k3serve.ops.backend import triton_enabled
 # vocabulary) where the SAMPLE backend is Triton (CUDA by default); None: that choice, True / False:
 # forced (tests under Triton's interpreter, A/B timing).
 KERNEL: bool | None = None
-# ... except for top-k past this many sampled rows, where its 8 count passes over every row made it
-# no faster than the sort on the H200 (64 / 256 rows of 163,840 logits: 1.74 / 7.35 ms against 1.85 /
-# 5.87; top-p alone 1.07 / 4.18 against 1.83 / 5.86, bench/kernels_sampling.py, RESULTS.md
-# thirty-second session).
-KERNEL_TOP_K_MAX_ROWS = 32
 
 
 @dataclass
@@ -198,8 +193,7 @@ class Sampler:
                     if gen is None:
                         raise ValueError(f"row {i} has seed={rows[i].params.seed} but no generator")
                     q[j].exponential_(generator=gen)
-            if KERNEL if KERNEL is not None else (triton_enabled("SAMPLE", dev)
-                                                  and not (has_k and len(ps) > KERNEL_TOP_K_MAX_ROWS)):
+            if KERNEL if KERNEL is not None else triton_enabled("SAMPLE", dev):
                 from k3serve.ops.sampling_triton import sample_filtered
 
                 token_ids[s_idx] = sample_filtered(processed, s_idx, q, params, has_k, has_p, has_min)

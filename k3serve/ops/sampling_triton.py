@@ -16,7 +16,7 @@ top-p < 1, the draw); the histograms are summed by fixed groups of logits, and e
 all of a phase's and takes the same digit, so a row's result does not depend on how many programs
 the batch leaves it. Under Triton's CPU interpreter (one program at a time, so no barrier can
 open) each phase is a launch of its own. With more rows than SMs a row is one program (its
-barriers wait for nothing). Slower than the sort for top-k past ~32 rows (engine/sampler.KERNEL_TOP_K_MAX_ROWS).
+barriers wait for nothing.
 
 Semantics against the sort (the reference: engine/sampler.filter_logits): top-k keeps
 the k largest and top-p the shortest prefix of the top-k's renormalised distribution whose mass
@@ -33,9 +33,16 @@ import triton.language as tl
 from .autotune import interpreted, sm_count
 from .tickets import barrier
 
-BLOCK = 1024  # elements a program handles at once: 4 a thread of 8 warps
+# Elements a program handles at once (2 a thread of 8 warps) and how many blocks its loads run ahead
+# (Triton's pipelining through shared memory). 512 keeps a program at 128 registers, two an SM: at
+# 256 rows (one program a row) 2.0 ms against 2.5 with 1,024 (one an SM, 187 registers; 16 warps at
+# 1,024 were no faster), 3-7 % slower at 16-64 rows (bench/kernels_sampling.py --bare, RESULTS.md
+# thirty-third session). One size for every batch: a row's sums, and so its token, do not change
+# with the batch.
+BLOCK = 512
+STAGES = 3  # (4 spilled with every filter on)
 WARPS = 8
-GROUP = 4  # blocks a histogram sum runs over in registers (a row's programs take whole groups)
+GROUP_SIZE = 4096  # logits a histogram sum runs over in registers (a row's programs take whole groups)
 PASSES = tl.constexpr(8)  # 4-bit digits of 32-bit keys
 
 
@@ -56,7 +63,7 @@ def _load(X, offs, hi, temp):
 
 @triton.jit
 def _histogram(X, OUT, lo, hi, temp, M, tau_k, prefix, SHIFT: tl.constexpr, MASS: tl.constexpr,
-               BLOCK: tl.constexpr, GROUP: tl.constexpr):
+               BLOCK: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr):
     """16 bins of each group of GROUP blocks of this program's (OUT + 16 x the group's index) of
     candidates (keys >= tau_k whose bits above SHIFT + 4 are prefix's) by their digit at SHIFT:
     counts, or masses exp(x - M). Each thread sums its elements' bins over the group, then one
@@ -64,17 +71,20 @@ def _histogram(X, OUT, lo, hi, temp, M, tau_k, prefix, SHIFT: tl.constexpr, MASS
     RESULTS.md thirty-second session); by group, not by program, so that a row's sums do not
     depend on how many programs share it (the batch's size), nor do its tokens."""
     digits = tl.arange(0, 16)
-    for g in range(lo, hi, BLOCK * GROUP):
-        acc = tl.zeros([16, BLOCK], tl.float32)
-        for s in range(g, tl.minimum(g + BLOCK * GROUP, hi), BLOCK):
-            acc += _digit_bins(X, s, hi, temp, M, tau_k, prefix, SHIFT, MASS, BLOCK)
-        tl.store(OUT + (g // (BLOCK * GROUP)) * 16 + digits, tl.sum(acc, 1))
+    acc = tl.zeros([16, BLOCK], tl.float32)
+    for s in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        acc += _digit_bins(X, s, hi, temp, M, tau_k, prefix, SHIFT, MASS, BLOCK)
+        if ((s // BLOCK) % GROUP == GROUP - 1) | (s + BLOCK >= hi):  # the group's last block
+            tl.store(OUT + (s // (BLOCK * GROUP)) * 16 + digits, tl.sum(acc, 1))
+            acc = tl.zeros([16, BLOCK], tl.float32)
 
 
 @triton.jit
 def _digit_bins(X, s, hi, temp, M, tau_k, prefix, SHIFT: tl.constexpr, MASS: tl.constexpr, BLOCK: tl.constexpr):
-    """[16, BLOCK]: the block at s's candidates' weights in their digit's row."""
-    offs = s + tl.arange(0, BLOCK)
+    """[16, BLOCK]: the block at s's candidates' weights in their digit's row. (Every tensor 2-D,
+    [1, BLOCK] broadcast against the digits: from 1-D ones Triton converted each block's layout
+    through shared memory, a barrier a block.)"""
+    offs = s + tl.arange(0, BLOCK)[None, :]
     x = _load(X, offs, hi, temp)
     key = _keys(x)
     cand = (offs < hi) & (key >= tau_k)
@@ -82,7 +92,7 @@ def _digit_bins(X, s, hi, temp, M, tau_k, prefix, SHIFT: tl.constexpr, MASS: tl.
         cand = cand & ((key >> (SHIFT + 4)) == (prefix >> (SHIFT + 4)))
     w = tl.where(cand, tl.exp(x - M) if MASS else 1.0, 0.0)
     d = ((key >> SHIFT) & 15).to(tl.int32)
-    return tl.where(d[None, :] == tl.arange(0, 16)[:, None], w[None, :], 0.0)
+    return tl.where(d == tl.arange(0, 16)[:, None], w, 0.0)
 
 
 @triton.jit
@@ -107,7 +117,8 @@ def _select(PART, NB, NB_P: tl.constexpr, prefix, above, target, SHIFT: tl.const
 
 @triton.jit
 def _radix_select(X, PART, COUNTS, r, P, lo, hi, temp, M, tau_k, target, NB, NB_P: tl.constexpr, PH0: tl.constexpr,
-                  PHASE: tl.constexpr, MASS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+                  PHASE: tl.constexpr, MASS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                  STAGES: tl.constexpr):
     """The largest key t whose candidates (keys >= tau_k) at or above it reach ``target``: their
     count, or with MASS their mass, ``target`` then a share of the candidates' total. PASSES phases
     from PH0, each a histogram (this launch's, where PHASE says so), a barrier (PHASE 0), a digit."""
@@ -117,7 +128,7 @@ def _radix_select(X, PART, COUNTS, r, P, lo, hi, temp, M, tau_k, target, NB, NB_
         ph = PH0 + j
         SHIFT = 28 - 4 * j
         if PHASE == 0 or PHASE == ph + 1:
-            _histogram(X, PART + ph * NB_P * 16, lo, hi, temp, M, tau_k, prefix, SHIFT, MASS, BLOCK, GROUP)
+            _histogram(X, PART + ph * NB_P * 16, lo, hi, temp, M, tau_k, prefix, SHIFT, MASS, BLOCK, GROUP, STAGES)
         if PHASE == 0:
             barrier(COUNTS, r, P)
         if MASS and j == 0:  # the candidates' mass: every one of them is in the first pass
@@ -129,7 +140,7 @@ def _radix_select(X, PART, COUNTS, r, P, lo, hi, temp, M, tau_k, target, NB, NB_
 @triton.jit
 def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, V, S, stride_x, stride_q, P,
                    NB_P: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN: tl.constexpr,
-                   PHASE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+                   PHASE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr):
     """Program (part of a row, row). PHASE 0: every phase, grid barriers between them; k > 0
     (interpreted): the state from the partials of phases before k - 1 (stored by earlier launches),
     then phase k - 1's own work (the last phase: the draw's reduction)."""
@@ -148,10 +159,10 @@ def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, V, S, stride_x, s
     progs = tl.arange(0, NB_P)
     # -- phase 0: the row maximum
     if PHASE == 0 or PHASE == 1:
-        m = tl.full((), float("-inf"), tl.float32)
-        for s in range(lo, hi, BLOCK):
-            m = tl.maximum(m, tl.max(_load(X, s + tl.arange(0, BLOCK), hi, temp), 0))
-        tl.store(mine, m)
+        m = tl.full([1, BLOCK], float("-inf"), tl.float32)  # (a lane's; reduced once, after the loop)
+        for s in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            m = tl.maximum(m, _load(X, s + tl.arange(0, BLOCK)[None, :], hi, temp))
+        tl.store(mine, tl.max(m))
     if PHASE == 0:
         barrier(COUNTS, r, P)
     M = tl.max(tl.load(PART + progs * 16, mask=progs < P, other=float("-inf")), 0)
@@ -160,35 +171,35 @@ def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, V, S, stride_x, s
     if HAS_K:
         k = tl.load(PARAMS + S + r)
         tau_k = _radix_select(X, PART, COUNTS, r, P, lo, hi, temp, M, tau_k, tl.where(k > 0, k, V + 1.0), NB, NB_P,
-                              1, PHASE, False, BLOCK, GROUP)
+                              1, PHASE, False, BLOCK, GROUP, STAGES)
     # -- top-p over the top-k: the shortest prefix whose mass reaches top_p of theirs (mass passes)
     tau = tau_k
     if HAS_P:
         top_p = tl.load(PARAMS + 2 * S + r)
         tau_p = _radix_select(X, PART, COUNTS, r, P, lo, hi, temp, M, tau_k, top_p, NB, NB_P,
-                              1 + PASSES * HAS_K, PHASE, True, BLOCK, GROUP)
+                              1 + PASSES * HAS_K, PHASE, True, BLOCK, GROUP, STAGES)
         tau = tl.where((top_p < 1.0) & (tau_p > tau), tau_p, tau)
     # -- the draw: argmax over kept tokens of (x - M) - log q, the first index on ties
     LAST: tl.constexpr = N_PH - 1
     if PHASE == 0 or PHASE == LAST + 1:
         min_p = tl.load(PARAMS + 3 * S + r) if HAS_MIN else 0.0
-        best = tl.full((), float("-inf"), tl.float32)
-        best_i = tl.full((), 0, tl.int32) + V
-        for s in range(lo, hi, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
+        best = tl.full([1, BLOCK], float("-inf"), tl.float32)  # a lane's best and its first index
+        best_i = tl.full([1, BLOCK], 0, tl.int32) + V
+        for s in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            offs = s + tl.arange(0, BLOCK)[None, :]
             x = _load(X, offs, hi, temp)
             keep = (offs < hi) & (_keys(x) >= tau)
             if HAS_MIN:
                 keep = keep & (tl.exp(x - M) >= min_p)
             q = tl.maximum(tl.load(Q + offs, mask=offs < hi, other=1.0), 1.1754943508222875e-38)
             score = tl.where(keep, (x - M) - tl.log(q), float("-inf"))
-            b = tl.max(score, 0)
-            i = tl.min(tl.where(score == b, offs, V), 0)
-            better = b > best
-            best_i = tl.where(better, i, best_i)
-            best = tl.where(better, b, best)
-        tl.store(mine + LAST * NB_P * 16, best)
-        tl.store(mine + LAST * NB_P * 16 + 1, best_i.to(tl.float32))  # (exact: V < 2^24)
+            better = score > best
+            best_i = tl.where(better, offs, best_i)
+            best = tl.where(better, score, best)
+        top_score = tl.max(best)
+        tl.store(mine + LAST * NB_P * 16, top_score)
+        first = tl.min(tl.where(best == top_score, best_i, V))
+        tl.store(mine + LAST * NB_P * 16 + 1, first.to(tl.float32))  # (exact: V < 2^24)
     if PHASE == 0:
         barrier(COUNTS, r, P)
     if (PHASE == 0 or PHASE == LAST + 2) and c == 0:
@@ -212,12 +223,13 @@ def keys(x: torch.Tensor) -> torch.Tensor:
 
 
 def programs_per_row(rows: int, vocab: int, sms: int) -> int:
-    return max(1, min(PROGRAMS, triton.cdiv(vocab, BLOCK * GROUP), sms // max(rows, 1)))
+    return max(1, min(PROGRAMS, triton.cdiv(vocab, GROUP_SIZE), sms // max(rows, 1)))
 
 
 def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, params: torch.Tensor,
                     has_k: bool, has_p: bool, has_min: bool, tau: torch.Tensor | None = None,
-                    programs: int | None = None) -> torch.Tensor:
+                    programs: int | None = None, stages: int | None = None, block: int | None = None,
+                    warps: int | None = None) -> torch.Tensor:
     """Token ids [S] drawn for rows ``rows`` [S] (int64) of fp32 logits [B, V]: each row over its
     temperature, then its top-k (0 off), top-p (1 off) and min-p (0 off), params [4, S] fp32 =
     (temperature, top-k, top-p, min-p); the token is the argmax over the kept tokens of
@@ -225,7 +237,8 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
     (host-known, so no pass runs for nothing). ``tau`` [S] int64, if given, receives each row's
     key threshold (``keys``): the kept tokens are those with keys >= it (and the min-p bound).
     ``programs``: a row's programs (None: as many as the batch leaves room for; the result does
-    not depend on it)."""
+    not depend on it). ``stages``, ``block``, ``warps``: ``STAGES``, ``BLOCK``,
+    ``WARPS`` (None) or others (A/B timing)."""
     S, V = q.shape
     if (logits.dtype != torch.float32 or logits.shape[1] != V or logits.stride(1) != 1 or q.stride(1) != 1
             or params.shape != (4, S) or not params.is_contiguous() or params.dtype != torch.float32):
@@ -236,14 +249,16 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
         return out
     split = interpreted()
     sms = 2 * S if split else sm_count(q.device)
-    per = triton.cdiv(triton.cdiv(V, programs or programs_per_row(S, V, sms)), BLOCK * GROUP) * BLOCK * GROUP
+    per = triton.cdiv(triton.cdiv(V, programs or programs_per_row(S, V, sms)), GROUP_SIZE) * GROUP_SIZE
     P = triton.cdiv(V, per)  # (the kernel's split: no program without elements)
-    NB_P = max(2, triton.next_power_of_2(triton.cdiv(V, BLOCK * GROUP)))
+    NB_P = max(2, triton.next_power_of_2(triton.cdiv(V, GROUP_SIZE)))
     phases = 2 + PASSES.value * (int(has_k) + int(has_p))
     part = torch.empty(S, phases, NB_P, 16, dtype=torch.float32, device=q.device)
     counts = torch.zeros(S, dtype=torch.int64, device=q.device)
     args = (logits, rows, q, params, part, counts, out, tau, V, S, logits.stride(0), q.stride(0), P)
-    consts = dict(NB_P=NB_P, HAS_K=has_k, HAS_P=has_p, HAS_MIN=has_min, BLOCK=BLOCK, GROUP=GROUP, num_warps=WARPS)
+    consts = dict(NB_P=NB_P, HAS_K=has_k, HAS_P=has_p, HAS_MIN=has_min, BLOCK=block or BLOCK,
+                  GROUP=GROUP_SIZE // (block or BLOCK), STAGES=stages or STAGES,
+                  num_warps=warps or WARPS)
     for phase in range(1, phases + 2) if split else (0,):
         _sample_kernel[(P, S)](*args, PHASE=phase, **consts)
     return out
