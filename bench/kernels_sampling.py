@@ -2,12 +2,13 @@
 163,840): the sorting torch path against the sort-free kernel (ops/sampling_triton.py), each call
 eager as the engine makes it (host work included: CUDA events around back-to-back calls).
 
-    python -m bench.kernels_sampling [--batches 1,16,64,256] [--bare 3:1024:8,3:1024:16]
+    python -m bench.kernels_sampling [--batches 1,16,64,256] [--bare 3:512:8,3:512:8:1]
 
 ``--bare``: the kernel alone (ops/sampling_triton.sample_filtered, no host work: graph-replayed,
-bench/timing.gpu_ms) at each of these pipelining depths : blocks : warps (``STAGES``, ``BLOCK``, ``WARPS``),
-with the logits' bytes over every full pass it makes (the row
-maximum, 8 a filter, the draw's logits and noise) as a fraction of copy.
+bench/timing.gpu_ms) at each of these pipelining depths : blocks : warps (``STAGES``, ``BLOCK``,
+``WARPS``; a fourth field 1: with candidate lists, ``COMPACT``), with the logits' bytes over every
+full pass it makes (the row maximum, 8 a filter, the draw's logits and noise) as a fraction of
+copy. ``--peaked``: logits of a model's shape (a few tokens far above the rest) for both tables.
 """
 
 from __future__ import annotations
@@ -42,7 +43,17 @@ def call_ms(sampler, logits, rows, calls: int = 30) -> float:
     return start.elapsed_time(end) / calls
 
 
-def bare_table(batches: list[int], vocab: int, variants: list[tuple[int, int, int]], copy: float) -> list[dict]:
+def make_logits(S: int, vocab: int, gen: torch.Generator, peaked: bool) -> torch.Tensor:
+    """N(0, 3) logits, or ``peaked``: 20 tokens 15-20 above a bulk of scale 0.5 (a model's shape)."""
+    if not peaked:
+        return torch.randn(S, vocab, generator=gen, device="cuda") * 3
+    logits = torch.randn(S, vocab, generator=gen, device="cuda") * 0.5
+    return logits.scatter_(1, torch.randint(0, vocab, (S, 20), generator=gen, device="cuda"),
+                           15 + 5 * torch.rand(S, 20, generator=gen, device="cuda"))
+
+
+def bare_table(batches: list[int], vocab: int, variants: list[tuple[int, ...]], copy: float,
+               peaked: bool = False) -> list[dict]:
     from k3serve.ops.sampling_triton import PASSES, sample_filtered
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -51,7 +62,7 @@ def bare_table(batches: list[int], vocab: int, variants: list[tuple[int, int, in
           f"\n|---|---|{'---|' * len(variants)}---|")
     out = []
     for S in batches:
-        logits = torch.randn(S, vocab, generator=gen, device="cuda") * 3
+        logits = make_logits(S, vocab, gen, peaked)
         q = torch.empty(S, vocab, device="cuda").exponential_(generator=gen)
         rows = torch.arange(S, device="cuda")
         for name, kw in SETTINGS.items():
@@ -60,8 +71,9 @@ def bare_table(batches: list[int], vocab: int, variants: list[tuple[int, int, in
             params = torch.tensor([[kw["temperature"]] * S, [kw.get("top_k", 0)] * S, [kw.get("top_p", 1.0)] * S,
                                    [kw.get("min_p", 0.0)] * S], device="cuda")
             has = (kw.get("top_k", 0) > 0, kw.get("top_p", 1.0) < 1.0, kw.get("min_p", 0.0) > 0)
-            us = [1e3 * gpu_ms(lambda: sample_filtered(logits, rows, q, params, *has, stages=st, block=b, warps=w))
-                  for st, b, w in variants]
+            us = [1e3 * gpu_ms(lambda: sample_filtered(logits, rows, q, params, *has, stages=v[0], block=v[1],
+                                                       warps=v[2], compact=bool(v[3:] and v[3])))
+                  for v in variants]
             passes = 1 + PASSES.value * (has[0] + has[1]) + 2  # (the draw reads logits and noise)
             frac = S * vocab * 4 * passes / (min(us) * 1e-6) / (copy * 1e12)
             out.append({"rows": S, "sampling": name, "us": {":".join(map(str, v)): u for v, u in zip(variants, us)}})
@@ -75,8 +87,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--bare", default="", help="stages:block:warps variants to time the kernel alone at "
-                    "(e.g. 3:1024:8,3:1024:16)")
+                    "(e.g. 3:512:8,3:512:8:1)")
     ap.add_argument("--skip-sampler", action="store_true", help="only the --bare table")
+    ap.add_argument("--peaked", action="store_true", help="logits of a model's shape (make_logits)")
     args = ap.parse_args()
     copy = copy_tbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -85,7 +98,7 @@ def main() -> None:
     rows_out = []
     batches = [int(b) for b in args.batches.split(",")]
     for S in [] if args.skip_sampler else batches:
-        logits = torch.randn(S, args.vocab, generator=gen, device="cuda") * 3
+        logits = make_logits(S, args.vocab, gen, args.peaked)
         for name, kw in SETTINGS.items():
             rows = [smp.SamplingRow(SamplingParams(**kw), [], [], [0]) for _ in range(S)]
             ms = {}
@@ -99,7 +112,7 @@ def main() -> None:
             print(f"| {S} | {name} | {ms[False] * 1e3:.1f} | {ms[True] * 1e3:.1f} | {ms[False] / ms[True]:.2f}x | "
                   f"{100 * frac:.1f} % |", flush=True)
     variants = [tuple(int(n) for n in v.split(":")) for v in args.bare.split(",")] if args.bare else []
-    bare = bare_table(batches, args.vocab, variants, copy) if variants else []
+    bare = bare_table(batches, args.vocab, variants, copy, args.peaked) if variants else []
     with open(os.path.join(args.out, "kernels_sampling.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_TBps": copy, "rows": rows_out, "bare": bare}, f,
                   indent=1)

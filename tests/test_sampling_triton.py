@@ -51,6 +51,34 @@ SCRIPT = textwrap.dedent('''
                     assert torch.equal(again, tau)
             done += S
     assert done == (4 + 2 + 1) * 7
+
+    # Candidate lists (COMPACT): peaked rows (a few tokens far above a narrow bulk, as a model's
+    # logits) list every group at the 2nd pass; broad ones list some groups, or none.
+    from k3serve.ops.sampling_triton import BLOCK
+    S, V = 3, 9000
+    for peaked in (True, False):
+        logits = torch.randn(S, V, generator=gen) * (0.5 if peaked else 4.0)
+        if peaked:
+            logits.scatter_(1, torch.randint(0, V, (S, 20), generator=gen), 15 + 5 * torch.rand(S, 20, generator=gen))
+        rows, temp = torch.arange(S), torch.rand(S, generator=gen) * 0.5 + 0.5
+        x = logits / temp[:, None]
+        q = torch.empty(S, V).exponential_(generator=gen)
+        for top_k, top_p, min_p in [((0,), (0.9,), (0.0,)), ((10, 0, 5), (0.8, 0.95, 1.0), (0.0, 0.05, 0.0))]:
+            tk, tp, mp = (torch.tensor(v * S)[:S] for v in (top_k, top_p, min_p))
+            params = torch.stack([temp, tk.float(), tp.float(), mp.float()])
+            has = (bool((tk > 0).any()), bool((tp < 1).any()), bool((mp > 0).any()))
+            listed, tau = torch.empty(S, 3, dtype=torch.int32), torch.empty(S, dtype=torch.int64)
+            tok = sample_filtered(logits, rows, q, params, *has, tau=tau, compact=True, listed=listed)
+            ref = filter_logits(x, tk, tp.float(), mp.float())
+            kept = (keys(x) >= tau[:, None]) & (torch.exp(x - x.max(1, keepdim=True).values) >= mp[:, None])
+            assert torch.equal(kept, ref > float("-inf")), (peaked, top_k, top_p, listed)
+            assert torch.equal(tok, (ref.softmax(-1) / q).argmax(-1))
+            if peaked:
+                assert bool((listed <= BLOCK).all()), listed
+            for programs in (1, 2):
+                assert torch.equal(sample_filtered(logits, rows, q, params, *has, compact=True, programs=programs), tok)
+            done += 1
+    assert done == (4 + 2 + 1) * 7 + 4
     print(0.0)
 ''')
 
