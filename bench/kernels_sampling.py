@@ -2,13 +2,13 @@
 163,840): the sorting torch path against the sort-free kernel (ops/sampling_triton.py), each call
 eager as the engine makes it (host work included: CUDA events around back-to-back calls).
 
-    python -m bench.kernels_sampling [--batches 1,16,64,256] [--bare 3:512:8,3:512:8:1]
+    python -m bench.kernels_sampling [--batches 1,16,64,256] [--bare "default;compact=1;block=1024"]
 
 ``--bare``: the kernel alone (ops/sampling_triton.sample_filtered, no host work: graph-replayed,
-bench/timing.gpu_ms) at each of these pipelining depths : blocks : warps (``STAGES``, ``BLOCK``,
-``WARPS``; a fourth field 1: with candidate lists, ``COMPACT``), with the logits' bytes over every
-full pass it makes (the row maximum, 8 a filter, the draw's logits and noise) as a fraction of
-copy. ``--peaked``: logits of a model's shape (a few tokens far above the rest) for both tables.
+bench/timing.gpu_ms) under each variant (``;`` between them, each ``default`` or ``key=value``
+pairs of sample_filtered's keywords: stages, block, warps, compact, group_size), with the logits'
+bytes over every full pass it makes (the row maximum, 8 a filter, the draw's logits and noise) as a
+fraction of copy. ``--peaked``: logits of a model's shape (a few tokens far above the rest) for both tables.
 """
 
 from __future__ import annotations
@@ -52,12 +52,19 @@ def make_logits(S: int, vocab: int, gen: torch.Generator, peaked: bool) -> torch
                            15 + 5 * torch.rand(S, 20, generator=gen, device="cuda"))
 
 
-def bare_table(batches: list[int], vocab: int, variants: list[tuple[int, ...]], copy: float,
+def parse_variants(text: str) -> list[dict]:
+    """``default;compact=1;block=1024,stages=4`` -> [{}, {"compact": 1}, {"block": 1024, "stages": 4}]."""
+    return [dict((k, int(v)) for k, v in (kv.split("=") for kv in var.split(",") if kv != "default"))
+            for var in text.split(";")]
+
+
+def bare_table(batches: list[int], vocab: int, variants: list[dict], copy: float,
                peaked: bool = False) -> list[dict]:
     from k3serve.ops.sampling_triton import PASSES, sample_filtered
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    cols = " | ".join(":".join(map(str, v)) + " us" for v in variants)
+    names = [",".join(f"{k}={v}" for k, v in var.items()) or "default" for var in variants]
+    cols = " | ".join(f"{n} us" for n in names)
     print(f"\n| rows | sampling | {cols} | best: full passes' bytes, % of copy |"
           f"\n|---|---|{'---|' * len(variants)}---|")
     out = []
@@ -71,12 +78,10 @@ def bare_table(batches: list[int], vocab: int, variants: list[tuple[int, ...]], 
             params = torch.tensor([[kw["temperature"]] * S, [kw.get("top_k", 0)] * S, [kw.get("top_p", 1.0)] * S,
                                    [kw.get("min_p", 0.0)] * S], device="cuda")
             has = (kw.get("top_k", 0) > 0, kw.get("top_p", 1.0) < 1.0, kw.get("min_p", 0.0) > 0)
-            us = [1e3 * gpu_ms(lambda: sample_filtered(logits, rows, q, params, *has, stages=v[0], block=v[1],
-                                                       warps=v[2], compact=bool(v[3:] and v[3])))
-                  for v in variants]
+            us = [1e3 * gpu_ms(lambda: sample_filtered(logits, rows, q, params, *has, **var)) for var in variants]
             passes = 1 + PASSES.value * (has[0] + has[1]) + 2  # (the draw reads logits and noise)
             frac = S * vocab * 4 * passes / (min(us) * 1e-6) / (copy * 1e12)
-            out.append({"rows": S, "sampling": name, "us": {":".join(map(str, v)): u for v, u in zip(variants, us)}})
+            out.append({"rows": S, "sampling": name, "us": dict(zip(names, us))})
             print(f"| {S} | {name} | {' | '.join(f'{u:.1f}' for u in us)} | {100 * frac:.1f} % |", flush=True)
     return out
 
@@ -86,8 +91,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--bare", default="", help="stages:block:warps variants to time the kernel alone at "
-                    "(e.g. 3:512:8,3:512:8:1)")
+    ap.add_argument("--bare", default="", help="variants to time the kernel alone under (e.g. 'default;compact=1')")
     ap.add_argument("--skip-sampler", action="store_true", help="only the --bare table")
     ap.add_argument("--peaked", action="store_true", help="logits of a model's shape (make_logits)")
     args = ap.parse_args()
@@ -111,7 +115,7 @@ def main() -> None:
                              "kernel_us": round(ms[True] * 1e3, 1)})
             print(f"| {S} | {name} | {ms[False] * 1e3:.1f} | {ms[True] * 1e3:.1f} | {ms[False] / ms[True]:.2f}x | "
                   f"{100 * frac:.1f} % |", flush=True)
-    variants = [tuple(int(n) for n in v.split(":")) for v in args.bare.split(",")] if args.bare else []
+    variants = parse_variants(args.bare) if args.bare else []
     bare = bare_table(batches, args.vocab, variants, copy, args.peaked) if variants else []
     with open(os.path.join(args.out, "kernels_sampling.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_TBps": copy, "rows": rows_out, "bare": bare}, f,

@@ -77,6 +77,10 @@ SCRIPT = textwrap.dedent('''
                 assert bool((listed <= BLOCK).all()), listed
             for programs in (1, 2):
                 assert torch.equal(sample_filtered(logits, rows, q, params, *has, compact=True, programs=programs), tok)
+            # (groups of two blocks: other sums, the same kept sets here)
+            sample_filtered(logits, rows, q, params, *has, tau=tau, compact=True, group_size=2 * BLOCK)
+            kept = (keys(x) >= tau[:, None]) & (torch.exp(x - x.max(1, keepdim=True).values) >= mp[:, None])
+            assert torch.equal(kept, ref > float("-inf")), (peaked, top_k, top_p, "group_size")
             done += 1
     assert done == (4 + 2 + 1) * 7 + 4
     print(0.0)

@@ -275,14 +275,14 @@ def keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
 
 
-def programs_per_row(rows: int, vocab: int, sms: int) -> int:
-    return max(1, min(PROGRAMS, triton.cdiv(vocab, GROUP_SIZE), sms // max(rows, 1)))
+def programs_per_row(rows: int, vocab: int, sms: int, group_size: int = GROUP_SIZE) -> int:
+    return max(1, min(PROGRAMS, triton.cdiv(vocab, group_size), sms // max(rows, 1)))
 
 
 def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, params: torch.Tensor,
                     has_k: bool, has_p: bool, has_min: bool, tau: torch.Tensor | None = None,
                     programs: int | None = None, stages: int | None = None, block: int | None = None,
-                    warps: int | None = None, compact: bool | None = None,
+                    warps: int | None = None, compact: bool | None = None, group_size: int | None = None,
                     listed: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [S] drawn for rows ``rows`` [S] (int64) of fp32 logits [B, V]: each row over its
     temperature, then its top-k (0 off), top-p (1 off) and min-p (0 off), params [4, S] fp32 =
@@ -291,8 +291,9 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
     (host-known, so no pass runs for nothing). ``tau`` [S] int64, if given, receives each row's
     key threshold (``keys``): the kept tokens are those with keys >= it (and the min-p bound).
     ``programs``: a row's programs (None: as many as the batch leaves room for; the result does
-    not depend on it). ``stages``, ``block``, ``warps``, ``compact``: ``STAGES``, ``BLOCK``,
-    ``WARPS``, ``COMPACT`` (None) or others (A/B timing). ``listed`` [S, groups] int32, if given
+    not depend on it). ``stages``, ``block``, ``warps``, ``compact``, ``group_size``: ``STAGES``,
+    ``BLOCK``, ``WARPS``, ``COMPACT``, ``GROUP_SIZE`` (None) or others (A/B timing; a multiple of
+    the block). ``listed`` [S, groups] int32, if given
     with compaction, receives each group's listed count (<= the block: its later passes read its
     list)."""
     S, V = q.shape
@@ -306,14 +307,15 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
         return out
     split = interpreted()
     sms = 2 * S if split else sm_count(q.device)
-    per = triton.cdiv(triton.cdiv(V, programs or programs_per_row(S, V, sms)), GROUP_SIZE) * GROUP_SIZE
+    gs, block = group_size or GROUP_SIZE, block or BLOCK
+    per = triton.cdiv(triton.cdiv(V, programs or programs_per_row(S, V, sms, gs)), gs) * gs
     P = triton.cdiv(V, per)  # (the kernel's split: no program without elements)
-    NB_P = max(2, triton.next_power_of_2(triton.cdiv(V, GROUP_SIZE)))
+    NB_P = max(2, triton.next_power_of_2(triton.cdiv(V, gs)))
     phases = 2 + PASSES.value * (int(has_k) + int(has_p))
     part = torch.empty(S, phases, NB_P, 16, dtype=torch.float32, device=q.device)
     counts = torch.zeros(S, dtype=torch.int64, device=q.device)
-    compact, block = COMPACT if compact is None else compact, block or BLOCK
-    groups = triton.cdiv(V, GROUP_SIZE)
+    compact = COMPACT if compact is None else compact
+    groups = triton.cdiv(V, gs)
     if compact:  # a group's list: a block of values and one of indices; listed counts start past a block
         lists = (torch.empty(S, groups, block, dtype=torch.float32, device=q.device),
                  torch.empty(S, groups, block, dtype=torch.int32, device=q.device),
@@ -322,7 +324,7 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
     else:
         lists = (part, part, counts)  # (not read)
     args = (logits, rows, q, params, part, counts, out, tau, *lists, V, S, logits.stride(0), q.stride(0), P)
-    consts = dict(NB_P=NB_P, HAS_K=has_k, HAS_P=has_p, HAS_MIN=has_min, BLOCK=block, GROUP=GROUP_SIZE // block,
+    consts = dict(NB_P=NB_P, HAS_K=has_k, HAS_P=has_p, HAS_MIN=has_min, BLOCK=block, GROUP=gs // block,
                   STAGES=stages or STAGES, COMPACT=compact, num_warps=warps or WARPS)
     for phase in range(1, phases + 2) if split else (0,):
         _sample_kernel[(P, S)](*args, PHASE=phase, **consts)
