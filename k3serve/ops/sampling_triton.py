@@ -47,8 +47,8 @@ STAGES = 3  # (4 spilled with every filter on)
 WARPS = 8
 # Candidate lists: at its 2nd and 3rd passes a group of logits lists what may still be kept, and if
 # that fits a block its later passes and the draw read the list, not the group's logits. Checked
-# on CPU (interpreter) and compiled for sm_90 (220 registers: one program an SM); not yet run or
-# timed on the GPU, so off (bench/kernels_sampling.py --bare 3:512:8,3:512:8:1 [--peaked]).
+# on CPU (interpreter) and compiled for sm_90 (~240 registers: one program an SM); not yet run or
+# timed on the GPU, so off (bash bench/gpu_session.sh sampling: --bare "default;compact=1" [--peaked]).
 COMPACT = False
 GROUP_SIZE = 4096  # logits a histogram sum runs over in registers (a row's programs take whole groups)
 PASSES = tl.constexpr(8)  # 4-bit digits of 32-bit keys
@@ -293,9 +293,8 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
     ``programs``: a row's programs (None: as many as the batch leaves room for; the result does
     not depend on it). ``stages``, ``block``, ``warps``, ``compact``, ``group_size``: ``STAGES``,
     ``BLOCK``, ``WARPS``, ``COMPACT``, ``GROUP_SIZE`` (None) or others (A/B timing; a multiple of
-    the block). ``listed`` [S, groups] int32, if given
-    with compaction, receives each group's listed count (<= the block: its later passes read its
-    list)."""
+    the block). ``listed`` [S, groups] int32, if given with compaction, receives each group's
+    listed count (<= the block: its later passes read its list)."""
     S, V = q.shape
     if (logits.dtype != torch.float32 or logits.shape[1] != V or logits.stride(1) != 1 or q.stride(1) != 1
             or params.shape != (4, S) or not params.is_contiguous() or params.dtype != torch.float32):
