@@ -321,7 +321,7 @@ print(t.apply(path=Path('$OUT/tuned.json')))"
     grep -A"$(( ${TOP:-30} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"; grep -A22 "new tokens" "$OUT/prof.log" | head -c 5000 ;;
   sampling)  # the sort-free sampler: its checks, the sampler and the kernel alone (BARE="default;compact=1;...";
              # on N(0, 3) and on peaked logits), then the engine sampled at a server's defaults (1M tokens, 256 seqs)
-    step sampling_check 150 python3 bench/gpu_check_kernels.py --sampling
+    step sampling_check 200 python3 bench/gpu_check_kernels.py --sampling
     step sampling_bench 180 python3 -m bench.kernels_sampling --bare "${BARE:-default;compact=1;group_size=2048}"
     step sampling_peaked 120 python3 -m bench.kernels_sampling --skip-sampler --peaked --bare "${BARE:-default;compact=1;group_size=2048}"
     step sampling_engine "$(left 570)" python3 -m bench.e2e --parts engine --engine-batches 1,16,64 \
