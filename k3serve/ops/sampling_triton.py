@@ -82,10 +82,11 @@ def _block(X, LV, LI, LN, s, hi, temp, BLOCK: tl.constexpr, GROUP: tl.constexpr,
         n = tl.load(LN + g)
         packed = n <= BLOCK
         live = (n > BLOCK) | (s % (BLOCK * GROUP) == 0)
-        listed = tl.arange(0, BLOCK)[None, :] < tl.where(packed & live, n, 0)
-        x = tl.where(packed, tl.load(LV + g * BLOCK + tl.arange(0, BLOCK)[None, :], mask=listed,
-                                     other=float("-inf")), _load(X, offs, tl.where(packed, 0, hi), temp))
-        idx = tl.where(packed, tl.load(LI + g * BLOCK + tl.arange(0, BLOCK)[None, :], mask=listed, other=0), offs)
+        lanes = g * BLOCK + tl.arange(0, BLOCK)[None, :]  # (the group's list slots)
+        listed = lanes - g * BLOCK < tl.where(packed & live, n, 0)
+        x = tl.where(packed, tl.load(LV + lanes, mask=listed, other=float("-inf")),
+                     _load(X, offs, tl.where(packed, 0, hi), temp))
+        idx = tl.where(packed, tl.load(LI + lanes, mask=listed, other=0), offs)
         valid = listed | (offs < tl.where(packed, 0, hi))
     else:
         n = BLOCK + 1
