@@ -185,19 +185,20 @@ def _kept_float64(x: torch.Tensor, tk: torch.Tensor, tp: torch.Tensor, mp: torch
     return back(keep), back(edge)
 
 
-def check_sampling(S: int, V: int, gen: torch.Generator, compact: bool = False) -> None:
+def check_sampling(S: int, V: int, gen: torch.Generator, peaked: bool = False) -> None:
     """The sort-free sampling kernel (one launch, rows split between programs at grid barriers):
     its kept sets against a float64 sort (rows differing at a token off the fp32 boundary band: 0),
     and its tokens against the sorting fp32 path's on the same noise wherever their kept sets agree.
-    ``compact``: with candidate lists (sampling_triton.COMPACT), on rows with a few tokens far above
-    the rest as well (where every group lists its candidates)."""
+    ``peaked``: half the rows with a few tokens far above the rest (as a model's logits: the later
+    passes skip most blocks, ``sampling_triton.SKIP``); the kept sets and tokens with skipping off
+    are the same."""
     from k3serve.engine.sampler import filter_logits
-    from k3serve.ops.sampling_triton import BLOCK, GROUP_SIZE, keys, sample_filtered
+    from k3serve.ops.sampling_triton import BLOCK, keys, sample_filtered
 
     logits = torch.randn(S, V, generator=gen, device=DEV) * (torch.rand(S, 1, generator=gen, device=DEV) * 6 + 0.5)
-    if compact:  # half the rows peaked: 20 tokens 15-20 above a bulk of scale 0.5
-        peaked = torch.randn(S // 2, V, generator=gen, device=DEV) * 0.5
-        logits[: S // 2] = peaked.scatter_(1, torch.randint(0, V, (S // 2, 20), generator=gen, device=DEV),
+    if peaked:  # half the rows peaked: 20 tokens 15-20 above a bulk of scale 0.5
+        bulk = torch.randn(S // 2, V, generator=gen, device=DEV) * 0.5
+        logits[: S // 2] = bulk.scatter_(1, torch.randint(0, V, (S // 2, 20), generator=gen, device=DEV),
                                            15 + 5 * torch.rand(S // 2, 20, generator=gen, device=DEV))
     logits[0, V // 3:] = float("-inf")
     rows = torch.randperm(S, generator=gen, device=DEV)
@@ -210,16 +211,21 @@ def check_sampling(S: int, V: int, gen: torch.Generator, compact: bool = False) 
         tp = torch.tensor([top_p[i % len(top_p)] for i in range(S)], dtype=torch.float32, device=DEV)
         mp = torch.tensor([min_p[i % len(min_p)] for i in range(S)], dtype=torch.float32, device=DEV)
         tau = torch.empty(S, dtype=torch.int64, device=DEV)
-        listed = torch.empty(S, -(-V // GROUP_SIZE), dtype=torch.int32, device=DEV)
-        tok = sample_filtered(logits, rows, q, torch.stack([temp, tk.float(), tp, mp]), max(top_k) > 0,
-                              min(top_p) < 1, max(min_p) > 0, tau=tau, compact=compact, listed=listed)
+        args = (logits, rows, q, torch.stack([temp, tk.float(), tp, mp]), max(top_k) > 0, min(top_p) < 1,
+                max(min_p) > 0)
+        tok = sample_filtered(*args, tau=tau)
+        tau_all = torch.empty_like(tau)
+        tok_all = sample_filtered(*args, tau=tau_all, skip=False)
         kept = (keys(x) >= tau[:, None]) & (x > float("-inf"))
         kept &= torch.exp(x - x.max(1, keepdim=True).values) >= mp[:, None]
         exact, edge = _kept_float64(x, tk, tp.double(), mp.double())
         ref = filter_logits(x, tk, tp, mp)
-        shape = f"S={S} V={V} top_k={top_k} top_p={top_p} min_p={min_p}" + (" compact" if compact else "")
-        if compact:
-            print(f"|   (groups listed) | {shape} | {(listed <= BLOCK).float().mean().item():.3f} | | |")
+        shape = f"S={S} V={V} top_k={top_k} top_p={top_p} min_p={min_p}" + (" peaked" if peaked else "")
+        pad = torch.nn.functional.pad(x, (0, -V % BLOCK), value=float("-inf"))
+        skipped = (keys(pad.view(S, -1, BLOCK).amax(2)) < tau[:, None]).float().mean().item()
+        print(f"|   (blocks the draw skips) | {shape} | {skipped:.3f} | | |")
+        record("sampling: rows whose token or threshold changes with skipping off", shape,
+               float(((tok != tok_all) | (tau != tau_all)).float().mean()), 0.0)
         record("sampling: rows keeping a token off the float64 sort's boundary", shape,
                float(((kept != exact) & ~edge).any(1).float().mean()), 0.0)
         same = (kept == (ref > float("-inf"))).all(1)
@@ -521,7 +527,7 @@ def main() -> int:
     if "--sampling" in args:
         for S in (1, 3, 16, 64, 256):
             check_sampling(S, 163840, gen)
-            check_sampling(S, 163840, gen, compact=True)
+            check_sampling(S, 163840, gen, peaked=True)
         return report()
     if "--mla-decode" in args:
         check_mla_decode(1, 32, [4096], gen)

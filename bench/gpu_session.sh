@@ -319,11 +319,11 @@ print(t.apply(path=Path('$OUT/tuned.json')))"
     step kernels_check "$(left "${CHECK_UNTIL:-380}")" python3 bench/gpu_check_kernels.py --no-gluon
     grep "FAIL\|router\|gated\|checks passed" "$OUT/kernels_check.log"; grep -A6 "### engine_48b" "$OUT/e2e_engine.log"
     grep -A"$(( ${TOP:-30} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"; grep -A22 "new tokens" "$OUT/prof.log" | head -c 5000 ;;
-  sampling)  # the sort-free sampler: its checks, the sampler and the kernel alone (BARE="default;compact=1;...";
+  sampling)  # the sort-free sampler: its checks, the sampler and the kernel alone (BARE="default;skip=0;...";
              # on N(0, 3) and on peaked logits), then the engine sampled at a server's defaults (1M tokens, 256 seqs)
     step sampling_check 200 python3 bench/gpu_check_kernels.py --sampling
-    step sampling_bench 180 python3 -m bench.kernels_sampling --bare "${BARE:-default;compact=1;group_size=2048}"
-    step sampling_peaked 120 python3 -m bench.kernels_sampling --skip-sampler --peaked --bare "${BARE:-default;compact=1;group_size=2048}"
+    step sampling_bench 180 python3 -m bench.kernels_sampling --bare "${BARE:-default;skip=0;skip=1;skip=1,stages=2;skip=1,stages=4}"
+    step sampling_peaked 120 python3 -m bench.kernels_sampling --skip-sampler --peaked --bare "${BARE:-default;skip=0;skip=1;skip=1,stages=2;skip=1,stages=4}"
     step sampling_engine "$(left 570)" python3 -m bench.e2e --parts engine --engine-batches 1,16,64 \
       --max-model-len 1048576 --max-num-seqs 256 --sampling temperature=0.7,top_p=0.95
     tail -1 "$OUT/sampling_check.log"; tail -40 "$OUT/sampling_bench.log"; tail -14 "$OUT/sampling_peaked.log"

@@ -2,11 +2,11 @@
 163,840): the sorting torch path against the sort-free kernel (ops/sampling_triton.py), each call
 eager as the engine makes it (host work included: CUDA events around back-to-back calls).
 
-    python -m bench.kernels_sampling [--batches 1,16,64,256] [--bare "default;compact=1;block=1024"]
+    python -m bench.kernels_sampling [--batches 1,16,64,256] [--bare "default;skip=0;block=256"]
 
 ``--bare``: the kernel alone (ops/sampling_triton.sample_filtered, no host work: graph-replayed,
 bench/timing.gpu_ms) under each variant (``;`` between them, each ``default`` or ``key=value``
-pairs of sample_filtered's keywords: stages, block, warps, compact, group_size), with the logits'
+pairs of sample_filtered's keywords: stages, block, warps, skip, group_size), with the logits'
 bytes over every full pass it makes (the row maximum, 8 a filter, the draw's logits and noise) as a
 fraction of copy. ``--peaked``: logits of a model's shape (a few tokens far above the rest) for both tables.
 """
@@ -53,7 +53,7 @@ def make_logits(S: int, vocab: int, gen: torch.Generator, peaked: bool) -> torch
 
 
 def parse_variants(text: str) -> list[dict]:
-    """``default;compact=1;block=1024,stages=4`` -> [{}, {"compact": 1}, {"block": 1024, "stages": 4}]."""
+    """``default;skip=0;block=1024,stages=4`` -> [{}, {"skip": 0}, {"block": 1024, "stages": 4}]."""
     return [dict((k, int(v)) for k, v in (kv.split("=") for kv in var.split(",") if kv != "default"))
             for var in text.split(";")]
 
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--bare", default="", help="variants to time the kernel alone under (e.g. 'default;compact=1')")
+    ap.add_argument("--bare", default="", help="variants to time the kernel alone under (e.g. 'default;skip=0')")
     ap.add_argument("--skip-sampler", action="store_true", help="only the --bare table")
     ap.add_argument("--peaked", action="store_true", help="logits of a model's shape (make_logits)")
     args = ap.parse_args()

@@ -52,8 +52,9 @@ SCRIPT = textwrap.dedent('''
             done += S
     assert done == (4 + 2 + 1) * 7
 
-    # Candidate lists (COMPACT): peaked rows (a few tokens far above a narrow bulk, as a model's
-    # logits) list every group at the 2nd pass; broad ones list some groups, or none.
+    # Blocks skipped by their maximum (SKIP): peaked rows (a few tokens far above a narrow bulk,
+    # as a model's logits), where the later passes and the draw skip most blocks, and broad ones;
+    # the kept sets, thresholds and tokens are those of reading every block.
     from k3serve.ops.sampling_triton import BLOCK
     S, V = 3, 9000
     for peaked in (True, False):
@@ -67,20 +68,19 @@ SCRIPT = textwrap.dedent('''
             tk, tp, mp = (torch.tensor(v * S)[:S] for v in (top_k, top_p, min_p))
             params = torch.stack([temp, tk.float(), tp.float(), mp.float()])
             has = (bool((tk > 0).any()), bool((tp < 1).any()), bool((mp > 0).any()))
-            listed, tau = torch.empty(S, 3, dtype=torch.int32), torch.empty(S, dtype=torch.int64)
-            tok = sample_filtered(logits, rows, q, params, *has, tau=tau, compact=True, listed=listed)
+            tau, tau_all = torch.empty(S, dtype=torch.int64), torch.empty(S, dtype=torch.int64)
+            tok = sample_filtered(logits, rows, q, params, *has, tau=tau, skip=True)
             ref = filter_logits(x, tk, tp.float(), mp.float())
             kept = (keys(x) >= tau[:, None]) & (torch.exp(x - x.max(1, keepdim=True).values) >= mp[:, None])
-            assert torch.equal(kept, ref > float("-inf")), (peaked, top_k, top_p, listed)
+            assert torch.equal(kept, ref > float("-inf")), (peaked, top_k, top_p)
             assert torch.equal(tok, (ref.softmax(-1) / q).argmax(-1))
-            if peaked:
-                assert bool((listed <= BLOCK).all()), listed
+            assert torch.equal(sample_filtered(logits, rows, q, params, *has, tau=tau_all, skip=False), tok)
+            assert torch.equal(tau_all, tau)
+            pad = torch.nn.functional.pad(x, (0, -V % BLOCK), value=float("-inf"))
+            skipped = (keys(pad.view(S, -1, BLOCK).amax(2)) < tau[:, None]).float().mean()
+            assert skipped > 0.5 or not peaked, skipped  # (the draw's: the test skips)
             for programs in (1, 2):
-                assert torch.equal(sample_filtered(logits, rows, q, params, *has, compact=True, programs=programs), tok)
-            # (groups of two blocks: other sums, the same kept sets here)
-            sample_filtered(logits, rows, q, params, *has, tau=tau, compact=True, group_size=2 * BLOCK)
-            kept = (keys(x) >= tau[:, None]) & (torch.exp(x - x.max(1, keepdim=True).values) >= mp[:, None])
-            assert torch.equal(kept, ref > float("-inf")), (peaked, top_k, top_p, "group_size")
+                assert torch.equal(sample_filtered(logits, rows, q, params, *has, programs=programs), tok)
             done += 1
     assert done == (4 + 2 + 1) * 7 + 4
     print(0.0)

@@ -607,24 +607,24 @@ def test_combine_normalised_in_column_blocks_compiles_for_sm90():
     assert "griddepcontrol.wait" in ptx and kernel.asm["cubin"]
 
 
-@pytest.mark.parametrize("compact", [False, True])
-def test_sort_free_sampling_compiles_in_one_launch_for_sm90(compact):
+@pytest.mark.parametrize("skip", [False, True])
+def test_sort_free_sampling_compiles_in_one_launch_for_sm90(skip):
     """ops/sampling_triton.py's GPU form: every phase in one launch, the row's programs meeting at
-    grid barriers (acquire spins on the int64 counts); no spills, and without candidate lists
-    (``COMPACT``, off) at most 128 registers a thread (two programs an SM: what its BLOCK was chosen
-    for)."""
+    grid barriers (acquire spins on the int64 counts); no spills, and without skipping blocks at most
+    128 registers a thread (two programs an SM past the SMs' count of rows: what its BLOCK was chosen
+    for; skipping is used only below it, ``SKIP``)."""
     from bench.sass_mix import registers, sass_text
     from k3serve.ops import sampling_triton
 
     ptrs = {"X": "*fp32", "ROWS": "*i64", "Q": "*fp32", "PARAMS": "*fp32", "PART": "*fp32", "COUNTS": "*i64",
-            "OUT": "*i64", "TAU": "*i64", "LV": "*fp32", "LI": "*i32", "LN": "*i32"}
+            "OUT": "*i64", "TAU": "*i64", "BMAX": "*fp32"}
     scalars = {n: "i32" for n in ("V", "S", "stride_x", "stride_q", "P")}
     consts = dict(NB_P=64, HAS_K=True, HAS_P=True, HAS_MIN=True, PHASE=0, BLOCK=sampling_triton.BLOCK,
                   GROUP=sampling_triton.GROUP_SIZE // sampling_triton.BLOCK, STAGES=sampling_triton.STAGES,
-                  COMPACT=compact)
+                  SKIP=skip)
     # (16-aligned rows and vocabulary, as kimi-linear's 163,840 and the launch specialise them)
     compiled = _compile(sampling_triton._sample_kernel, ptrs, scalars, consts, (*ptrs, "V", "stride_x", "stride_q"),
                         num_warps=sampling_triton.WARPS)
     ptx = compiled.asm["ptx"]
     assert ptx.count("atom.global.gpu.release.add") == 1 + 8 + 8 + 1  # a barrier a phase
-    assert "STL" not in sass_text(compiled) and registers(compiled) <= (255 if compact else 128)
+    assert "STL" not in sass_text(compiled) and registers(compiled) <= (255 if skip else 128)

@@ -16,10 +16,11 @@ top-p < 1, the draw); the histograms are summed by fixed groups of logits, and e
 all of a phase's and takes the same digit, so a row's result does not depend on how many programs
 the batch leaves it. Under Triton's CPU interpreter (one program at a time, so no barrier can
 open) each phase is a launch of its own. With more rows than SMs a row is one program (its
-barriers wait for nothing). Every pass reads every logit of the row; with candidate lists
-(``COMPACT``, off until timed on the GPU) a group of logits whose possible survivors fit a block
-after its 2nd or 3rd pass is read from that list instead (a group's list depends on its logits
-alone, so the batch-independence above holds).
+barriers wait for nothing). The maximum's phase also keeps each block's maximum: a later pass
+skips (reads and sums nothing of) a block whose maximum is below every key it could still count,
+and the draw one below the threshold. A model's logits are peaked (a few tokens far above the
+rest), so from the 3rd pass on most blocks are skipped; skipping adds nothing but exact zeros, so
+the sums, the tokens and the batch-independence are those of reading every block.
 
 Semantics against the sort (the reference: engine/sampler.filter_logits): top-k keeps
 the k largest and top-p the shortest prefix of the top-k's renormalised distribution whose mass
@@ -45,12 +46,18 @@ from .tickets import barrier
 BLOCK = 512
 STAGES = 3  # (4 spilled with every filter on)
 WARPS = 8
-# Candidate lists: at its 2nd and 3rd passes a group of logits lists what may still be kept, and if
-# that fits a block its later passes and the draw read the list, not the group's logits. Checked
-# on CPU (interpreter) and compiled for sm_90 (~240 registers: one program an SM); not yet run or
-# timed on the GPU, so off (bash bench/gpu_session.sh sampling: --bare "default;compact=1" [--peaked]).
-COMPACT = False
-GROUP_SIZE = 4096  # logits a histogram sum runs over in registers (a row's programs take whole groups)
+# Skipping blocks by their maximum (see above), where some filter has passes and the batch leaves
+# each SM one program anyway (rows <= SMs): it takes 175 registers (the skip's branch merges the
+# histogram's), one program an SM, and past the SMs' count the 128-register form's two programs an
+# SM win (256 rows, top-p: 2.0 against 3.1 ms on broad logits). At 1-64 rows it makes top-p 0.95
+# 15-33 % faster on peaked logits, 5-8 % slower on broad ones (a dummy model's), and top-k 50 +
+# top-p 27-30 % faster on both (RESULTS.md thirty-fourth session). Candidate lists (a group's
+# possible survivors written out at its 2nd-3rd pass and read instead of its logits after) were
+# slower everywhere, peaked logits too (1.5-2.2x the time: ~240 registers, a scan a block), and
+# were removed.
+SKIP = True
+GROUP_SIZE = 4096  # logits a histogram sum runs over in registers (a row's programs take whole groups;
+# 2,048 was 7-17 % slower, RESULTS.md thirty-fourth session)
 PASSES = tl.constexpr(8)  # 4-bit digits of 32-bit keys
 
 
@@ -63,75 +70,47 @@ def _keys(x):
 
 
 @triton.jit
-def _load(X, offs, hi, temp):
-    """The row's logits at offs (< hi) over its temperature (as the torch sampler divides them)."""
-    x = tl.div_rn(tl.load(X + offs, mask=offs < hi, other=float("-inf")), temp)
+def _load(X, offs, valid, temp):
+    """The row's logits at offs (where valid) over its temperature (as the torch sampler divides them)."""
+    x = tl.div_rn(tl.load(X + offs, mask=valid, other=float("-inf")), temp)
     return tl.where(x == x, x, float("-inf"))  # (NaN never kept)
 
 
 @triton.jit
-def _block(X, LV, LI, LN, s, hi, temp, BLOCK: tl.constexpr, GROUP: tl.constexpr, COMPACT: tl.constexpr):
-    """The block at s: (x, its indices, valid, live, the group's listed count). [1, BLOCK] tensors
-    (every tensor 2-D, broadcast against the 16 digits: from 1-D ones Triton converted each block's
-    layout through shared memory, a barrier a block). With COMPACT, a group whose candidates were
-    listed (LN[g] <= BLOCK: their values LV and indices LI, in index order) yields the list as its
-    first block and nothing (live False, no load) as the others."""
+def _block(X, BMAX, s, hi, temp, floor, BLOCK: tl.constexpr, SKIP: tl.constexpr):
+    """The block at s: (x, its offsets, valid, live). [1, BLOCK] tensors (every tensor 2-D,
+    broadcast against the 16 digits: from 1-D ones Triton converted each block's layout through
+    shared memory, a barrier a block). With SKIP a block whose maximum (BMAX) has a key below
+    ``floor`` is not live: nothing loaded, nothing valid."""
     offs = s + tl.arange(0, BLOCK)[None, :]
-    if COMPACT:
-        g = s // (BLOCK * GROUP)
-        n = tl.load(LN + g)
-        packed = n <= BLOCK
-        live = (n > BLOCK) | (s % (BLOCK * GROUP) == 0)
-        lanes = g * BLOCK + tl.arange(0, BLOCK)[None, :]  # (the group's list slots)
-        listed = lanes - g * BLOCK < tl.where(packed & live, n, 0)
-        x = tl.where(packed, tl.load(LV + lanes, mask=listed, other=float("-inf")),
-                     _load(X, offs, tl.where(packed, 0, hi), temp))
-        idx = tl.where(packed, tl.load(LI + lanes, mask=listed, other=0), offs)
-        valid = listed | (offs < tl.where(packed, 0, hi))
+    if SKIP:
+        live = _keys(tl.load(BMAX + s // BLOCK)) >= floor
+        valid = offs < tl.where(live, hi, 0)
     else:
-        n = BLOCK + 1
         live = True
-        x = _load(X, offs, hi, temp)
-        idx = offs
         valid = offs < hi
-    return x, idx, valid, live, n
+    return _load(X, offs, valid, temp), offs, valid, live
 
 
 @triton.jit
-def _histogram(X, OUT, LV, LI, LN, lo, hi, temp, M, tau_k, prefix, SHIFT: tl.constexpr, MASS: tl.constexpr,
-               BLOCK: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, COMPACT: tl.constexpr,
-               LIST: tl.constexpr):
+def _histogram(X, OUT, BMAX, lo, hi, temp, M, tau_k, prefix, SHIFT: tl.constexpr, MASS: tl.constexpr,
+               BLOCK: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, SKIP: tl.constexpr):
     """16 bins of each group of GROUP blocks of this program's (OUT + 16 x the group's index) of
     candidates (keys >= tau_k whose bits above SHIFT + 4 are prefix's) by their digit at SHIFT:
     counts, or masses exp(x - M). Each thread sums its elements' bins over the group, then one
     reduction (one a block and bin, each through shared memory, made the passes latency-bound:
     RESULTS.md thirty-second session); by group, not by program, so that a row's sums do not
-    depend on how many programs share it (the batch's size), nor do its tokens. LIST: a group not
-    yet listed lists what may still be kept (keys >= prefix and tau_k) in index order, and is
-    listed from the next pass on if they fit a block (``COMPACT``)."""
-    digits = tl.arange(0, 16)
+    depend on how many programs share it (the batch's size), nor do its tokens. A candidate's key
+    is at least prefix (its lower bits 0) and tau_k: blocks below both are skipped."""
     acc = tl.zeros([16, BLOCK], tl.float32)
-    wrote = tl.full((), 0, tl.int32)
     floor = tl.maximum(prefix, tau_k)
     for s in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        x, idx, valid, live, n = _block(X, LV, LI, LN, s, hi, temp, BLOCK, GROUP, COMPACT)
-        key = _keys(x)
+        x, offs, valid, live = _block(X, BMAX, s, hi, temp, floor, BLOCK, SKIP)
         if live:
-            acc += _digit_bins(x, key, valid, M, tau_k, prefix, SHIFT, MASS)
-        if LIST:
-            g = s // (BLOCK * GROUP)
-            put = (idx < tl.where(n > BLOCK, hi, 0)) & (key >= floor)  # (a listed group: nothing)
-            pos = wrote + tl.cumsum(put.to(tl.int32), 1) - 1
-            tl.store(LV + g * BLOCK + pos, x, mask=put & (pos < BLOCK))
-            tl.store(LI + g * BLOCK + pos, idx, mask=put & (pos < BLOCK))
-            wrote += tl.sum(put.to(tl.int32))
+            acc += _digit_bins(x, _keys(x), valid, M, tau_k, prefix, SHIFT, MASS)
         if ((s // BLOCK) % GROUP == GROUP - 1) | (s + BLOCK >= hi):  # the group's last block
-            tl.store(OUT + (s // (BLOCK * GROUP)) * 16 + digits, tl.sum(acc, 1))
+            tl.store(OUT + (s // (BLOCK * GROUP)) * 16 + tl.arange(0, 16), tl.sum(acc, 1))
             acc = tl.zeros([16, BLOCK], tl.float32)
-            if LIST:
-                if n > BLOCK:
-                    tl.store(LN + s // (BLOCK * GROUP), wrote)  # (more than a block: stays unlisted)
-                wrote = 0
 
 
 @triton.jit
@@ -166,9 +145,9 @@ def _select(PART, NB, NB_P: tl.constexpr, prefix, above, target, SHIFT: tl.const
 
 
 @triton.jit
-def _radix_select(X, PART, COUNTS, LV, LI, LN, r, P, lo, hi, temp, M, tau_k, target, NB, NB_P: tl.constexpr,
+def _radix_select(X, PART, COUNTS, BMAX, r, P, lo, hi, temp, M, tau_k, target, NB, NB_P: tl.constexpr,
                   PH0: tl.constexpr, PHASE: tl.constexpr, MASS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                  STAGES: tl.constexpr, COMPACT: tl.constexpr):
+                  STAGES: tl.constexpr, SKIP: tl.constexpr):
     """The largest key t whose candidates (keys >= tau_k) at or above it reach ``target``: their
     count, or with MASS their mass, ``target`` then a share of the candidates' total. PASSES phases
     from PH0, each a histogram (this launch's, where PHASE says so), a barrier (PHASE 0), a digit."""
@@ -178,8 +157,8 @@ def _radix_select(X, PART, COUNTS, LV, LI, LN, r, P, lo, hi, temp, M, tau_k, tar
         ph = PH0 + j
         SHIFT = 28 - 4 * j
         if PHASE == 0 or PHASE == ph + 1:
-            _histogram(X, PART + ph * NB_P * 16, LV, LI, LN, lo, hi, temp, M, tau_k, prefix, SHIFT, MASS, BLOCK,
-                       GROUP, STAGES, COMPACT, COMPACT and (j == 1 or j == 2))
+            _histogram(X, PART + ph * NB_P * 16, BMAX, lo, hi, temp, M, tau_k, prefix, SHIFT, MASS, BLOCK, GROUP,
+                       STAGES, SKIP)
         if PHASE == 0:
             barrier(COUNTS, r, P)
         if MASS and j == 0:  # the candidates' mass: every one of them is in the first pass
@@ -189,10 +168,10 @@ def _radix_select(X, PART, COUNTS, LV, LI, LN, r, P, lo, hi, temp, M, tau_k, tar
 
 
 @triton.jit
-def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, LV, LI, LN, V, S, stride_x, stride_q, P,
+def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, BMAX, V, S, stride_x, stride_q, P,
                    NB_P: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN: tl.constexpr,
                    PHASE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
-                   COMPACT: tl.constexpr):
+                   SKIP: tl.constexpr):
     """Program (part of a row, row). PHASE 0: every phase, grid barriers between them; k > 0
     (interpreted): the state from the partials of phases before k - 1 (stored by earlier launches),
     then phase k - 1's own work (the last phase: the draw's reduction)."""
@@ -207,16 +186,18 @@ def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, LV, LI, LN, V, S,
     N_PH: tl.constexpr = 2 + PASSES * (HAS_K + HAS_P)  # max, passes, draw
     NB = tl.cdiv(V, BLOCK * GROUP)  # (NB_P >= NB >= P: a phase's slots, by group or by program)
     PART += r.to(tl.int64) * (N_PH * NB_P * 16)
-    LN += r * NB
-    LV += r.to(tl.int64) * NB * BLOCK
-    LI += r.to(tl.int64) * NB * BLOCK
+    BMAX += r * tl.cdiv(V, BLOCK)
     mine = PART + c * 16
     progs = tl.arange(0, NB_P)
-    # -- phase 0: the row maximum
+    # -- phase 0: the row maximum (and each block's, for the passes to skip by)
     if PHASE == 0 or PHASE == 1:
         m = tl.full([1, BLOCK], float("-inf"), tl.float32)  # (a lane's; reduced once, after the loop)
         for s in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            m = tl.maximum(m, _load(X, s + tl.arange(0, BLOCK)[None, :], hi, temp))
+            offs = s + tl.arange(0, BLOCK)[None, :]
+            x = _load(X, offs, offs < hi, temp)
+            m = tl.maximum(m, x)
+            if SKIP:
+                tl.store(BMAX + s // BLOCK, tl.max(x))
         tl.store(mine, tl.max(m))
     if PHASE == 0:
         barrier(COUNTS, r, P)
@@ -225,14 +206,14 @@ def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, LV, LI, LN, V, S,
     tau_k = tl.full((), 0, tl.uint32)
     if HAS_K:
         k = tl.load(PARAMS + S + r)
-        tau_k = _radix_select(X, PART, COUNTS, LV, LI, LN, r, P, lo, hi, temp, M, tau_k, tl.where(k > 0, k, V + 1.0),
-                              NB, NB_P, 1, PHASE, False, BLOCK, GROUP, STAGES, COMPACT)
+        tau_k = _radix_select(X, PART, COUNTS, BMAX, r, P, lo, hi, temp, M, tau_k, tl.where(k > 0, k, V + 1.0),
+                              NB, NB_P, 1, PHASE, False, BLOCK, GROUP, STAGES, SKIP)
     # -- top-p over the top-k: the shortest prefix whose mass reaches top_p of theirs (mass passes)
     tau = tau_k
     if HAS_P:
         top_p = tl.load(PARAMS + 2 * S + r)
-        tau_p = _radix_select(X, PART, COUNTS, LV, LI, LN, r, P, lo, hi, temp, M, tau_k, top_p, NB, NB_P,
-                              1 + PASSES * HAS_K, PHASE, True, BLOCK, GROUP, STAGES, COMPACT)
+        tau_p = _radix_select(X, PART, COUNTS, BMAX, r, P, lo, hi, temp, M, tau_k, top_p, NB, NB_P,
+                              1 + PASSES * HAS_K, PHASE, True, BLOCK, GROUP, STAGES, SKIP)
         tau = tl.where((top_p < 1.0) & (tau_p > tau), tau_p, tau)
     # -- the draw: argmax over kept tokens of (x - M) - log q, the first index on ties
     LAST: tl.constexpr = N_PH - 1
@@ -241,15 +222,16 @@ def _sample_kernel(X, ROWS, Q, PARAMS, PART, COUNTS, OUT, TAU, LV, LI, LN, V, S,
         best = tl.full([1, BLOCK], float("-inf"), tl.float32)  # a lane's best and its first index
         best_i = tl.full([1, BLOCK], 0, tl.int32) + V
         for s in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            x, idx, valid, live, n = _block(X, LV, LI, LN, s, hi, temp, BLOCK, GROUP, COMPACT)
-            keep = valid & (_keys(x) >= tau)
-            if HAS_MIN:
-                keep = keep & (tl.exp(x - M) >= min_p)
-            q = tl.maximum(tl.load(Q + idx, mask=valid, other=1.0), 1.1754943508222875e-38)
-            score = tl.where(keep, (x - M) - tl.log(q), float("-inf"))
-            better = score > best  # (a lane meets its indices in increasing order, listed or not)
-            best_i = tl.where(better, idx, best_i)
-            best = tl.where(better, score, best)
+            x, offs, valid, live = _block(X, BMAX, s, hi, temp, tau, BLOCK, SKIP)
+            q = tl.load(Q + offs, mask=valid, other=1.0)
+            if live:
+                keep = valid & (_keys(x) >= tau)
+                if HAS_MIN:
+                    keep = keep & (tl.exp(x - M) >= min_p)
+                score = tl.where(keep, (x - M) - tl.log(tl.maximum(q, 1.1754943508222875e-38)), float("-inf"))
+                better = score > best  # (a lane meets its indices in increasing order)
+                best_i = tl.where(better, offs, best_i)
+                best = tl.where(better, score, best)
         top_score = tl.max(best)
         tl.store(mine + LAST * NB_P * 16, top_score)
         first = tl.min(tl.where(best == top_score, best_i, V))
@@ -283,8 +265,8 @@ def programs_per_row(rows: int, vocab: int, sms: int, group_size: int = GROUP_SI
 def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, params: torch.Tensor,
                     has_k: bool, has_p: bool, has_min: bool, tau: torch.Tensor | None = None,
                     programs: int | None = None, stages: int | None = None, block: int | None = None,
-                    warps: int | None = None, compact: bool | None = None, group_size: int | None = None,
-                    listed: torch.Tensor | None = None) -> torch.Tensor:
+                    warps: int | None = None, skip: bool | None = None,
+                    group_size: int | None = None) -> torch.Tensor:
     """Token ids [S] drawn for rows ``rows`` [S] (int64) of fp32 logits [B, V]: each row over its
     temperature, then its top-k (0 off), top-p (1 off) and min-p (0 off), params [4, S] fp32 =
     (temperature, top-k, top-p, min-p); the token is the argmax over the kept tokens of
@@ -292,10 +274,9 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
     (host-known, so no pass runs for nothing). ``tau`` [S] int64, if given, receives each row's
     key threshold (``keys``): the kept tokens are those with keys >= it (and the min-p bound).
     ``programs``: a row's programs (None: as many as the batch leaves room for; the result does
-    not depend on it). ``stages``, ``block``, ``warps``, ``compact``, ``group_size``: ``STAGES``,
-    ``BLOCK``, ``WARPS``, ``COMPACT``, ``GROUP_SIZE`` (None) or others (A/B timing; a multiple of
-    the block). ``listed`` [S, groups] int32, if given with compaction, receives each group's
-    listed count (<= the block: its later passes read its list)."""
+    not depend on it). ``stages``, ``block``, ``warps``, ``skip``, ``group_size``: ``STAGES``,
+    ``BLOCK``, ``WARPS``, ``SKIP`` (where it pays), ``GROUP_SIZE`` (None) or others (A/B timing;
+    a multiple of the block; the result does not depend on ``skip``)."""
     S, V = q.shape
     if (logits.dtype != torch.float32 or logits.shape[1] != V or logits.stride(1) != 1 or q.stride(1) != 1
             or params.shape != (4, S) or not params.is_contiguous() or params.dtype != torch.float32):
@@ -314,18 +295,12 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, p
     phases = 2 + PASSES.value * (int(has_k) + int(has_p))
     part = torch.empty(S, phases, NB_P, 16, dtype=torch.float32, device=q.device)
     counts = torch.zeros(S, dtype=torch.int64, device=q.device)
-    compact = COMPACT if compact is None else compact
-    groups = triton.cdiv(V, gs)
-    if compact:  # a group's list: a block of values and one of indices; listed counts start past a block
-        lists = (torch.empty(S, groups, block, dtype=torch.float32, device=q.device),
-                 torch.empty(S, groups, block, dtype=torch.int32, device=q.device),
-                 torch.full((S, groups), block + 1, dtype=torch.int32, device=q.device) if listed is None
-                 else listed.fill_(block + 1))
-    else:
-        lists = (part, part, counts)  # (not read)
-    args = (logits, rows, q, params, part, counts, out, tau, *lists, V, S, logits.stride(0), q.stride(0), P)
+    if skip is None:
+        skip = SKIP and (has_k or has_p) and S <= sms
+    block_max = torch.empty(S, triton.cdiv(V, block), dtype=torch.float32, device=q.device)
+    args = (logits, rows, q, params, part, counts, out, tau, block_max, V, S, logits.stride(0), q.stride(0), P)
     consts = dict(NB_P=NB_P, HAS_K=has_k, HAS_P=has_p, HAS_MIN=has_min, BLOCK=block, GROUP=gs // block,
-                  STAGES=stages or STAGES, COMPACT=compact, num_warps=warps or WARPS)
+                  STAGES=stages or STAGES, SKIP=skip, num_warps=warps or WARPS)
     for phase in range(1, phases + 2) if split else (0,):
         _sample_kernel[(P, S)](*args, PHASE=phase, **consts)
     return out
