@@ -170,11 +170,12 @@ class Sampler:
         # 2-3. penalties then min_tokens (both out of place: the caller's logits stay intact).
         processed = mask_min_tokens(apply_penalties(logits, rows), rows)
 
-        # 4. greedy rows: argmax; also the default for every row, overwritten below for sampled ones.
-        token_ids = processed.argmax(dim=-1)
+        # 4. greedy rows: argmax (of every row, the sampled ones overwritten below; none if every
+        # row is sampled, as when every request has the same settings: two launches fewer a step).
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        token_ids = processed.argmax(dim=-1) if len(sampled) < len(rows) or not sampled else None
 
         # 5. sampled rows.
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             ps = [rows[i].params for i in sampled]
             s_idx = to_device(sampled, dev)
@@ -196,13 +197,17 @@ class Sampler:
             if KERNEL if KERNEL is not None else triton_enabled("SAMPLE", dev):
                 from k3serve.ops.sampling_triton import sample_filtered
 
-                token_ids[s_idx] = sample_filtered(processed, s_idx, q, params, has_k, has_p, has_min)
+                drawn = sample_filtered(processed, s_idx, q, params, has_k, has_p, has_min)
             else:
                 scaled = processed[s_idx] / params[0].unsqueeze(1)
                 probs = filter_logits(scaled, params[1].long(), params[2], params[3], sort_needed=has_k or has_p,
                                       min_p_needed=has_min).softmax(dim=-1)
                 q.clamp_(min=torch.finfo(q.dtype).tiny)  # exponential_ may return exactly 0
-                token_ids[s_idx] = (probs / q).argmax(dim=-1)
+                drawn = (probs / q).argmax(dim=-1)
+            if token_ids is None:  # (every row sampled: s_idx is 0..B-1 in order)
+                token_ids = drawn
+            else:
+                token_ids[s_idx] = drawn
 
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
