@@ -38,7 +38,7 @@ from .autotune import interpreted, sm_count
 from .tickets import barrier
 
 # Elements a program handles at once (2 a thread of 8 warps) and how many blocks its loads run ahead
-# (Triton's pipelining through shared memory). 512 keeps a program at 128 registers, two an SM: at
+# (Triton's pipelining through shared memory). 512 keeps a program (not skipping) at 128 registers, two an SM: at
 # 256 rows (one program a row) 2.0 ms against 2.5 with 1,024 (one an SM, 187 registers; 16 warps at
 # 1,024 were no faster), 3-7 % slower at 16-64 rows (bench/kernels_sampling.py --bare, RESULTS.md
 # thirty-third session). One size for every batch: a row's sums, and so its token, do not change
@@ -50,7 +50,8 @@ WARPS = 8
 # each SM one program anyway (rows <= SMs): it takes 175 registers (the skip's branch merges the
 # histogram's), one program an SM, and past the SMs' count the 128-register form's two programs an
 # SM win (256 rows, top-p: 2.0 against 3.1 ms on broad logits). At 1-64 rows it makes top-p 0.95
-# 15-33 % faster on peaked logits, 5-8 % slower on broad ones (a dummy model's), and top-k 50 +
+# 15-33 % faster on peaked logits; on broad ones (a dummy model's) 8 % faster at 1 row, 5-8 % slower
+# at 16-64; top-k 50 +
 # top-p 27-30 % faster on both (RESULTS.md thirty-fourth session). Candidate lists (a group's
 # possible survivors written out at its 2nd-3rd pass and read instead of its logits after) were
 # slower everywhere, peaked logits too (1.5-2.2x the time: ~240 registers, a scan a block), and
