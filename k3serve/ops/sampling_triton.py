@@ -50,12 +50,11 @@ WARPS = 8
 # each SM one program anyway (rows <= SMs): it takes 175 registers (the skip's branch merges the
 # histogram's), one program an SM, and past the SMs' count the 128-register form's two programs an
 # SM win (256 rows, top-p: 2.0 against 3.1 ms on broad logits). At 1-64 rows it makes top-p 0.95
-# 15-33 % faster on peaked logits; on broad ones (a dummy model's) 8 % faster at 1 row, 5-8 % slower
-# at 16-64; top-k 50 +
-# top-p 27-30 % faster on both (RESULTS.md thirty-fourth session). Candidate lists (a group's
-# possible survivors written out at its 2nd-3rd pass and read instead of its logits after) were
-# slower everywhere, peaked logits too (1.5-2.2x the time: ~240 registers, a scan a block), and
-# were removed.
+# 15-33 % faster on peaked logits, on broad ones (a dummy model's) 8 % faster at 1 row and 5-8 %
+# slower at 16-64, and top-k 50 + top-p 17-30 % faster on both (RESULTS.md thirty-fourth session).
+# Candidate lists (a group's possible survivors written out at its 2nd-3rd pass and read instead of
+# its logits after) were slower everywhere, peaked logits too (1.5-2.2x the time: ~240 registers, a
+# scan a block), and were removed.
 SKIP = True
 GROUP_SIZE = 4096  # logits a histogram sum runs over in registers (a row's programs take whole groups;
 # 2,048 was 7-17 % slower, RESULTS.md thirty-fourth session)
