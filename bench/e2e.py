@@ -216,6 +216,54 @@ def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto
     return rows
 
 
+def engine_waves(concurrencies, prompt_len: int, new_tokens: int, waves: int = 3) -> list[dict]:
+    """The workload of ``k3serve bench serve --range-ratio 0 --concurrency C --num-prompts waves*C``
+    on the engine alone (a server's defaults: 1M context, 256 sequences): at most C requests in
+    flight, a queued one added as one finishes, all timed from the host as the server's stream
+    sees them. Its side by side with the server says what HTTP, SSE and the engine thread cost."""
+    eng = engine_48b(256, 1 << 20, "auto")
+    vocab = eng.model.config.vocab_size - 300
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    rows = []
+    for C in concurrencies:
+        for attempt in ("warm-up", "timed"):
+            queued = torch.randint(0, vocab, (waves * C, prompt_len)).tolist()
+            start, first, seen, done, itl, out_tokens = {}, {}, {}, {}, [], 0
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while queued or eng.has_unfinished_requests():
+                while queued and len(start) - len(done) < C:
+                    start[eng.add_request(queued.pop(), params)] = time.perf_counter()
+                outs = eng.step()
+                now = time.perf_counter()
+                for out in outs:
+                    n = len(out.outputs[0].delta_token_ids)
+                    if not n:
+                        continue
+                    out_tokens += n
+                    rid = out.request_id
+                    if rid in seen:
+                        itl.append(now - seen[rid])
+                    else:
+                        first[rid] = now
+                    seen[rid] = now
+                    if out.finished:
+                        done[rid] = now
+            wall = time.perf_counter() - t0
+        med = lambda v: round(1e3 * sorted(v)[len(v) // 2], 2)  # noqa: E731
+        rows.append({"concurrency": C, "requests": waves * C, "prompt": prompt_len, "new": new_tokens,
+                     "output_tok_s": round(out_tokens / wall, 1),
+                     "ttft_median_ms": med([first[r] - start[r] for r in first]),
+                     "tpot_median_ms": med([(done[r] - first[r]) / (new_tokens - 1) for r in done]),
+                     "itl_median_ms": med(itl), "itl_p99_ms": round(1e3 * sorted(itl)[int(0.99 * (len(itl) - 1))], 2),
+                     "duration_s": round(wall, 2)})
+        print(rows[-1], flush=True)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def engine_arrivals(running: int, arrivals: int, prompt_len: int, prefill_graphs: str = "auto",
                     every: int = 4) -> dict:
     """Continuous batching with arrivals: ``running`` requests decode while a new prompt of
@@ -432,7 +480,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="slice,engine,hf",
-                    help="comma list of slice, engine, engine_profile, arrivals, turns, turns4, hf")
+                    help="comma list of slice, engine, engine_profile, waves, arrivals, turns, turns4, hf")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--prefill", default="8192,32768")
@@ -473,6 +521,8 @@ def main() -> None:
         res["engine_profile"] = [engine_profile(b) for b in ints(args.engine_batches)]
         for r in res["engine_profile"]:
             print(json.dumps(r, indent=1), flush=True)
+    if "waves" in parts:  # bench serve's workload without the server (prompts of 512, 128 new, 3 waves)
+        res["waves_48b"] = engine_waves(ints(args.engine_batches), 512, 128)
     if "arrivals" in parts:  # 12 decoding, a 500-token prompt every 4th step, prefill graphs on / off
         res["arrivals_48b"] = []
         for mode in ("auto", "off"):
@@ -494,7 +544,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     if "hf" in parts:
         res["hf_48b"] = hf_generate(ints(args.engine_batches), 512, 32)
-    for key in ("slice_decode", "slice_prefill", "engine_48b", "arrivals_48b", "turns_48b", "turns4_48b", "hf_48b"):
+    for key in ("slice_decode", "slice_prefill", "engine_48b", "waves_48b", "arrivals_48b", "turns_48b", "turns4_48b", "hf_48b"):
         if isinstance(res.get(key), list) and res[key]:
             print(f"\n### {key}\n{table(res[key])}")
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU work of a device lease, in sections that each fit one 10-minute device command.
-# Every section installs the carried fla-core wheel (.whl/, see README), bounds each step with a
+# Every section installs the carried fla-core wheel (.whl/: bash bench/fetch_wheels.sh), bounds each step with a
 # timeout so one hang cannot eat the lease, writes its logs under $OUT and packs extra files into
 # one archive (a device call returns at most 8 files).
 #
@@ -13,6 +13,7 @@
 #   bash bench/gpu_session.sh profile48 # kimi-linear-48b decode / prefill steps by kernel family
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
+#   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   (also: sampling, attnres, attnressum, attnresdeep, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
@@ -328,6 +329,47 @@ print(t.apply(path=Path('$OUT/tuned.json')))"
       --max-model-len 1048576 --max-num-seqs 256 --sampling temperature=0.7,top_p=0.95
     tail -1 "$OUT/sampling_check.log"; tail -40 "$OUT/sampling_bench.log"; tail -14 "$OUT/sampling_peaked.log"
     tail -5 "$OUT/sampling_engine.log" ;;
+  serve48)  # kimi-linear-48b behind the HTTP server at a server's defaults (`k3serve serve --preset`, dummy weights):
+            # `k3serve bench serve` at SERVE_CONC concurrencies (3 waves each, prompts of 512, 128 tokens out; a warm-up
+            # run first), py-spy over both processes during the SPY_CONC run, then the same workload on the engine alone
+            # (bench.e2e --parts waves). Needs the server's wheels under .whl/serve/ (README), py-spy's under .whl/tools/
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/serve/*.whl $(ls .whl/tools/py_spy-*.whl 2>/dev/null) || { echo "server wheels missing under .whl/serve/ (README)"; exit 3; }
+    conc=${SERVE_CONC:-1,16,64,256}
+    timeout "$(left 400)" python3 -m k3serve.cli serve --preset "${SERVE_PRESET:-kimi-linear-48b}" --port 8123 $SERVE_ARGS \
+      > "$OUT/server.log" 2>&1 &
+    spid=$!
+    step wait_server "$(left 300)" python3 -c "
+import os, time, urllib.request
+while True:
+    os.kill($spid, 0)  # the server died: stop waiting (see server.log)
+    try: urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=2); break
+    except Exception: time.sleep(1)"
+    for c in ${conc//,/ }; do  # a warm-up run first (new shapes compile), then the timed one
+      for run in warm "c$c"; do
+        if [ "$run" = "c${SPY_CONC:-256}" ] && [ -x /tmp/site/bin/py-spy ]; then  # where the server's threads spend it
+          /tmp/site/bin/py-spy record --pid "$spid" --subprocesses --threads --nonblocking --format raw --rate 250 \
+            -d "${SPY_S:-20}" -o "$OUT/spy_all.txt" > "$OUT/serve_spy_all.log" 2>&1 &
+          /tmp/site/bin/py-spy record --pid "$spid" --subprocesses --threads --gil --nonblocking --format raw \
+            --rate 250 -d "${SPY_S:-20}" -o "$OUT/spy_gil.txt" > "$OUT/serve_spy_gil.log" 2>&1 &
+        fi
+        step "serve_$run" "$(left 400)" python3 -m k3serve.cli bench serve --url http://127.0.0.1:8123 \
+          --input-len 512 --output-len 128 --range-ratio 0 --concurrency "$c" --num-prompts $((c * 3)) --json
+      done
+    done
+    wait_spy=$(jobs -p | grep -v "^$spid$"); [ -n "$wait_spy" ] && wait $wait_spy
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/metrics').read().decode())" \
+      > "$OUT/server_metrics.txt" 2>&1
+    kill "$spid"; wait "$spid"
+    [ "${SERVE_ENGINE:-1}" = 1 ] && step e2e_waves "$(left 580)" python3 -m bench.e2e --parts waves \
+      --engine-batches "$conc" --out /tmp/gpu_work
+    for c in ${conc//,/ }; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print('concurrency', \
+      sys.argv[2], {k: r[k] for k in ('completed', 'output_token_throughput', 'duration_s', 'client_cpu_s')}, *(f'{m} median/p99 ' \
+      f'{r[m][\"median\"]:.2f}/{r[m][\"p99\"]:.2f}' for m in ('ttft_ms', 'tpot_ms', 'itl_ms')))" \
+      "$OUT/serve_c$c.log" "$c" || tail -5 "$OUT/serve_c$c.log"; done
+    grep -s -A8 "### waves_48b" "$OUT/e2e_waves.log"
+    (cd "$OUT" && tar czf serve_logs.tgz serve_*.log wait_server.log server_metrics.txt && rm serve_*.log wait_server.log \
+      server_metrics.txt) ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;

@@ -86,6 +86,9 @@ async def run(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         model = args.model or (await client.get(args.url + "/v1/models", headers=headers)).json()["data"][0]["id"]
         sem = asyncio.Semaphore(args.concurrency)
+
+        def length(most: int) -> int:  # uniform in [most * (1 - range_ratio), most]
+            return rng.randint(max(1, round(most * (1 - args.range_ratio))), most)
         results: list[Result] = []
 
         async def limited(prompt, max_tokens):
@@ -95,8 +98,8 @@ async def run(args: argparse.Namespace) -> dict:
         async def random_request(i: int):
             if args.request_rate:
                 await asyncio.sleep(arrivals[i])
-            prompt = [rng.randrange(1000) for _ in range(rng.randint(args.input_len // 2, args.input_len))]
-            res, _ = await limited(prompt, rng.randint(max(1, args.output_len // 2), args.output_len))
+            prompt = [rng.randrange(1000) for _ in range(length(args.input_len))]
+            res, _ = await limited(prompt, length(args.output_len))
             results.append(res)
 
         async def session(i: int, system: list[int]):
@@ -105,7 +108,7 @@ async def run(args: argparse.Namespace) -> dict:
             context = list(system)
             for _ in range(args.turns):
                 context += [rng.randrange(1000) for _ in range(rng.randint(20, args.input_len))]
-                res, answer = await limited(list(context), rng.randint(max(1, args.output_len // 2), args.output_len))
+                res, answer = await limited(list(context), length(args.output_len))
                 results.append(res)
                 if not res.ok:
                     return
@@ -117,20 +120,24 @@ async def run(args: argparse.Namespace) -> dict:
             arrivals.append(t)
             if args.request_rate:
                 t += rng.expovariate(args.request_rate)
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
         if args.dataset == "random":
             await asyncio.gather(*(random_request(i) for i in range(args.num_prompts)))
         else:
             system = [rng.randrange(1000) for _ in range(args.system_len)]
             await asyncio.gather(*(session(i, system) for i in range(args.num_prompts)))
         duration = time.perf_counter() - start
+        client_cpu = time.process_time() - cpu0
     good = [r for r in results if r.ok]
     out_tokens = sum(r.output_len for r in good)
     in_tokens = sum(r.prompt_len for r in good)
     tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in good if r.output_len > 1]
     return {
         "dataset": args.dataset, "requests": len(results), "completed": len(good), "failed": len(results) - len(good),
-        "duration_s": round(duration, 2), "request_throughput": round(len(good) / duration, 3),
+        "input_tokens": in_tokens, "output_tokens": out_tokens, "duration_s": round(duration, 2),
+        # this client's own CPU seconds: near duration_s, the client (one Python process) is what limits the
+        # figures, not the server
+        "client_cpu_s": round(client_cpu, 2), "request_throughput": round(len(good) / duration, 3),
         "output_token_throughput": round(out_tokens / duration, 1),
         "total_token_throughput": round((in_tokens + out_tokens) / duration, 1),
         "ttft_ms": _stats([r.ttft for r in good]), "tpot_ms": _stats(tpot),
@@ -142,7 +149,7 @@ async def run(args: argparse.Namespace) -> dict:
 def format_report(rep: dict) -> str:
     lines = [f"dataset {rep['dataset']}: {rep['completed']}/{rep['requests']} completed in {rep['duration_s']} s",
              f"request throughput {rep['request_throughput']} req/s, output {rep['output_token_throughput']} tok/s, "
-             f"total {rep['total_token_throughput']} tok/s",
+             f"total {rep['total_token_throughput']} tok/s (client CPU {rep['client_cpu_s']} s)",
              f"{'metric':<6} {'mean':>9} {'median':>9} {'p90':>9} {'p99':>9}  (ms)"]
     for key in ("ttft", "tpot", "itl", "e2e"):
         s = rep[f"{key}_ms"]
@@ -162,6 +169,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.5,
+                   help="random lengths lie in [len * (1 - ratio), len]; 0: every prompt and output exactly --input-len / --output-len")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
@@ -170,6 +179,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.range_ratio <= 1.0:
+        raise SystemExit(f"--range-ratio must lie in [0, 1], got {args.range_ratio}")
     rep = asyncio.run(run(args))
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     return 0 if rep["completed"] else 1

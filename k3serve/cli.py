@@ -98,10 +98,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                         "(auto: on CUDA)")
 
 
-def engine_from_args(args: argparse.Namespace):
-    from .engine.engine import EngineConfig, LLMEngine
+def engine_config_from_args(args: argparse.Namespace):
+    from .engine.engine import EngineConfig
 
-    cfg = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+    return EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, page_size=args.page_size, cache_memory=args.cache_memory,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        unified_memory=not args.no_unified_memory, kda_fraction=args.kda_fraction,
@@ -116,6 +116,12 @@ def engine_from_args(args: argparse.Namespace):
                        max_prefill_graph_context=args.max_prefill_graph_context,
                        prefill_graph_context_decodes=args.prefill_graph_context_decodes,
                        async_scheduling=args.async_scheduling)
+
+
+def engine_from_args(args: argparse.Namespace):
+    from .engine.engine import LLMEngine
+
+    cfg = engine_config_from_args(args)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
                                      dtype=args.dtype, device=args.device, seed=args.weights_seed,
                                      verify_checksums=args.verify_checksums)

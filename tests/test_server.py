@@ -218,6 +218,43 @@ def test_sigterm_with_a_request_in_flight(model_dir):
     assert not t.is_alive() and result  # the client was not left hanging
 
 
+def _children(pid: int) -> list[int]:
+    kids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def test_engine_runs_in_its_own_process_and_its_death_is_an_error_not_a_hang(model_dir):
+    """The engine steps in a child process (no GIL shared with the HTTP event loop). If it dies,
+    /health turns 500, a request in flight and a new one get an error at once, and the HTTP
+    process keeps answering."""
+    proc, url = _start(model_dir)
+    try:
+        engines = [k for k in _children(proc.pid) if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+        assert len(engines) == 1, engines
+        body = {"model": "tiny", "prompt": "a b c", "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(engines[0], signal.SIGKILL)
+            rest = [line for line in lines if line]  # the stream ends (no hang) with an error event
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert rest[-1] == "data: [DONE]" and "engine" in error["message"] and error["type"] == "internal_error"
+        for _ in range(100):
+            if httpx.get(url + "/health", timeout=5).status_code == 500:
+                break
+            time.sleep(0.05)
+        assert httpx.get(url + "/health", timeout=5).status_code == 500
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 500 and "engine" in r.json()["error"]["message"]
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
 def test_bench_serve_against_the_live_server(server, capsys):
     from k3serve.cli import main
 
@@ -226,6 +263,12 @@ def test_bench_serve_against_the_live_server(server, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["completed"] == 6 and rep["failed"] == 0 and rep["output_token_throughput"] > 0
     assert 0 < rep["ttft_ms"]["median"] <= rep["e2e_ms"]["median"] and rep["itl_ms"]["p99"] >= rep["itl_ms"]["median"]
+    assert 6 * 20 <= rep["input_tokens"] <= 6 * 40 and 6 * 3 <= rep["output_tokens"] <= 6 * 6
+    assert main(["bench", "serve", "--url", server, "--num-prompts", "4", "--concurrency", "2", "--input-len", "33",
+                 "--output-len", "5", "--range-ratio", "0", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)  # fixed lengths: every prompt and answer exactly as long as asked
+    assert (rep["completed"], rep["input_tokens"], rep["output_tokens"]) == (4, 4 * 33, 4 * 5)
+    assert 0 < rep["client_cpu_s"]
     assert main(["bench", "serve", "--url", server, "--dataset", "agentic", "--num-prompts", "2", "--turns", "3",
                  "--system-len", "64", "--input-len", "30", "--output-len", "4", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)

@@ -1,22 +1,28 @@
-"""AsyncLLM: the engine loop on its own thread, driven from asyncio.
+"""AsyncLLM: the server process's handle on the engine process (engine_process.py), for asyncio.
 
-The forward pass blocks for milliseconds to seconds; running it on the event loop would stall
-every HTTP connection. Commands (add / abort) go to the engine thread through a queue; outputs
-come back to each request's asyncio.Queue with ``call_soon_threadsafe``.
+The engine runs in its own process so that neither the event loop nor the engine's host work waits
+on the other's GIL. Commands go out through a sender thread (a busy engine must never block the
+event loop on a full pipe); a reader thread hands each step's message to the event loop in one
+``call_soon_threadsafe``, where it becomes one cumulative RequestOutput per request, as
+``LLMEngine.step`` gives them.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import itertools
 import logging
+import multiprocessing as mp
 import queue
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from .engine import LLMEngine, RequestOutput
+from . import engine_process as msgs
+from .engine import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
+from .scheduler import check_prompt_length
 
 log = logging.getLogger(__name__)
 
@@ -27,44 +33,93 @@ class QueueFull(Exception):
 
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    arrival: float
+    prompt_ids: list[int]
+    prompt_text: str | None
+    text: dict[int, str] = field(default_factory=dict)  # per sequence index, cumulative
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+
+    def output(self, rid: str, finished: bool, seqs: list) -> RequestOutput:
+        """The request's cumulative output after one step's deltas. token_ids / logprobs are the
+        stream's growing lists (no copy a step): read them before the next output arrives."""
+        outs = []
+        for index, delta_text, delta_ids, finish_reason, stop_reason, lps in seqs:
+            self.text[index] = self.text.get(index, "") + delta_text
+            ids = self.token_ids.setdefault(index, [])
+            ids += delta_ids
+            all_lps = None
+            if lps is not None:
+                all_lps = self.logprobs.setdefault(index, [])
+                all_lps += lps
+            outs.append(CompletionOutput(index, self.text[index], ids, finish_reason, stop_reason, all_lps,
+                                         delta_text, delta_ids))
+        return RequestOutput(rid, self.prompt_text, self.prompt_ids, outs, finished)
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None):
-        self.engine = engine
+    def __init__(self, commands, outputs, process, info: msgs.EngineInfo, max_queue: int | None = None):
+        self.info = info
         self.max_queue = max_queue
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="k3serve-engine", daemon=True)
         self.errored: BaseException | None = None
-        self._thread.start()
+        self._commands, self._outputs, self._process = commands, outputs, process
+        self._streams: dict[str, _Stream] = {}
+        self._stats: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self._waiting = self._adds_sent = self._adds_seen = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_set = threading.Event()
+        self._closing = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._write, name="k3serve-engine-send", daemon=True).start()
+        threading.Thread(target=self._read, name="k3serve-engine-recv", daemon=True).start()
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, max_queue: int | None = None) -> "AsyncLLM":
+        """Spawns the engine process from the server's arguments and waits until it is ready;
+        raises what stopped its start-up (a bad checkpoint, an unfitting layout...)."""
+        ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=msgs.run_engine_process, args=(args, cmd_recv, out_send), name="k3serve-engine",
+                           daemon=True)
+        proc.start()
+        cmd_recv.close()
+        out_send.close()
+        try:
+            msg = out_recv.recv()
+        except EOFError:
+            proc.join(5)
+            raise RuntimeError(f"the engine process exited during start-up (exit code {proc.exitcode})") from None
+        if isinstance(msg, msgs.StartupFailed):
+            proc.join(30)
+            raise msg.error
+        return cls(cmd_send, out_recv, proc, msg.info, max_queue)
 
     # ---- called from the event loop ------------------------------------------------------
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+        """Requests not started: queued in the engine, or sent and not yet seen by it."""
+        return self._waiting + self._adds_sent - self._adds_seen
 
     def check_admissible(self, prompt_ids: list[int]) -> None:
-        """Raises the engine's rejection (too long / larger than the pool) before queueing."""
-        self.engine.scheduler.check_admissible(len(prompt_ids))
+        """Raises RequestRejected for a prompt no engine of this length limit could take (a prompt
+        larger than the whole pool is refused by the engine, as the first output)."""
+        check_prompt_length(len(prompt_ids), self.info.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                        prompt_text: str | None = None, grammar=None) -> AsyncIterator[RequestOutput]:
+        """``grammar``: a serve.grammar.GrammarSpec; the engine process compiles it, and a bad one
+        is raised (GrammarError) as the first output."""
+        self._attach()
         if self.errored is not None:
-            raise RuntimeError(f"the engine has stopped: {self.errored!r}")
+            raise RuntimeError(f"the engine has stopped: {self.errored}")
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFull(f"{self.num_waiting()} requests are already waiting (--max-queue {self.max_queue})")
         self.check_admissible(prompt_ids)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
-        with self._lock:
-            self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_ids, params, prompt_text, grammar))
-        self._wake.set()
+        stream = _Stream(asyncio.Queue(), list(prompt_ids), prompt_text)
+        self._streams[request_id] = stream
+        self._adds_sent += 1
+        self._outbox.put(msgs.AddRequest(request_id, stream.prompt_ids, params, prompt_text, grammar))
         try:
             while True:
                 item = await stream.queue.get()
@@ -74,65 +129,94 @@ class AsyncLLM:
                 if item.finished:
                     return
         finally:
-            with self._lock:
-                live = self._streams.pop(request_id, None) is not None
-            if live:  # the consumer went away early (client disconnect, cancellation): free at once
+            if self._streams.pop(request_id, None) is not None:  # the consumer left early: free at once
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        self._outbox.put(msgs.Abort(request_id))
+
+    async def stats(self, timeout: float = 30.0) -> dict:
+        """The engine's gauges (engine_process.engine_stats), read between two of its steps."""
+        self._attach()
+        if self.errored is not None:
+            raise RuntimeError(f"the engine has stopped: {self.errored}")
+        token = next(self._tokens)
+        fut = self._loop.create_future()
+        self._stats[token] = fut
+        self._outbox.put(msgs.StatsQuery(token))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._stats.pop(token, None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything still running and stop the engine thread."""
-        self._commands.put(("abort_all",))
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
+        """Abort everything still running and stop the engine process."""
+        if self._closing:
+            return
+        self._closing = True
+        self._outbox.put(msgs.AbortAll("the server is shutting down"))
+        self._outbox.put(msgs.Stop())
+        self._outbox.put(None)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop in %.0f s: terminating it", timeout)
+            self._process.terminate()
+            self._process.join(5)
 
-    # ---- engine thread --------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is not None and (isinstance(item, BaseException) or item.finished):
-                self._streams.pop(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    def _attach(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop_set.set()
 
-    def _drain_commands(self) -> None:
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, msgs.StepOutputs):
+            self._waiting, self._adds_seen = msg.waiting, msg.adds_seen
+            for rid, finished, seqs in msg.outputs:
+                stream = self._streams.get(rid)
+                if stream is None:  # its consumer went away: the abort is on its way
+                    continue
+                if finished:
+                    del self._streams[rid]
+                stream.queue.put_nowait(stream.output(rid, finished, seqs))
+        elif isinstance(msg, msgs.RequestFailed):
+            stream = self._streams.pop(msg.request_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(msg.error)
+        elif isinstance(msg, msgs.StatsReply):
+            fut = self._stats.get(msg.token)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.stats)
+        elif isinstance(msg, msgs.EngineFailed):
+            for stream in self._streams.values():
+                stream.queue.put_nowait(RuntimeError(f"engine failure: {msg.error}"))
+            self._streams.clear()
+            for fut in self._stats.values():
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"engine failure: {msg.error}"))
+
+    # ---- threads ---------------------------------------------------------------------------
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._commands.send(msg)
+            except OSError:  # the engine process is gone; the reader reports it
+                return
+
+    def _read(self) -> None:
         while True:
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
+                msg = self._outputs.recv()
+            except (EOFError, OSError):
+                if self._closing:
+                    return
+                msg = msgs.EngineFailed(f"the engine process exited (exit code {self._process.exitcode})")
+            if isinstance(msg, msgs.EngineFailed):
+                log.error("engine failed: %s", msg.error)
+                self.errored = RuntimeError(msg.error)
+            self._loop_set.wait()
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, msg)
+            except RuntimeError:  # the event loop has closed
                 return
-            if cmd[0] == "add":
-                _, rid, ids, params, text, grammar = cmd
-                try:
-                    self.engine.add_request(ids, params, request_id=rid, prompt_text=text, grammar=grammar)
-                except Exception as exc:  # rejected: tell the waiting coroutine
-                    self._deliver(rid, exc)
-            elif cmd[0] == "abort":
-                self.engine.abort_request(cmd[1])
-            elif cmd[0] == "abort_all":
-                for rid in list(self.engine.requests):
-                    self.engine.abort_request(rid)
-                    self._deliver(rid, RuntimeError("the server is shutting down"))
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-            self._drain_commands()
-        except BaseException as exc:  # a broken engine must not hang clients forever
-            log.exception("engine loop failed")
-            self.errored = exc
-            with self._lock:
-                rids = list(self._streams)
-            for rid in rids:
-                self._deliver(rid, RuntimeError(f"engine failure: {exc!r}"))
+            if isinstance(msg, msgs.EngineFailed):
+                return

@@ -170,13 +170,8 @@ class LLMEngine:
             model = resolve_model(model)
         validate_startup(model, preset, config, load_kw.get("device"))  # before any weight loads
         net = load_model(model, preset=preset, **load_kw)
-        if tokenizer is None and model is not None:
-            from ..tokenizer import load_tokenizer
-
-            try:
-                tokenizer = load_tokenizer(model)
-            except (FileNotFoundError, ValueError) as exc:
-                log.warning("no tokenizer loaded (%s): prompts must be token ids", exc)
+        if tokenizer is None:
+            tokenizer = tokenizer_or_none(model)
         return cls(net, tokenizer, config)
 
     # ---- memory ---------------------------------------------------------------------------
@@ -585,9 +580,23 @@ class LLMEngine:
                     timings={**self.timings, **self.runner.timings})
 
 
-def validate_startup(model, preset, config: EngineConfig, device=None) -> None:
+def tokenizer_or_none(model):
+    """The checkpoint's tokenizer; None for a preset or a checkpoint without one (token-id prompts)."""
+    if model is None:
+        return None
+    from ..tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(model)
+    except (FileNotFoundError, ValueError) as exc:
+        log.warning("no tokenizer loaded (%s): prompts must be token ids", exc)
+        return None
+
+
+def validate_startup(model, preset, config: EngineConfig, device=None, check_memory: bool = True) -> None:
     """The planner's layout and memory checks and the kernel-backend environment, run before a
-    single weight is read."""
+    single weight is read. ``check_memory=False``: no CUDA call (a process that must not hold a
+    CUDA context: the server's, whose engine process checks again with memory)."""
     from ..config import ModelConfig
     from ..ops.backend import check_environment
     from ..plan import validate_layout
@@ -595,8 +604,10 @@ def validate_startup(model, preset, config: EngineConfig, device=None) -> None:
 
     check_environment()
     mcfg = ModelConfig.from_pretrained(model) if model is not None else ModelConfig.from_dict(preset_config(preset))
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    mem = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else None
+    mem = None
+    if check_memory:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        mem = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else None
     validate_layout(mcfg, config.tensor_parallel_size, config.expert_parallel_size,
                     config.decode_context_parallel_size, gpu_memory_gib=mem)
 

@@ -26,6 +26,14 @@ class RequestRejected(ValueError):
     """A request that can never run (too long for the model or for the whole pool)."""
 
 
+def check_prompt_length(prompt_len: int, max_model_len: int) -> None:
+    if prompt_len < 1:
+        raise RequestRejected("the prompt is empty: at least one token is needed")
+    if prompt_len >= max_model_len:
+        raise RequestRejected(f"the prompt has {prompt_len} tokens; max_model_len is {max_model_len} "
+                              "(prompt plus at least one generated token must fit)")
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -56,11 +64,7 @@ class Scheduler:
 
     # ---- admission control ----------------------------------------------------------------
     def check_admissible(self, prompt_len: int) -> None:
-        if prompt_len < 1:
-            raise RequestRejected("the prompt is empty: at least one token is needed")
-        if prompt_len >= self.max_model_len:
-            raise RequestRejected(f"the prompt has {prompt_len} tokens; max_model_len is {self.max_model_len} "
-                                  "(prompt plus at least one generated token must fit)")
+        check_prompt_length(prompt_len, self.max_model_len)
         pages = -(-(prompt_len + 1) // self.page_size)
         if not self.pool.fits_alone(1, pages):
             raise RequestRejected(f"the prompt needs {pages} MLA pages plus one KDA slot, more than the whole "

@@ -35,22 +35,29 @@ class APIError(Exception):
 class ServerState:
     llm: AsyncLLM
     model_name: str
+    tokenizer: Any = None  # this process's own copy (the engine process holds another)
     api_key: str | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
-    grammar_backend: Any = None
 
     @property
-    def engine(self):
-        return self.llm.engine
-
-    @property
-    def tokenizer(self):
-        return self.llm.engine.tokenizer
+    def info(self):
+        return self.llm.info
 
 
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _error_event_on_failure(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream whose engine fails after the 200 went out ends with an OpenAI-style error event
+    and [DONE] (as vLLM's), not a cut connection."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        yield _sse(error_body(f"the request failed mid-stream: {exc}", "internal_error"))
+        yield _sse("[DONE]")
 
 
 async def _parse(request: Request, model_cls):
@@ -70,7 +77,7 @@ async def _parse(request: Request, model_cls):
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="k3serve", version="0.1.0")
-    metrics = Metrics(state.engine)
+    metrics = Metrics()
     app.state.k3 = state
     app.state.metrics = metrics
 
@@ -106,13 +113,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_route():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(await state.llm.stats()), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "k3serve",
-            "max_model_len": state.engine.max_model_len}]}
+            "max_model_len": state.info.max_model_len}]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -122,14 +129,14 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         ids = (encode_prompt(state, body.prompt) if body.prompt is not None
                else render_chat(state, ChatCompletionRequest(messages=body.messages)).token_ids)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await _parse(request, DetokenizeRequest)
         check_model(body.model)
         need_tokenizer(state)
-        vocab = state.engine.model.config.vocab_size
+        vocab = state.info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
@@ -145,13 +152,13 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "the prompt is empty", param="prompt")
         prompt_ids = [encode_prompt(state, p) for p in prompts]
         params = make_params(body, body.max_tokens, body.logprobs, 16)
-        grammar = await compile_grammar(state, body)
+        grammar = grammar_spec(state, body)
         if body.stream:
             if len(prompt_ids) != 1:
                 raise APIError(400, "streaming supports one prompt per request", param="prompt")
             gen = start(state, request, prompt_ids[0], params, grammar)
             first = await _first(gen)
-            return StreamingResponse(stream_completion(state, body, prompt_ids[0], gen, first),
+            return StreamingResponse(_error_event_on_failure(stream_completion(state, body, prompt_ids[0], gen, first)),
                                      media_type="text/event-stream")
         finals = []
         for ids in prompt_ids:
@@ -167,12 +174,13 @@ def build_app(state: ServerState) -> FastAPI:
         use_parsers = bool(state.reasoning_parser or (state.tool_call_parser and body.tools))
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = make_params(body, max_tokens, body.top_logprobs if body.logprobs else None,
-                             max(1, state.engine.max_model_len - len(ids)), keep_special=use_parsers)
-        grammar = await compile_grammar(state, body, prompt)
+                             max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers)
+        grammar = grammar_spec(state, body, prompt)
         gen = start(state, request, ids, params, grammar)
         if body.stream:
             first = await _first(gen)
-            return StreamingResponse(stream_chat(state, body, prompt, gen, first), media_type="text/event-stream")
+            return StreamingResponse(_error_event_on_failure(stream_chat(state, body, prompt, gen, first)),
+                                     media_type="text/event-stream")
         final = await collect(request, gen)
         return chat_response(state, body, prompt, final)
 
@@ -192,7 +200,7 @@ def encode_prompt(state: ServerState, prompt) -> list[int]:
         ids = state.tokenizer.encode(prompt)
     else:
         ids = list(prompt)
-        vocab = state.engine.model.config.vocab_size
+        vocab = state.info.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be integers in 0..{vocab - 1}", param="prompt")
     check_length(state, ids)
@@ -213,7 +221,7 @@ def render_chat(state: ServerState, body: ChatCompletionRequest):
 
     try:
         prompt = build_chat_prompt(
-            state.tokenizer, state.engine.model.config.model_type,
+            state.tokenizer, state.info.model_type,
             [m.model_dump(exclude_none=True) for m in body.messages], tools=body.tools, tool_choice=body.tool_choice,
             response_format=body.response_format, reasoning_effort=body.reasoning_effort,
             add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs)
@@ -237,12 +245,13 @@ def _forced_tool_call(state: ServerState, body) -> bool:
     """tool_choice required / named on K3 with the tool parser on: the output is constrained."""
     choice = getattr(body, "tool_choice", None)
     return bool(getattr(body, "tools", None) and state.tool_call_parser and (choice == "required" or isinstance(choice, dict))
-                and state.engine.model.config.model_type == "kimi_k3")
+                and state.info.model_type == "kimi_k3")
 
 
-async def compile_grammar(state: ServerState, body, prompt=None):
-    """Compiled on the backend's thread pool, off the event loop and the engine's hot path."""
-    if state.grammar_backend is None:
+def grammar_spec(state: ServerState, body, prompt=None):
+    """The request's output constraint (a GrammarSpec) or None. The engine process compiles it off
+    its hot path; an invalid one comes back as the request's first output (``_first``: a 400)."""
+    if not state.info.structured_output:
         if body.response_format not in (None, {"type": "text"}) or body.guided_json or body.guided_regex \
                 or body.guided_choice:
             raise APIError(400, "structured output is not available on this server", param="response_format")
@@ -259,11 +268,7 @@ async def compile_grammar(state: ServerState, body, prompt=None):
 
             spec = GrammarSpec("ebnf", tool_call_grammar(body.tools, body.tool_choice,
                                                          bool(getattr(prompt, "prompt_ends_in_think", False))))
-        if spec is None:
-            return None
-        import asyncio
-
-        return await asyncio.wrap_future(state.grammar_backend.compile_async(spec))
+        return spec
     except (GrammarError, ValueError) as exc:
         raise APIError(400, f"invalid structured-output request: {exc}", param="response_format") from None
 
@@ -305,6 +310,12 @@ async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     except QueueFull as exc:
         raise APIError(503, str(exc), "server_overloaded") from None
     except RequestRejected as exc:
+        raise APIError(400, str(exc)) from None
+    except ValueError as exc:  # the engine's other refusals, GrammarError (a bad constraint) among them
+        from .grammar import GrammarError
+
+        if isinstance(exc, GrammarError):
+            raise APIError(400, f"invalid structured-output request: {exc}", param="response_format") from None
         raise APIError(400, str(exc)) from None
 
 
@@ -384,7 +395,7 @@ async def stream_completion(state: ServerState, body, prompt_ids, gen, first) ->
 
 
 def _parser_args(state: ServerState, body, prompt) -> dict:
-    return dict(model_type=state.engine.model.config.model_type, reasoning=bool(state.reasoning_parser),
+    return dict(model_type=state.info.model_type, reasoning=bool(state.reasoning_parser),
                 tools=bool(state.tool_call_parser and body.tools and body.tool_choice != "none"),
                 prompt_ends_in_think=bool(getattr(prompt, "prompt_ends_in_think", False)),
                 tool_call_start_index=getattr(prompt, "tool_call_start_index", 0))

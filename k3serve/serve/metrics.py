@@ -8,8 +8,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class Metrics:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("k3serve_requests", "Finished requests", ["finish_reason"], registry=r)
         self.errors = Counter("k3serve_request_errors", "Requests answered with an error", ["status"], registry=r)
@@ -35,21 +34,18 @@ class Metrics:
         self.steps = Gauge("k3serve_engine_steps", "Forward steps so far: eager, or a static step "
                            "(decode_graph / prefill_graph: CUDA-graph replays on a GPU)", ["kind"], registry=r)
 
-    def render(self) -> bytes:
-        eng = self.engine
-        st = eng.pool.stats()
-        self.running.set(len(eng.scheduler.running))
-        self.waiting.set(len(eng.scheduler.waiting))
+    def render(self, st: dict) -> bytes:
+        """``st``: the engine's gauges (engine_process.engine_stats)."""
+        self.running.set(st["running"])
+        self.waiting.set(st["waiting"])
         self.pool_bytes.labels("kda").set(st["kda_bytes"])
         self.pool_bytes.labels("mla").set(st["mla_bytes"])
         self.pool_usage.set(st["used_bytes"] / st["total_bytes"])
-        self.preemptions.set(eng.scheduler.num_preemptions)
-        for kind, n in eng.step_kinds().items():
+        self.preemptions.set(st["preemptions"])
+        for kind, n in st["step_kinds"].items():
             self.steps.labels(kind).set(n)
-        from ..engine.request import Sequence
-
-        self.request_bytes.set(eng.scheduler.owners.bytes_held(lambda h: isinstance(h, Sequence)))
-        ps = eng.prefix_stats()
+        self.request_bytes.set(st["request_bytes"])
+        ps = st["prefix"]
         if ps:
             self.prefix_hit_rate.set(ps["hit_rate"])
             self.prefix_tokens.labels("reused").set(ps["tokens_reused"])

@@ -1,4 +1,5 @@
-"""``k3serve serve``: build the engine (layout checked before weights load), the app, and run uvicorn."""
+"""``k3serve serve``: check the layout (before any weight loads), start the engine process, build
+the app, and run uvicorn in this process."""
 
 from __future__ import annotations
 
@@ -11,25 +12,18 @@ log = logging.getLogger(__name__)
 
 
 def build_state(args: argparse.Namespace):
-    from ..cli import engine_from_args
+    from ..cli import engine_config_from_args
     from ..engine.async_engine import AsyncLLM
+    from ..engine.engine import tokenizer_or_none, validate_startup
     from .api import ServerState
 
-    engine = engine_from_args(args)
-    grammar = None
-    if engine.tokenizer is not None and not args.no_structured_output:
-        try:
-            from .grammar import GrammarBackend
-        except ImportError as exc:  # xgrammar missing: serve without structured output
-            log.warning("structured output disabled: %s", exc)
-        else:
-            from .tool_grammar import K3_MARKERS
-
-            markers = tuple(i for m in K3_MARKERS if (i := engine.tokenizer.special_tokens.get(m)) is not None)
-            grammar = GrammarBackend(engine.tokenizer, engine.model.config.vocab_size, marker_ids=markers)
-    name = args.served_model_name or args.preset or resolve_model(args.model).name
-    return ServerState(AsyncLLM(engine, args.max_queue), name, args.api_key, args.reasoning_parser,
-                       args.tool_call_parser, grammar)
+    model = None if args.preset else resolve_model(args.model)
+    # Refused here, before the engine process starts (it checks again, with the GPU's memory).
+    validate_startup(model, args.preset, engine_config_from_args(args), args.device, check_memory=False)
+    llm = AsyncLLM.start(args, args.max_queue)
+    name = args.served_model_name or args.preset or model.name
+    return ServerState(llm, name, tokenizer_or_none(model), args.api_key, args.reasoning_parser,
+                       args.tool_call_parser)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -44,5 +38,8 @@ def serve(args: argparse.Namespace) -> int:
     def _stop() -> None:  # SIGTERM: uvicorn stops accepting, then in-flight requests are aborted cleanly
         state.llm.shutdown()
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        state.llm.shutdown()
     return 0
