@@ -354,7 +354,8 @@ while True:
             --rate 250 -d "${SPY_S:-20}" -o "$OUT/spy_gil.txt" > "$OUT/serve_spy_gil.log" 2>&1 &
         fi
         step "serve_$run" "$(left 400)" python3 -m k3serve.cli bench serve --url http://127.0.0.1:8123 \
-          --input-len 512 --output-len 128 --range-ratio 0 --concurrency "$c" --num-prompts $((c * 3)) --json
+          --input-len 512 --output-len 128 --range-ratio 0 --concurrency "$c" --num-prompts $((c * 3)) --json \
+          --client-processes "${SERVE_CLIENTS:-$(( c >= 128 ? c / 64 : 1 ))}"  # one Python client per 64 streams
       done
     done
     wait_spy=$(jobs -p | grep -v "^$spid$"); [ -n "$wait_spy" ] && wait $wait_spy

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import random
 import statistics
 import time
@@ -79,13 +80,19 @@ def _stats(values: list[float]) -> dict:
             "p90": pct(90) * 1000, "p99": pct(99) * 1000}
 
 
-async def run(args: argparse.Namespace) -> dict:
-    rng = random.Random(args.seed)
+async def drive(args: argparse.Namespace, share: int = 0, of: int = 1, barrier=None
+                ) -> tuple[list[Result], float, float, float]:
+    """This client process's part of the load: requests (or sessions) i with i % of == share, at
+    its part of the concurrency, on the run's one arrival schedule. Returns the results, wall
+    start and end (time.time) and its CPU seconds."""
+    sched = random.Random(args.seed)  # arrivals and the shared system prompt: the same in every process
+    rng = random.Random(args.seed * 1009 + share)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 8)
+    concurrency = args.concurrency // of + (share < args.concurrency % of)
+    limits = httpx.Limits(max_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         model = args.model or (await client.get(args.url + "/v1/models", headers=headers)).json()["data"][0]["id"]
-        sem = asyncio.Semaphore(args.concurrency)
+        sem = asyncio.Semaphore(concurrency)
 
         def length(most: int) -> int:  # uniform in [most * (1 - range_ratio), most]
             return rng.randint(max(1, round(most * (1 - args.range_ratio))), most)
@@ -119,24 +126,54 @@ async def run(args: argparse.Namespace) -> dict:
         for _ in range(args.num_prompts):
             arrivals.append(t)
             if args.request_rate:
-                t += rng.expovariate(args.request_rate)
-        start, cpu0 = time.perf_counter(), time.process_time()
+                t += sched.expovariate(args.request_rate)
+        system = [sched.randrange(1000) for _ in range(args.system_len)]
+        mine = range(share, args.num_prompts, of)
+        if barrier is not None:
+            barrier.wait()  # every client process starts its clock together
+        start, cpu0 = time.time(), time.process_time()
         if args.dataset == "random":
-            await asyncio.gather(*(random_request(i) for i in range(args.num_prompts)))
+            await asyncio.gather(*(random_request(i) for i in mine))
         else:
-            system = [rng.randrange(1000) for _ in range(args.system_len)]
-            await asyncio.gather(*(session(i, system) for i in range(args.num_prompts)))
-        duration = time.perf_counter() - start
-        client_cpu = time.process_time() - cpu0
+            await asyncio.gather(*(session(i, system) for i in mine))
+        return results, start, time.time(), time.process_time() - cpu0
+
+
+def _client_process(args, share, of, barrier, out) -> None:
+    out.put(asyncio.run(drive(args, share, of, barrier)))
+
+
+def run_processes(args: argparse.Namespace) -> dict:
+    """``--client-processes`` N: the load split over N client processes (one Python process parsing
+    hundreds of SSE streams can itself become the bottleneck), merged into one report."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(args.client_processes), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(args, i, args.client_processes, barrier, out))
+             for i in range(args.client_processes)]
+    for p in procs:
+        p.start()
+    parts = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    results = [r for part in parts for r in part[0]]
+    duration = max(p[2] for p in parts) - min(p[1] for p in parts)
+    return report(args.dataset, results, duration, sum(p[3] for p in parts))
+
+
+async def run(args: argparse.Namespace) -> dict:
+    results, start, end, cpu = await drive(args)
+    return report(args.dataset, results, end - start, cpu)
+
+
+def report(dataset: str, results: list[Result], duration: float, client_cpu: float) -> dict:
     good = [r for r in results if r.ok]
     out_tokens = sum(r.output_len for r in good)
     in_tokens = sum(r.prompt_len for r in good)
     tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in good if r.output_len > 1]
     return {
-        "dataset": args.dataset, "requests": len(results), "completed": len(good), "failed": len(results) - len(good),
+        "dataset": dataset, "requests": len(results), "completed": len(good), "failed": len(results) - len(good),
         "input_tokens": in_tokens, "output_tokens": out_tokens, "duration_s": round(duration, 2),
-        # this client's own CPU seconds: near duration_s, the client (one Python process) is what limits the
-        # figures, not the server
+        # the clients' own CPU seconds: near duration_s x processes, the client is what limits the figures
         "client_cpu_s": round(client_cpu, 2), "request_throughput": round(len(good) / duration, 3),
         "output_token_throughput": round(out_tokens / duration, 1),
         "total_token_throughput": round((in_tokens + out_tokens) / duration, 1),
@@ -174,6 +211,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="split the load over this many client processes (for hundreds of concurrent streams)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", action="store_true")
 
@@ -181,6 +220,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if not 0.0 <= args.range_ratio <= 1.0:
         raise SystemExit(f"--range-ratio must lie in [0, 1], got {args.range_ratio}")
-    rep = asyncio.run(run(args))
+    if not 1 <= args.client_processes <= args.concurrency:
+        raise SystemExit(f"--client-processes must lie in [1, --concurrency], got {args.client_processes}")
+    rep = run_processes(args) if args.client_processes > 1 else asyncio.run(run(args))
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     return 0 if rep["completed"] else 1

@@ -269,6 +269,11 @@ def test_bench_serve_against_the_live_server(server, capsys):
     rep = json.loads(capsys.readouterr().out)  # fixed lengths: every prompt and answer exactly as long as asked
     assert (rep["completed"], rep["input_tokens"], rep["output_tokens"]) == (4, 4 * 33, 4 * 5)
     assert 0 < rep["client_cpu_s"]
+    assert main(["bench", "serve", "--url", server, "--num-prompts", "5", "--concurrency", "3", "--input-len", "21",
+                 "--output-len", "4", "--range-ratio", "0", "--client-processes", "2", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)  # two client processes (2 + 1 streams), one merged report
+    assert (rep["requests"], rep["completed"], rep["input_tokens"], rep["output_tokens"]) == (5, 5, 5 * 21, 5 * 4)
+    assert 0 < rep["ttft_ms"]["median"] <= rep["e2e_ms"]["median"] and rep["client_cpu_s"] > 0
     assert main(["bench", "serve", "--url", server, "--dataset", "agentic", "--num-prompts", "2", "--turns", "3",
                  "--system-len", "64", "--input-len", "30", "--output-len", "4", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
