@@ -184,6 +184,9 @@ def test_api_key_and_queue_limit_and_sigterm(model_dir):
     try:
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url + "/health").status_code == 200  # outside /v1: no key needed
         ok = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         with pytest.raises(openai.APIStatusError) as exc:
             ok.completions.create(model="tiny", prompt="x", max_tokens=2)
