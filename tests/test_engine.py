@@ -286,3 +286,39 @@ def test_logprobs_through_the_engine(text_llm):
         assert tok == t and len(alts) == 3
         assert alts[0][0] == tok and abs(alts[0][1] - logprob) < 1e-6  # greedy picks the top alternative
         assert alts[0][1] >= alts[1][1] >= alts[2][1]
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_delta_outputs_add_up_to_the_cumulative_ones(text_llm, async_scheduling):
+    """``step(cumulative=False)`` (what the engine process streams): text, token ids and logprobs
+    of the new tokens alone, which concatenated give what the cumulative form's last output holds,
+    for every sequence of n > 1, with and without overlapped scheduling."""
+    def run(cumulative):
+        eng = LLMEngine(text_llm.engine.model, text_llm.engine.tokenizer,
+                        EngineConfig(cache_memory="64MiB", page_size=16, async_scheduling=async_scheduling))
+        specs = [("def f(x):", SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, logprobs=2)),
+                 ("import os", SamplingParams(max_tokens=7, n=2, temperature=0.9, seed=5, ignore_eos=True)),
+                 ([5, 6, 7], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, stop=["\n\n"]))]
+        rids = [eng.add_request(p, params) for p, params in specs]
+        got = {(rid, i): ["", [], []] for rid, (_, params) in zip(rids, specs) for i in range(params.n)}
+        finals = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step(cumulative=cumulative):
+                for o in out.outputs:
+                    acc = got[(out.request_id, o.index)]
+                    assert o.delta_text == (o.text if not cumulative else o.delta_text)
+                    acc[0] += o.delta_text
+                    acc[1] += o.delta_token_ids
+                    if not cumulative:
+                        assert o.token_ids == o.delta_token_ids
+                        acc[2] += o.logprobs or []
+                    finals[(out.request_id, o.index)] = (o.text, list(o.token_ids), o.logprobs, o.finish_reason)
+        return got, finals
+
+    deltas, _ = run(False)
+    streamed, finals = run(True)
+    for key, (text, ids, lps, reason) in finals.items():
+        assert reason is not None
+        assert deltas[key][0] == streamed[key][0] == text and deltas[key][1] == streamed[key][1] == ids
+        assert deltas[key][2] == (lps or [])
+    assert any(lps for _, _, lps, _ in finals.values())  # the logprobs request was compared

@@ -110,14 +110,9 @@ class EngineFailed:
 
 
 def output_delta(out: RequestOutput) -> OutputDelta:
-    seqs = []
-    for o in out.outputs:
-        lps = None
-        if o.logprobs is not None:
-            end = len(o.token_ids)
-            lps = o.logprobs[end - len(o.delta_token_ids): end]
-        seqs.append((o.index, o.delta_text, o.delta_token_ids, o.finish_reason, o.stop_reason, lps))
-    return out.request_id, out.finished, seqs
+    """``out`` from ``LLMEngine.step(cumulative=False)``: its logprobs are the new tokens' alone."""
+    return out.request_id, out.finished, [(o.index, o.delta_text, o.delta_token_ids, o.finish_reason, o.stop_reason,
+                                           o.logprobs) for o in out.outputs]
 
 
 def picklable(exc: BaseException) -> BaseException:
@@ -159,7 +154,7 @@ class EngineLoop:
                 self._admit_compiled()
                 if not self.engine.has_unfinished_requests():
                     continue
-                outs = self.engine.step()
+                outs = self.engine.step(cumulative=False)
                 if outs:
                     self.outputs.send(StepOutputs([output_delta(o) for o in outs],
                                                   len(self.engine.scheduler.waiting) + len(self.compiling),
