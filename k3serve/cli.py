@@ -209,12 +209,13 @@ def _parse_tokens(text: str) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .model.weights import CheckpointError
     from .plan import LayoutError
     from .serve.server import serve
 
     try:
         return serve(args)
-    except (LayoutError, FileNotFoundError) as exc:
+    except (LayoutError, FileNotFoundError, CheckpointError) as exc:  # raised in the engine process too
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -395,6 +395,19 @@ def test_serve_refuses_an_illegal_layout_before_loading(model_dir, capsys, monke
     assert "TP=3 does not divide" in capsys.readouterr().err
 
 
+def test_serve_names_a_truncated_shard_and_exits(tmp_path):
+    """A bad checkpoint stops the engine process's start-up; the server says which shard and why,
+    with exit code 2, instead of a traceback or a server without an engine."""
+    make_model("tiny", tmp_path, seed=2, progress=False)
+    shard = next(tmp_path.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    port = _free_port()
+    proc = subprocess.run([sys.executable, "-m", "k3serve.cli", "serve", "--model", str(tmp_path), "--device", "cpu",
+                           "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"error: shard {shard.name} is unreadable or truncated" in proc.stderr
+
+
 def test_tool_call_round_trip(model_dir):
     """Named tool_choice constrains the (random) model's output to a K3 tool call: the call is
     parsed into OpenAI tool_calls, the tool result goes back, and the final answer is plain text."""
