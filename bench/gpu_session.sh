@@ -14,6 +14,7 @@
 #   bash bench/gpu_session.sh e2e       # python -m bench.e2e (k3-slice floors, kimi-linear-48b engine vs HF)
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
+#   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
 #   (also: sampling, attnres, attnressum, attnresdeep, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
@@ -329,6 +330,10 @@ print(t.apply(path=Path('$OUT/tuned.json')))"
       --max-model-len 1048576 --max-num-seqs 256 --sampling temperature=0.7,top_p=0.95
     tail -1 "$OUT/sampling_check.log"; tail -40 "$OUT/sampling_bench.log"; tail -14 "$OUT/sampling_peaked.log"
     tail -5 "$OUT/sampling_engine.log" ;;
+  syncs)  # no host sync inside a forward (bench/check_host_syncs.py): the tiny K3 model, then kimi-linear-48b
+    step syncs_tiny 200 python3 bench/check_host_syncs.py --preset tiny
+    step syncs_48b "$(left 400)" python3 bench/check_host_syncs.py --preset kimi-linear-48b
+    tail -5 "$OUT/syncs_tiny.log"; tail -5 "$OUT/syncs_48b.log" ;;
   serve48)  # kimi-linear-48b behind the HTTP server at a server's defaults (`k3serve serve --preset`, dummy weights):
             # `k3serve bench serve` at SERVE_CONC concurrencies (3 waves each, prompts of 512, 128 tokens out; a warm-up
             # run first), py-spy over both processes during the SPY_CONC run, then the same workload on the engine alone

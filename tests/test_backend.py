@@ -110,3 +110,21 @@ def test_pdl_is_off_on_cpu_and_when_switched_off(monkeypatch):
         assert pdl._enabled(0) is False  # decided before any CUDA query
     finally:
         pdl._enabled.cache_clear()
+
+
+def test_fresh_sequences_start_from_zero_state_and_others_keep_theirs():
+    """fla_backend._zero_fresh: the slots of sequences with no cached context are zeroed (in place,
+    whole slot), every other slot is left as it was; static steps zero nothing here."""
+    from types import SimpleNamespace
+
+    from k3serve.ops.fla_backend import _zero_fresh
+
+    state = torch.randn(6, 2, 3, 4)
+    before = state.clone()
+    batch = SimpleNamespace(static_shapes=False, context_lens_host=[5, 0, 7, 0, 0],
+                            kda_slots=torch.tensor([4, 1, 0, 5, 2]))
+    _zero_fresh(state, batch, range(0, 4))  # sequences 1 and 3 are fresh: slots 1 and 5; sequence 4 not asked
+    assert torch.equal(state[[1, 5]], torch.zeros(2, 2, 3, 4))
+    assert torch.equal(state[[0, 2, 3, 4]], before[[0, 2, 3, 4]])
+    _zero_fresh(state, SimpleNamespace(**{**vars(batch), "static_shapes": True}), range(5))
+    assert torch.equal(state[2], before[2])

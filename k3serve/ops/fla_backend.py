@@ -36,12 +36,17 @@ def available() -> bool:
 def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
     """Sequences without cached context start from a zero state (host-known, no device sync).
     Static (graph) steps skip it: their decode rows have context (padding rows use the scratch
-    slot), and their new prompts' initial states are zeroed on the device (``kda_core``)."""
+    slot), and their new prompts' initial states are zeroed on the device (``kda_core``).
+    ``index_fill_`` takes the zero as a scalar argument: ``state[slots] = 0.0`` made a 0-dim CPU
+    tensor of it and copied that to the GPU from pageable memory, which waits for the stream, so
+    every KDA layer of an eager step that mixed new and continuing prompts stopped the host until
+    the GPU caught up (py-spy, RESULTS.md thirty-fifth session: 16 % of the engine process's samples
+    at concurrency 256 were on that line)."""
     if batch.static_shapes:
         return
     fresh = [i for i in seqs if batch.context_lens_host[i] == 0]
     if fresh:
-        state[batch.kda_slots[to_device(fresh, state.device)]] = 0.0
+        state.index_fill_(0, batch.kda_slots[to_device(fresh, state.device)], 0.0)
 
 
 # fla's public chunk_kda reaches its forward through torch.compiler.disable, backend dispatch, an
