@@ -244,6 +244,11 @@ def run_engine_process(args: argparse.Namespace, commands, outputs) -> None:
     why not), then loop. Ctrl-C reaches the whole process group: the server process stops this
     one (Stop, or its end of the pipe closing), so the engine ignores SIGINT mid-step."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import threading
+
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a semaphore left at exit
     from ..cli import engine_from_args
 
     try:
