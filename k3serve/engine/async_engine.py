@@ -36,24 +36,26 @@ class _Stream:
     queue: asyncio.Queue
     prompt_ids: list[int]
     prompt_text: str | None
-    text: dict[int, str] = field(default_factory=dict)  # per sequence index, cumulative
+    pieces: dict[int, list[str]] = field(default_factory=dict)  # per sequence index: its text deltas
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
 
     def output(self, rid: str, finished: bool, seqs: list) -> RequestOutput:
-        """The request's cumulative output after one step's deltas. token_ids / logprobs are the
-        stream's growing lists (no copy a step): read them before the next output arrives."""
+        """The request's output after one step's deltas. token_ids / logprobs are the stream's
+        growing lists (no copy a step); ``text`` is the whole answer on the final output only
+        (joined once, not re-copied every step: streams read ``delta_text``), "" before."""
         outs = []
         for index, delta_text, delta_ids, finish_reason, stop_reason, lps in seqs:
-            self.text[index] = self.text.get(index, "") + delta_text
+            pieces = self.pieces.setdefault(index, [])
+            pieces.append(delta_text)
             ids = self.token_ids.setdefault(index, [])
             ids += delta_ids
             all_lps = None
             if lps is not None:
                 all_lps = self.logprobs.setdefault(index, [])
                 all_lps += lps
-            outs.append(CompletionOutput(index, self.text[index], ids, finish_reason, stop_reason, all_lps,
-                                         delta_text, delta_ids))
+            outs.append(CompletionOutput(index, "".join(pieces) if finished else "", ids, finish_reason, stop_reason,
+                                         all_lps, delta_text, delta_ids))
         return RequestOutput(rid, self.prompt_text, self.prompt_ids, outs, finished)
 
 
@@ -102,8 +104,9 @@ class AsyncLLM:
         return self._waiting + self._adds_sent - self._adds_seen
 
     def check_admissible(self, prompt_ids: list[int]) -> None:
-        """Raises RequestRejected for a prompt no engine of this length limit could take (a prompt
-        larger than the whole pool is refused by the engine, as the first output)."""
+        """Raises RequestRejected for a prompt no engine of this length limit could take (the server
+        asks before ``generate``; the engine refuses the rest, a prompt larger than the whole pool
+        among them, as the request's first output)."""
         check_prompt_length(len(prompt_ids), self.info.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -115,7 +118,6 @@ class AsyncLLM:
             raise RuntimeError(f"the engine has stopped: {self.errored}")
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFull(f"{self.num_waiting()} requests are already waiting (--max-queue {self.max_queue})")
-        self.check_admissible(prompt_ids)
         stream = _Stream(asyncio.Queue(), list(prompt_ids), prompt_text)
         self._streams[request_id] = stream
         self._adds_sent += 1
