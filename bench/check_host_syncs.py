@@ -26,26 +26,32 @@ os.environ.setdefault("K3SERVE_BACKEND", "triton")
 
 from k3serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3serve.engine.sampling_params import SamplingParams  # noqa: E402
+from k3serve.ops import fla_backend  # noqa: E402
 
 
-def workload(eng: LLMEngine, seed: int) -> int:
+def workload(eng: LLMEngine, seed: int) -> tuple[int, list[list[int]]]:
     """Four requests decoding, then three 300-token prompts arriving under a 384-token step budget
-    (so prompts continue across steps next to decode rows and new prompts). Returns the steps."""
+    (so prompts continue across steps next to decode rows and new prompts). Returns the steps and
+    the greedy answers, in request order."""
     rng = random.Random(seed)
     vocab = eng.model.config.vocab_size - 300
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for _ in range(4):
         eng.add_request([rng.randrange(vocab) for _ in range(rng.randrange(20, 60))], greedy)
-    steps = 0
-    for _ in range(3):
-        eng.step()
+    steps, done = 0, {}
+
+    def step():
+        nonlocal steps
         steps += 1
+        done.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+
+    for _ in range(3):
+        step()
     for _ in range(3):
         eng.add_request([rng.randrange(vocab) for _ in range(300)], greedy)
     while eng.has_unfinished_requests():
-        eng.step()
-        steps += 1
-    return steps
+        step()
+    return steps, [list(done[r]) for r in sorted(done, key=lambda r: int(r.rsplit("-", 1)[1]))]
 
 
 def main() -> int:
@@ -76,13 +82,19 @@ def main() -> int:
             mode("default")
 
     eng.runner.execute = checked
-    steps = workload(eng, 0)
+    steps, answers = workload(eng, 0)
     kinds = eng.step_kinds()
     print(f"{args.preset}: {steps} steps checked ({kinds}); forwards that synchronised the host: {len(failures)}")
     for f in failures[:3]:
         print(f)
+    # The same greedy answers with fla's public chunk_kda (its own chunk indices; fla_backend's
+    # direct call and the batch's host-built indices off), where that backend runs.
+    eng.runner.execute = execute
+    fla_backend.DIRECT_FORWARD = False
+    same = workload(eng, 0)[1] == answers
+    print(f"greedy answers with fla's public chunk_kda: {'the same' if same else 'DIFFERENT'} ({len(answers)} requests)")
     print("host-sync check:", "dry run on CPU, nothing checked" if not cuda else "ok" if not failures else "FAIL")
-    return 1 if failures else 0
+    return 1 if failures or not same else 0
 
 
 if __name__ == "__main__":

@@ -331,9 +331,9 @@ print(t.apply(path=Path('$OUT/tuned.json')))"
     tail -1 "$OUT/sampling_check.log"; tail -40 "$OUT/sampling_bench.log"; tail -14 "$OUT/sampling_peaked.log"
     tail -5 "$OUT/sampling_engine.log" ;;
   syncs)  # no host sync inside a forward (bench/check_host_syncs.py): the tiny K3 model, then kimi-linear-48b
-    step syncs_tiny 200 python3 bench/check_host_syncs.py --preset tiny
-    step syncs_48b "$(left 400)" python3 bench/check_host_syncs.py --preset kimi-linear-48b
-    tail -5 "$OUT/syncs_tiny.log"; tail -5 "$OUT/syncs_48b.log" ;;
+    step syncs_48b 240 python3 bench/check_host_syncs.py --preset kimi-linear-48b
+    step syncs_tiny "$(left "${SYNCS_UNTIL:-580}")" python3 bench/check_host_syncs.py --preset tiny
+    tail -5 "$OUT/syncs_48b.log"; tail -5 "$OUT/syncs_tiny.log" ;;
   serve48)  # kimi-linear-48b behind the HTTP server at a server's defaults (`k3serve serve --preset`, dummy weights):
             # `k3serve bench serve` at SERVE_CONC concurrencies (3 waves each, prompts of 512, 128 tokens out; a warm-up
             # run first), py-spy over both processes during the SPY_CONC run, then the same workload on the engine alone

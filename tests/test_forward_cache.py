@@ -160,6 +160,21 @@ def test_prefill_cu_seqlens_built_once_a_step():
     assert again[0] is dev and again[1] is host
 
 
+@pytest.mark.parametrize("new_tokens", [[3, 70], [64, 1, 129, 65], [200], [2, 1, 128, 63]])
+def test_kda_chunk_indices_name_every_chunk_of_every_prompt(new_tokens):
+    """fla's ``chunk_indices`` (prefill sequence, chunk within it), built from the host lengths
+    after the step's decode rows: every 64-token chunk of every prompt, in order, and once a step."""
+    from k3serve.model.batch import KDA_CHUNK
+
+    chunks = [SeqChunk([5], 7, 0, [0]), SeqChunk([6], 9, 1, [1])]
+    chunks += [SeqChunk([4] * n, 0, 2 + i, list(range(2 + 4 * i, 6 + 4 * i))) for i, n in enumerate(new_tokens)]
+    batch = ForwardBatch.build(chunks, 64, "cpu")
+    want = [[s, c] for s, n in enumerate(new_tokens) for c in range(-(-n // KDA_CHUNK))]
+    got = batch.kda_chunk_indices
+    assert got.dtype == torch.int64 and got.tolist() == want
+    assert batch.kda_chunk_indices is got
+
+
 def test_conv_normalising_q_and_k_gives_the_same_model(model, monkeypatch):
     """``kda.CONV_NORMS_QK``: q and k L2-normalised by the short conv instead of inside kda_core:
     the same logits over a mixed schedule (prefill chunks on cached context, decodes)."""

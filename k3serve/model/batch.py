@@ -21,6 +21,8 @@ import torch
 from ..config import ModelConfig
 from ..engine.transfer import to_device
 
+KDA_CHUNK = 64  # the token chunk of fla's chunk_kda (its default chunk_size)
+
 
 @dataclass
 class KDALayerCache:
@@ -116,16 +118,24 @@ class ForwardBatch:
     @cached_property
     def prefill_cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(device, host) [P+1] int64 token offsets of the non-decode sequences among their own
-        tokens: one pair a step, so fla's chunk kernels (whose index helpers are memoised by
-        argument identity) build their chunk indices once a step, not once a KDA layer; each
-        build ends in a blocking host-to-device copy, a stream sync (20 a kimi-linear prefill).
-        A static prefill step (engine/prefill_graphs.py) has them on the device only: (offsets,
+        tokens, once a step. A static prefill step (engine/prefill_graphs.py) has them on the device only: (offsets,
         None), from which fla builds its chunk indices on the device."""
         if self.static_shapes:
             return self.query_start[self.num_decodes:] - self.num_decodes, None
         cpu = torch.zeros(self.num_seqs - self.num_decodes + 1, dtype=torch.int64)
         cpu[1:] = torch.tensor(self.query_lens_host[self.num_decodes:], dtype=torch.int64).cumsum(0)
         return to_device(cpu, self.query_start.device), cpu
+
+    @cached_property
+    def kda_chunk_indices(self) -> torch.Tensor:
+        """[C, 2] int64 (prefill sequence, chunk within it) of every ``KDA_CHUNK``-token chunk of the
+        non-decode sequences: fla's ``chunk_indices``, built here from the host lengths once a step.
+        fla's own helper ends in a blocking host-to-device copy, a stream sync in every eager prefill
+        step (bench/check_host_syncs.py, RESULTS.md thirty-sixth session)."""
+        counts = torch.tensor([-(-n // KDA_CHUNK) for n in self.query_lens_host[self.num_decodes:]], dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        chunk = torch.arange(len(seq)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        return to_device(torch.stack([seq, chunk], 1), self.query_start.device)
 
     @cached_property
     def prefill_latents(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from ..engine.transfer import to_device
-from ..model.batch import ForwardBatch
+from ..model.batch import KDA_CHUNK, ForwardBatch
 from .kda_ref import kda_gate
 
 
@@ -69,30 +69,33 @@ def _direct_forward():
 
     try:
         from fla.ops.kda.chunk_fwd import chunk_kda_fwd
-        from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_indices_static
+        from fla.ops.utils.index import prepare_chunk_indices_static
     except Exception:  # (fla imports need a GPU driver)
         return None
     need = {"chunk_indices", "chunk_offsets", "use_graph", "use_gate_in_kernel", "A_log", "dt_bias", "lower_bound"}
     if not need <= set(inspect.signature(chunk_kda_fwd).parameters):
         return None
-    return chunk_kda_fwd, prepare_chunk_indices, prepare_chunk_indices_static
+    return chunk_kda_fwd, prepare_chunk_indices_static
 
 
-def _chunk_kda(q, k, v, g, beta, scale: float, initial_state, cu, cu_cpu, qk_normalized: bool, **in_kernel):
-    """fla's chunk_kda on one flat varlen batch ([1, T, ...] inputs): (o, final states)."""
+def _chunk_kda(q, k, v, g, beta, scale: float, initial_state, batch: ForwardBatch, qk_normalized: bool, **in_kernel):
+    """fla's chunk_kda on the batch's prefill sequences, one flat varlen batch ([1, T, ...] inputs):
+    (o, final states). In an eager step the chunk indices are the batch's own (built without a
+    host sync) where fla's internals take them, i.e. for q and k normalised already."""
+    cu, cu_cpu = batch.prefill_cu_seqlens
     direct = _direct_forward() if DIRECT_FORWARD and qk_normalized else None
     if direct is None:
         from fla.ops.kda import chunk_kda
 
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
                          use_qk_l2norm_in_kernel=not qk_normalized, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **in_kernel)
-    chunk_kda_fwd, indices, static_indices = direct
-    chunk = 64  # chunk_kda's default
+    chunk_kda_fwd, static_indices = direct
+    chunk = KDA_CHUNK
     use_graph, max_num_seqs = in_kernel.pop("use_graph", False), in_kernel.pop("max_num_seqs", None)
     if use_graph:
         chunk_indices, chunk_offsets = static_indices(cu, chunk, -(-q.shape[1] // chunk) + max_num_seqs - 1)
     else:
-        chunk_indices, chunk_offsets = indices(cu, chunk, cu_seqlens_cpu=cu_cpu), None
+        chunk_indices, chunk_offsets = batch.kda_chunk_indices, None
     o, ht, *_ = chunk_kda_fwd(
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(), scale=scale,
         initial_state=initial_state, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
@@ -127,17 +130,16 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         fresh = all(c == 0 for c in batch.context_lens_host[nd:])
         if not fresh:
             _zero_fresh(state, batch, range(nd, batch.num_seqs))
-        cu, cu_cpu = batch.prefill_cu_seqlens
         s = nd  # decode tokens come first, one each
         in_kernel = {} if gate is None else dict(use_gate_in_kernel=True, A_log=gate[0], dt_bias=gate[1],
                                                    lower_bound=gate[2])
-        if cu_cpu is None:  # a static step (a CUDA graph): chunk indices built on the device
-            in_kernel.update(use_graph=True, max_num_seqs=cu.shape[0] - 1)
+        if batch.static_shapes:  # a CUDA graph: chunk indices built on the device
+            in_kernel.update(use_graph=True, max_num_seqs=batch.prefill_cu_seqlens[0].shape[0] - 1)
         init = None if fresh else state[slots]
         if init is not None and batch.static_shapes:  # (no host zeroing there: new prompts' rows zeroed here)
             init = torch.where(batch.has_context[nd:, None, None, None] > 0, init, 0.0)
         o, ht = _chunk_kda(q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
-                           beta[None, s:].float(), scale, init, cu, cu_cpu, qk_normalized, **in_kernel)
+                           beta[None, s:].float(), scale, init, batch, qk_normalized, **in_kernel)
         state[slots] = ht
         if nd == 0 and o.dtype == out.dtype:  # a prefill-only step: fla's output is the whole output
             return o[0]
