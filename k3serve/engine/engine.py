@@ -529,7 +529,8 @@ class LLMEngine:
         by_string = False
         if reason is None and seq.detok is not None:
             emit, by_string = seq.stopper.feed(seq.detok.push(tok))
-            seq.text += emit
+            if emit:
+                seq.text_pieces.append(emit)
             if by_string:
                 reason, seq.stop_reason = "stop", seq.stopper.matched
         if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
@@ -550,11 +551,11 @@ class LLMEngine:
         if seq.detok is None:
             return
         emit, stopped = seq.stopper.feed(seq.detok.flush())
-        seq.text += emit
+        seq.text_pieces.append(emit)
         if stopped:
             seq.stop_reason = seq.stopper.matched
         else:
-            seq.text += seq.stopper.flush()
+            seq.text_pieces.append(seq.stopper.flush())
 
     def _request_output(self, req: Request, cumulative: bool = True) -> RequestOutput:
         outs = []
@@ -564,13 +565,13 @@ class LLMEngine:
                 end -= 1
             first = seq.num_prompt
             delta_ids = seq.token_ids[first + seq.emitted_tokens: first + end]
-            delta_text = seq.text[seq.emitted_text:]
+            delta_text = "".join(seq.text_pieces[seq.emitted_pieces:])
             lps = seq.logprobs if seq.params.logprobs is not None else None
             if cumulative:
                 text, ids, lps = seq.text, seq.token_ids[first: first + end], None if lps is None else list(lps)
             else:
                 text, ids, lps = delta_text, delta_ids, None if lps is None else lps[seq.emitted_tokens: end]
-            seq.emitted_tokens, seq.emitted_text = end, len(seq.text)
+            seq.emitted_tokens, seq.emitted_pieces = end, len(seq.text_pieces)
             outs.append(CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason, lps,
                                          delta_text, delta_ids))
         return RequestOutput(req.request_id, req.prompt_text, req.prompt_ids, outs, req.finished)

@@ -39,9 +39,11 @@ class Sequence:
     num_preemptions: int = 0
     pending_checkpoint: bool = False  # prefix cache: prompt-end state not yet snapshotted
     # Filled by the engine's output processing
-    text: str = ""
+    # The answer's text in the pieces it was produced in: appending a piece is O(1), where
+    # ``str +=`` on an attribute copies the whole answer every token.
+    text_pieces: list[str] = field(default_factory=list)
     emitted_tokens: int = 0
-    emitted_text: int = 0
+    emitted_pieces: int = 0
     logprobs: list = field(default_factory=list)
     detok: object | None = None
     stopper: object | None = None
@@ -50,6 +52,11 @@ class Sequence:
     # and whether that token ends the sequence whatever it is (max_tokens / max_model_len).
     pending: tuple | None = None
     awaiting_final: bool = False
+
+    @property
+    def text(self) -> str:
+        """The answer's text so far (joined on demand: once for a delta-output stream's final output)."""
+        return "".join(self.text_pieces)
 
     @property
     def num_tokens(self) -> int:
