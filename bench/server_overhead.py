@@ -6,6 +6,7 @@ is what HTTP, SSE, JSON, metrics and the message plumbing cost, whatever the mod
 concurrency, and reads the server process's user + system time from /proc around each timed run.
 
   python -m bench.server_overhead [--concurrency 32] [--output-len 64] [--runs 5]
+  python -m bench.server_overhead --input-len 512 --output-len 1   # what a request's intake costs
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main() -> None:
                  "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                  "--concurrency", str(args.concurrency), "--json", *(["--api-key", key] if key else [])]
         subprocess.run(bench + ["--num-prompts", str(args.concurrency)], check=True, capture_output=True)  # warm-up
-        per_token = []
+        per_token, per_request = [], []
         for _ in range(args.runs):
             c0 = _cpu_s(server.pid)
             out = subprocess.run(bench + ["--num-prompts", str(2 * args.concurrency)], check=True,
@@ -64,12 +65,15 @@ def main() -> None:
             cpu = _cpu_s(server.pid) - c0
             rep = json.loads(out)
             per_token.append(1e6 * cpu / rep["output_tokens"])
+            per_request.append(1e3 * cpu / rep["completed"])
             print(json.dumps({"server_cpu_s": round(cpu, 3), "output_tokens": rep["output_tokens"],
                               "server_cpu_us_per_token": round(per_token[-1], 1),
+                              "server_cpu_ms_per_request": round(per_request[-1], 3),
                               "itl_median_ms": round(rep["itl_ms"]["median"], 2)}), flush=True)
         print(f"server process CPU a streamed token: median {statistics.median(per_token):.1f} us "
               f"(min {min(per_token):.1f}, max {max(per_token):.1f}) over {args.runs} runs at concurrency "
-              f"{args.concurrency}, {args.output_len} tokens a request")
+              f"{args.concurrency}, {args.output_len} tokens a request; a request (prompt of {args.input_len}): "
+              f"median {statistics.median(per_request):.3f} ms")
     finally:
         server.terminate()
         server.wait(30)
