@@ -230,6 +230,7 @@ def engine_waves(concurrencies, prompt_len: int, new_tokens: int, waves: int = 3
             queued = torch.randint(0, vocab, (waves * C, prompt_len)).tolist()
             start, first, seen, done, itl, out_tokens = {}, {}, {}, {}, [], 0
             torch.cuda.synchronize()
+            counts0 = eng.scheduled_tokens()
             t0 = time.perf_counter()
             while queued or eng.has_unfinished_requests():
                 while queued and len(start) - len(done) < C:
@@ -250,13 +251,14 @@ def engine_waves(concurrencies, prompt_len: int, new_tokens: int, waves: int = 3
                     if out.finished:
                         done[rid] = now
             wall = time.perf_counter() - t0
+            counts = eng.scheduled_tokens()
         med = lambda v: round(1e3 * sorted(v)[len(v) // 2], 2)  # noqa: E731
         rows.append({"concurrency": C, "requests": waves * C, "prompt": prompt_len, "new": new_tokens,
                      "output_tok_s": round(out_tokens / wall, 1),
                      "ttft_median_ms": med([first[r] - start[r] for r in first]),
                      "tpot_median_ms": med([(done[r] - first[r]) / (new_tokens - 1) for r in done]),
                      "itl_median_ms": med(itl), "itl_p99_ms": round(1e3 * sorted(itl)[int(0.99 * (len(itl) - 1))], 2),
-                     "duration_s": round(wall, 2)})
+                     "duration_s": round(wall, 2), "prefill_steps": counts["prefill_steps"] - counts0["prefill_steps"]})
         print(rows[-1], flush=True)
     del eng
     gc.collect()

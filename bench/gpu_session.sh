@@ -370,7 +370,7 @@ while True:
     [ "${SERVE_ENGINE:-1}" = 1 ] && step e2e_waves "$(left 580)" python3 -m bench.e2e --parts waves \
       --engine-batches "$conc" --out /tmp/gpu_work
     for c in ${conc//,/ }; do python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print('concurrency', \
-      sys.argv[2], {k: r[k] for k in ('completed', 'output_token_throughput', 'duration_s', 'client_cpu_s')}, *(f'{m} median/p99 ' \
+      sys.argv[2], {k: r.get(k) for k in ('completed', 'output_token_throughput', 'duration_s', 'client_cpu_s', 'server_engine')}, *(f'{m} median/p99 ' \
       f'{r[m][\"median\"]:.2f}/{r[m][\"p99\"]:.2f}' for m in ('ttft_ms', 'tpot_ms', 'itl_ms')))" \
       "$OUT/serve_c$c.log" "$c" || tail -5 "$OUT/serve_c$c.log"; done
     grep -s -A8 "### waves_48b" "$OUT/e2e_waves.log"

@@ -16,6 +16,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -183,6 +184,22 @@ def report(dataset: str, results: list[Result], duration: float, client_cpu: flo
     }
 
 
+_ENGINE_COUNTERS = {"prefill_steps": r"^k3serve_engine_prefill_steps (\S+)",
+                    "prefill_tokens": r'^k3serve_engine_scheduled_tokens\{kind="prefill"\} (\S+)',
+                    "decode_tokens": r'^k3serve_engine_scheduled_tokens\{kind="decode"\} (\S+)'}
+
+
+def engine_counters(args: argparse.Namespace) -> dict | None:
+    """A k3serve server's step counters from its /metrics (None from another server): around a run
+    they say how many steps its prompts were prefilled in, e.g. a wave's prompts split over several."""
+    try:
+        text = httpx.get(args.url.rstrip("/") + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    found = {k: re.search(pattern, text, re.M) for k, pattern in _ENGINE_COUNTERS.items()}
+    return {k: float(m.group(1)) for k, m in found.items()} if all(found.values()) else None
+
+
 def format_report(rep: dict) -> str:
     lines = [f"dataset {rep['dataset']}: {rep['completed']}/{rep['requests']} completed in {rep['duration_s']} s",
              f"request throughput {rep['request_throughput']} req/s, output {rep['output_token_throughput']} tok/s, "
@@ -191,6 +208,10 @@ def format_report(rep: dict) -> str:
     for key in ("ttft", "tpot", "itl", "e2e"):
         s = rep[f"{key}_ms"]
         lines.append(f"{key.upper():<6} {s['mean']:>9.2f} {s['median']:>9.2f} {s['p90']:>9.2f} {s['p99']:>9.2f}")
+    if rep.get("server_engine"):
+        s = rep["server_engine"]
+        lines.append(f"server engine: {s['prefill_tokens']} prompt tokens in {s['prefill_steps']} steps, "
+                     f"{s['decode_tokens']} decode tokens")
     if rep["errors"]:
         lines.append("errors: " + "; ".join(rep["errors"]))
     return "\n".join(lines)
@@ -222,6 +243,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--range-ratio must lie in [0, 1], got {args.range_ratio}")
     if not 1 <= args.client_processes <= args.concurrency:
         raise SystemExit(f"--client-processes must lie in [1, --concurrency], got {args.client_processes}")
+    before = engine_counters(args)
     rep = run_processes(args) if args.client_processes > 1 else asyncio.run(run(args))
+    after = engine_counters(args) if before is not None else None
+    if after is not None:
+        rep["server_engine"] = {k: int(after[k] - before[k]) for k in after}
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     return 0 if rep["completed"] else 1

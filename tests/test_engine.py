@@ -208,6 +208,18 @@ def test_streaming_deltas_add_up(model):
     assert deltas == final.outputs[0].token_ids and len(deltas) == 9
 
 
+def test_scheduled_token_counts(model):
+    """Prompt tokens in chunks of the step budget, then one decode token a step per sequence: two
+    prompts of 20 and 9 tokens under a 16-token budget take 2 steps with prompt tokens, and 4
+    answer tokens each take 3 decode tokens (the first comes from the prompt's last step)."""
+    eng = engine(model, max_num_batched_tokens=16)
+    for i, p in enumerate((prompts(1, 9, 20, 21)[0], prompts(1, 10, 9, 10)[0])):
+        eng.add_request(p, SamplingParams(max_tokens=4, **GREEDY), request_id=str(i))
+    assert [len(t) for t in drain(eng).values()] == [4, 4]
+    assert eng.scheduled_tokens() == {"prefill": 29, "decode": 6, "prefill_steps": 2}
+    assert eng.stats()["scheduled_tokens"] == eng.scheduled_tokens()
+
+
 def test_eos_and_stop_token_ids_end_the_output(model):
     p = prompts(1, 8)[0]
     ref = run_alone(model, p, SamplingParams(max_tokens=8, **GREEDY)).outputs[0].token_ids

@@ -177,6 +177,10 @@ def test_disconnect_mid_stream_returns_memory(server):
     assert re.search(r'^k3serve_requests_total\{finish_reason="length"\} \S+', metrics, re.M)
     eager = float(re.search(r'^k3serve_engine_steps\{kind="eager"\} (\S+)', metrics, re.M).group(1))
     assert eager >= 3 and re.search(r'^k3serve_engine_steps\{kind="prefill_graph"\} 0\.0', metrics, re.M)
+    scheduled = {k: float(re.search(rf'^k3serve_engine_scheduled_tokens\{{kind="{k}"\}} (\S+)', metrics, re.M).group(1))
+                 for k in ("prefill", "decode")}
+    prefill_steps = float(re.search(r"^k3serve_engine_prefill_steps (\S+)", metrics, re.M).group(1))
+    assert scheduled["prefill"] >= 100 and scheduled["decode"] >= 3 and 1 <= prefill_steps <= eager
 
 
 def test_api_key_and_queue_limit_and_sigterm(model_dir):
@@ -268,9 +272,13 @@ def test_bench_serve_against_the_live_server(server, capsys):
     assert 0 < rep["ttft_ms"]["median"] <= rep["e2e_ms"]["median"] and rep["itl_ms"]["p99"] >= rep["itl_ms"]["median"]
     assert 6 * 20 <= rep["input_tokens"] <= 6 * 40 and 6 * 3 <= rep["output_tokens"] <= 6 * 6
     assert main(["bench", "serve", "--url", server, "--num-prompts", "4", "--concurrency", "2", "--input-len", "33",
-                 "--output-len", "5", "--range-ratio", "0", "--json"]) == 0
+                 "--output-len", "5", "--range-ratio", "0", "--seed", "11", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)  # fixed lengths: every prompt and answer exactly as long as asked
     assert (rep["completed"], rep["input_tokens"], rep["output_tokens"]) == (4, 4 * 33, 4 * 5)
+    # the server's engine computed each prompt once (a seed of its own: no prefix hits) and each
+    # answer's tokens after its first one a decode step each, in at most one prompt step a request
+    eng = rep["server_engine"]
+    assert (eng["prefill_tokens"], eng["decode_tokens"]) == (4 * 33, 4 * 4) and 1 <= eng["prefill_steps"] <= 4
     assert 0 < rep["client_cpu_s"]
     assert main(["bench", "serve", "--url", server, "--num-prompts", "5", "--concurrency", "3", "--input-len", "21",
                  "--output-len", "4", "--range-ratio", "0", "--client-processes", "2", "--json"]) == 0

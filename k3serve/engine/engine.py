@@ -584,8 +584,13 @@ class LLMEngine:
         r = self.runner
         return dict(eager=r.eager_steps, decode_graph=r.graph_steps, prefill_graph=r.prefill_graph_steps)
 
+    def scheduled_tokens(self) -> dict[str, int]:
+        """Tokens computed so far, prompt (or recomputed) and decode, and the steps with prompt tokens."""
+        return dict(self.runner.scheduled_tokens, prefill_steps=self.runner.prefill_steps)
+
     def stats(self) -> dict:
-        return dict(steps=self.steps, step_kinds=self.step_kinds(), prefix=self.prefix_stats(),
+        return dict(steps=self.steps, step_kinds=self.step_kinds(), scheduled_tokens=self.scheduled_tokens(),
+                    prefix=self.prefix_stats(),
                     preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.running),
                     waiting=len(self.scheduler.waiting), pool=self.pool.stats(),
                     timings={**self.timings, **self.runner.timings})

@@ -132,7 +132,8 @@ def engine_stats(engine: LLMEngine) -> dict:
     return dict(running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
                 kda_bytes=st["kda_bytes"], mla_bytes=st["mla_bytes"], used_bytes=st["used_bytes"],
                 total_bytes=st["total_bytes"], preemptions=engine.scheduler.num_preemptions,
-                step_kinds=engine.step_kinds(), prefix=engine.prefix_stats(),
+                step_kinds=engine.step_kinds(), scheduled_tokens=engine.scheduled_tokens(),
+                prefix=engine.prefix_stats(),
                 request_bytes=engine.scheduler.owners.bytes_held(lambda h: isinstance(h, Sequence)))
 
 

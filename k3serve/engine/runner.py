@@ -26,6 +26,11 @@ class ModelRunner:
         self.graph_steps = 0
         self.prefill_graph_steps = 0
         self.eager_steps = 0
+        # What the steps computed: prompt (or recomputed) tokens and the steps that had any, and
+        # decode tokens (one a running sequence). A wave of prompts split over several prefill
+        # steps shows here (each such step reads all the expert weights).
+        self.prefill_steps = 0
+        self.scheduled_tokens = {"prefill": 0, "decode": 0}
         # Benchmarks only: wait for the device after each forward so its time is charged to
         # "forward", not to the first host sync after it (the sampler's). Costs the overlap.
         self.sync_timings = False
@@ -48,6 +53,11 @@ class ModelRunner:
         ``fixup`` = (flat positions, rows, tokens on the device): input tokens the previous step
         sampled that the host has not read yet (overlapped scheduling), copied in on the device."""
         t0 = time.perf_counter()
+        decode = sum(s.num_tokens == 1 and s.seq.num_computed >= s.seq.num_prompt for s in sched)
+        prefill = sum(s.num_tokens for s in sched) - decode
+        self.prefill_steps += prefill > 0
+        self.scheduled_tokens["prefill"] += prefill
+        self.scheduled_tokens["decode"] += decode
         if self.graphs is not None or self.prefill_graphs is not None:
             chunks = self.chunks(sched)
             sampling = all(s.samples for s in sched)

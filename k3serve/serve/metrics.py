@@ -33,6 +33,10 @@ class Metrics:
                                  registry=r)
         self.steps = Gauge("k3serve_engine_steps", "Forward steps so far: eager, or a static step "
                            "(decode_graph / prefill_graph: CUDA-graph replays on a GPU)", ["kind"], registry=r)
+        self.scheduled_tokens = Gauge("k3serve_engine_scheduled_tokens", "Tokens computed so far: prompt (or "
+                                      "recomputed after a preemption) and decode", ["kind"], registry=r)
+        self.prefill_steps = Gauge("k3serve_engine_prefill_steps", "Forward steps that computed prompt tokens",
+                                   registry=r)
 
     def render(self, st: dict) -> bytes:
         """``st``: the engine's gauges (engine_process.engine_stats)."""
@@ -44,6 +48,10 @@ class Metrics:
         self.preemptions.set(st["preemptions"])
         for kind, n in st["step_kinds"].items():
             self.steps.labels(kind).set(n)
+        tokens = st["scheduled_tokens"]
+        for kind in ("prefill", "decode"):
+            self.scheduled_tokens.labels(kind).set(tokens[kind])
+        self.prefill_steps.set(tokens["prefill_steps"])
         self.request_bytes.set(st["request_bytes"])
         ps = st["prefix"]
         if ps:
