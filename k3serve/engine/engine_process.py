@@ -272,4 +272,4 @@ def run_engine_process(args: argparse.Namespace, commands, outputs) -> None:
         return
     cfg = engine.model.config
     outputs.send(Ready(EngineInfo(cfg.model_type, cfg.vocab_size, engine.max_model_len, backend is not None)))
-    EngineLoop(engine, backend, commands, outputs, burst_gap_s=getattr(args, "burst_gap_ms", 0.0) / 1e3).run()
+    EngineLoop(engine, backend, commands, outputs, burst_gap_s=args.burst_gap_ms / 1e3).run()

@@ -24,6 +24,13 @@ from ..engine.transfer import to_device
 KDA_CHUNK = 64  # the token chunk of fla's chunk_kda (its default chunk_size)
 
 
+def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment, index within it) of every element of back-to-back segments ``counts`` long (host
+    tensors, no Python loop)."""
+    segment = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    return segment, torch.arange(len(segment)) - (counts.cumsum(0) - counts)[segment]
+
+
 @dataclass
 class KDALayerCache:
     recurrent: torch.Tensor  # [num_slots, H, K, V] fp32 (may be a strided view into a pool)
@@ -118,8 +125,8 @@ class ForwardBatch:
     @cached_property
     def prefill_cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(device, host) [P+1] int64 token offsets of the non-decode sequences among their own
-        tokens, once a step. A static prefill step (engine/prefill_graphs.py) has them on the device only: (offsets,
-        None), from which fla builds its chunk indices on the device."""
+        tokens, once a step. A static prefill step (engine/prefill_graphs.py) has them on the
+        device only: (offsets, None), from which fla builds its chunk indices on the device."""
         if self.static_shapes:
             return self.query_start[self.num_decodes:] - self.num_decodes, None
         cpu = torch.zeros(self.num_seqs - self.num_decodes + 1, dtype=torch.int64)
@@ -133,9 +140,7 @@ class ForwardBatch:
         fla's own helper ends in a blocking host-to-device copy, a stream sync in every eager prefill
         step (bench/check_host_syncs.py, RESULTS.md thirty-sixth session)."""
         counts = torch.tensor([-(-n // KDA_CHUNK) for n in self.query_lens_host[self.num_decodes:]], dtype=torch.int64)
-        seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
-        chunk = torch.arange(len(seq)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-        return to_device(torch.stack([seq, chunk], 1), self.query_start.device)
+        return to_device(torch.stack(_segments(counts), 1), self.query_start.device)
 
     @cached_property
     def prefill_latents(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -152,8 +157,8 @@ class ForwardBatch:
         new = cu.diff()
         ctx = torch.tensor(self.context_lens_host[nd:], dtype=torch.int64)
         keys = ctx + new
-        seq = torch.repeat_interleave(torch.arange(nd, self.num_seqs), keys)
-        pos = torch.arange(int(keys.sum())) - torch.repeat_interleave(keys.cumsum(0) - keys, keys)
+        seq, pos = _segments(keys)
+        seq = seq + nd
         seqs = torch.stack([cu[:-1], keys.cumsum(0) - keys, ctx, new], 1).to(torch.int32)
         dev = self.block_table.device
         seq, pos = to_device(seq, dev), to_device(pos, dev)
@@ -207,8 +212,7 @@ class ForwardBatch:
         ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.int64)
         npages_t = torch.tensor(npages, dtype=torch.int64)
         table = torch.full((n, max(npages)), -1, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(n), npages_t)
-        cols = torch.arange(int(npages_t.sum())) - torch.repeat_interleave(npages_t.cumsum(0) - npages_t, npages_t)
+        rows, cols = _segments(npages_t)
         table[rows, cols] = torch.tensor(list(chain.from_iterable(c.pages for c in chunks)), dtype=torch.int64)
         qlen_t = torch.tensor(qlens, dtype=torch.int64)
         ctx_t = torch.tensor(ctx, dtype=torch.int64)
