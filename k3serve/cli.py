@@ -262,9 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=os.environ.get("K3SERVE_API_KEY"))
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests beyond this get HTTP 503")
-    sv.add_argument("--burst-gap-ms", type=float, default=0.0,
+    sv.add_argument("--burst-gap-ms", type=float, default=None,
                     help="an idle engine's first request waits while more arrive this close together (at most 20 "
-                         "ms), so a burst is prefilled in one step; 0: step at once")
+                         "ms), so a burst is prefilled in one step; a wait that finds none stops the waits until "
+                         "requests come in bursts again (a lone client pays it once); default 5, 0: never wait")
     sv.add_argument("--reasoning-parser", choices=["kimi_k3"], default=None)
     sv.add_argument("--tool-call-parser", choices=["kimi_k3", "kimi_k2"], default=None)
     sv.add_argument("--no-structured-output", action="store_true")

@@ -143,15 +143,20 @@ class EngineLoop:
 
     IDLE_POLL_S = 0.05
     BURST_MAX_S = 0.02  # the longest an idle engine waits, from its first arrival, for the rest of a burst
+    DEFAULT_BURST_GAP_S = 0.005
 
-    def __init__(self, engine: LLMEngine, grammar_backend, commands, outputs, burst_gap_s: float = 0.0,
-                 clock=time.monotonic):
+    def __init__(self, engine: LLMEngine, grammar_backend, commands, outputs,
+                 burst_gap_s: float = DEFAULT_BURST_GAP_S, clock=time.monotonic):
         self.engine = engine
         # An idle engine's first arrival often heads a burst (a client's wave of requests, each parsed
         # in turn by the server): it waits while the next arrives within burst_gap_s (at most
         # BURST_MAX_S), so the burst is prefilled in one step rather than one step each few requests
-        # (each prompt step reads every expert's weights). 0: step at once, as vLLM's engine core.
+        # (each prompt step reads every expert's weights). A wait that finds no company marks the
+        # traffic lone: later first arrivals step at once, until a request comes within BURST_MAX_S of
+        # one (waited for or not), which marks it bursty again. So a lone client pays the gap once,
+        # not every request. 0: never wait, as vLLM's engine core.
         self.burst_gap_s, self.clock = burst_gap_s, clock
+        self.bursty, self.first_arrival = True, -float("inf")
         self.grammar_backend = grammar_backend
         self.commands, self.outputs = commands, outputs
         self.compiling: dict[str, tuple[AddRequest, Future]] = {}  # requests waiting on their grammar
@@ -180,7 +185,7 @@ class EngineLoop:
         told to stop or once the server process is gone."""
         idle = not self.engine.has_unfinished_requests()
         timeout = (0.005 if self.compiling else self.IDLE_POLL_S) if idle else 0.0
-        burst_end = None
+        burst_end, arrived = None, 0
         while self.commands.poll(timeout):
             timeout = 0.0
             try:
@@ -190,9 +195,20 @@ class EngineLoop:
             if isinstance(msg, Stop):
                 return False
             self._handle(msg)
-            if idle and self.burst_gap_s > 0 and isinstance(msg, AddRequest):
-                burst_end = self.clock() + self.BURST_MAX_S if burst_end is None else burst_end
-                timeout = max(0.0, min(self.burst_gap_s, burst_end - self.clock()))
+            if not isinstance(msg, AddRequest) or self.burst_gap_s <= 0:
+                continue
+            now = self.clock()
+            if idle and arrived == 0:  # the first arrival at an idle engine
+                self.first_arrival = now
+                if self.bursty:
+                    burst_end = now + self.BURST_MAX_S
+            elif now - self.first_arrival <= self.BURST_MAX_S:  # company for it, waited for or not
+                self.bursty = True
+            arrived += 1
+            if burst_end is not None:
+                timeout = max(0.0, min(self.burst_gap_s, burst_end - now))
+        if burst_end is not None and arrived < 2:
+            self.bursty = False
         return True
 
     def _handle(self, msg) -> None:
@@ -272,4 +288,5 @@ def run_engine_process(args: argparse.Namespace, commands, outputs) -> None:
         return
     cfg = engine.model.config
     outputs.send(Ready(EngineInfo(cfg.model_type, cfg.vocab_size, engine.max_model_len, backend is not None)))
-    EngineLoop(engine, backend, commands, outputs, burst_gap_s=args.burst_gap_ms / 1e3).run()
+    gap_s = EngineLoop.DEFAULT_BURST_GAP_S if args.burst_gap_ms is None else args.burst_gap_ms / 1e3
+    EngineLoop(engine, backend, commands, outputs, burst_gap_s=gap_s).run()
