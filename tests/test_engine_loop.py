@@ -4,7 +4,7 @@ commands arriving at set times on a fake clock: how an idle engine takes a burst
 import pytest
 
 from k3serve.engine.engine import EngineConfig, LLMEngine
-from k3serve.engine.engine_process import AddRequest, EngineLoop, Stop, StepOutputs
+from k3serve.engine.engine_process import AddRequest, EngineLoop, StatsQuery, StatsReply, Stop, StepOutputs
 from k3serve.engine.sampling_params import SamplingParams
 
 
@@ -60,12 +60,14 @@ def engine():
         cache_memory="64MiB", enable_prefix_caching=False))
 
 
-def run_loop(engine, gap_s: float, arrival_times: list[float], busy_poll_s: float = 0.0):
-    """Four-token answers to prompts arriving at ``arrival_times``: the engine's scheduled-token
-    counts over the run, what the loop sent, and the clock at each step with prompt tokens."""
+def run_loop(engine, gap_s: float, arrival_times: list[float], busy_poll_s: float = 0.0,
+             queries: tuple[float, ...] = ()):
+    """Four-token answers to prompts arriving at ``arrival_times`` (and stats queries at ``queries``):
+    the engine's scheduled-token counts over the run, and the clock at each step with prompt tokens."""
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     script = [(t, AddRequest(f"r{i}-{gap_s}", [(7 * i + j) % 1000 for j in range(24)], params))
               for i, t in enumerate(arrival_times)]
+    script = sorted(script + [(t, StatsQuery(i)) for i, t in enumerate(queries)], key=lambda a: a[0])
     # (the Stop comes once the engine has long gone idle)
     pipe, out = ScriptedPipe(script + [(arrival_times[-1] + 1.0, Stop())], busy_poll_s), Outputs()
     timed = TimedEngine(engine, pipe)
@@ -73,6 +75,7 @@ def run_loop(engine, gap_s: float, arrival_times: list[float], busy_poll_s: floa
     EngineLoop(timed, None, pipe, out, burst_gap_s=gap_s, clock=lambda: pipe.now).run()
     after = engine.scheduled_tokens()
     assert len(finished(out.sent)) == len(arrival_times)
+    assert sum(isinstance(m, StatsReply) for m in out.sent) == len(queries)
     return {k: after[k] - before[k] for k in after}, timed.prefill_times
 
 
@@ -96,6 +99,9 @@ def test_the_wait_ends_at_a_quiet_gap_and_at_its_bound(engine):
     every 1.5 ms for 30 ms: the wait stops at BURST_MAX_S (20 ms), so not all share the first step."""
     apart, _ = run_loop(engine, 0.002, [0.0, 0.005])
     assert apart["prefill_steps"] == 2
+    # a stats query (a /metrics scrape) 1 ms into the wait neither ends it nor stretches the gap
+    queried, times = run_loop(engine, 0.002, [0.0, 0.0015, 0.0045], queries=(0.001, 0.003))
+    assert queried["prefill_steps"] == 2 and times[0] == 0.0035
     stream = [0.0015 * i for i in range(21)]
     bounded, times = run_loop(engine, 0.002, stream)
     assert bounded["prefill_steps"] >= 2 and times[0] == pytest.approx(0.02)

@@ -185,9 +185,8 @@ class EngineLoop:
         told to stop or once the server process is gone."""
         idle = not self.engine.has_unfinished_requests()
         timeout = (0.005 if self.compiling else self.IDLE_POLL_S) if idle else 0.0
-        burst_end, arrived = None, 0
+        burst_end, wait_until, arrived = None, None, 0
         while self.commands.poll(timeout):
-            timeout = 0.0
             try:
                 msg = self.commands.recv()
             except EOFError:
@@ -195,18 +194,19 @@ class EngineLoop:
             if isinstance(msg, Stop):
                 return False
             self._handle(msg)
-            if not isinstance(msg, AddRequest) or self.burst_gap_s <= 0:
-                continue
-            now = self.clock()
-            if idle and arrived == 0:  # the first arrival at an idle engine
-                self.first_arrival = now
-                if self.bursty:
-                    burst_end = now + self.BURST_MAX_S
-            elif now - self.first_arrival <= self.BURST_MAX_S:  # company for it, waited for or not
-                self.bursty = True
-            arrived += 1
-            if burst_end is not None:
-                timeout = max(0.0, min(self.burst_gap_s, burst_end - now))
+            if isinstance(msg, AddRequest) and self.burst_gap_s > 0:
+                now = self.clock()
+                if idle and arrived == 0:  # the first arrival at an idle engine
+                    self.first_arrival = now
+                    if self.bursty:
+                        burst_end = now + self.BURST_MAX_S
+                elif now - self.first_arrival <= self.BURST_MAX_S:  # company for it, waited for or not
+                    self.bursty = True
+                arrived += 1
+                if burst_end is not None:
+                    wait_until = min(now + self.burst_gap_s, burst_end)
+            # (other commands, a stats query say, neither cut a wait short nor extend it)
+            timeout = 0.0 if wait_until is None else max(0.0, wait_until - self.clock())
         if burst_end is not None and arrived < 2:
             self.bursty = False
         return True
