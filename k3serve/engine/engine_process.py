@@ -17,6 +17,7 @@ length of the answers.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import pickle
 import signal
@@ -289,4 +290,8 @@ def run_engine_process(args: argparse.Namespace, commands, outputs) -> None:
     cfg = engine.model.config
     outputs.send(Ready(EngineInfo(cfg.model_type, cfg.vocab_size, engine.max_model_len, backend is not None)))
     gap_s = EngineLoop.DEFAULT_BURST_GAP_S if args.burst_gap_ms is None else args.burst_gap_ms / 1e3
-    EngineLoop(engine, backend, commands, outputs, burst_gap_s=gap_s).run()
+    gc.freeze()  # the model's and the pool's objects: not rescanned by a full collection between steps
+    try:
+        EngineLoop(engine, backend, commands, outputs, burst_gap_s=gap_s).run()
+    finally:
+        gc.unfreeze()  # collectable again at exit (Triton's bindings report objects left as leaks)

@@ -4,6 +4,7 @@ the app, and run uvicorn in this process."""
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 
 from ..bundled import resolve_model
@@ -38,8 +39,14 @@ def serve(args: argparse.Namespace) -> int:
     def _stop() -> None:  # SIGTERM: uvicorn stops accepting, then in-flight requests are aborted cleanly
         state.llm.shutdown()
 
+    # Startup's ~200K objects (FastAPI, pydantic, the tokenizer's tables) live as long as the process:
+    # out of the collector's reach, a full collection no longer scans them mid-stream (RESULTS,
+    # thirty-seventh session: the server's CPU a streamed token, median of 5 medians 85 -> 81 us,
+    # its worst runs 105-122 -> 81-98 us).
+    gc.freeze()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
+        gc.unfreeze()
         state.llm.shutdown()
     return 0
