@@ -20,12 +20,13 @@ SCRIPT = textwrap.dedent('''
     from k3serve.ops import short_conv_triton as m
     from k3serve.ops.short_conv_triton import short_conv_triton
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
-    m.CONV_INTERIOR_FAST, m.CONV_CHANNELS_FIRST = sys.argv[2] == "1", sys.argv[3] == "1"
+    m.CONV_CHANNELS_FIRST, m.CONV_BLOCK_T = sys.argv[2] == "1", int(sys.argv[3])
     worst = 0.0
     for C, W, plane, dtype, shape in [(96, 4, 32, torch.float32, [(1, 5), (1, 9), (7, 0), (2, 3), (40, 11)]),
                                       (80, 4, None, torch.float32, [(3, 1), (1, 2), (1, 0), (33, 0)]),
                                       (64, 3, 16, torch.bfloat16, [(1, 4), (5, 2), (1, 1), (2, 0), (70, 6)]),
-                                      (144, 4, 48, torch.bfloat16, [(1, 3), (37, 0), (2, 5)])]:
+                                      (144, 4, 48, torch.bfloat16, [(1, 3), (37, 0), (2, 5)]),
+                                      (48, 4, 16, torch.float32, [(9, 0), (1, 2), (6, 4)])]:
         slots = 9
         chunks, perm = [], torch.randperm(slots - 1, generator=gen)[: len(shape)].tolist()
         for (q, ctx), slot in zip(shape, perm):
@@ -61,9 +62,10 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("seed, interior_fast, channels_first", [(0, "0", "0"), (1, "0", "0"), (0, "1", "1"),
-                                                                   (1, "1", "0")])
-def test_short_conv_kernel_matches_reference(seed, interior_fast, channels_first):
-    """Also with the state-free path for interior tiles (the long prompts' later tiles: tokens 32-50
-    of the first case, 32-78 of the third) and programs in channel-block-first order."""
-    assert worst_error(SCRIPT, str(seed), interior_fast, channels_first) < 1.0  # error over each case's tolerance
+@pytest.mark.parametrize("seed, channels_first, block_t", [(0, "0", "32"), (1, "0", "8"), (0, "1", "32"),
+                                                            (1, "1", "4")])
+def test_short_conv_kernel_matches_reference(seed, channels_first, block_t):
+    """Programs in channel-block-first order or not; token tiles that hold several sequences and
+    their starts (4 and 8 rows: a decode row, a window cut by a sequence start, a short prompt
+    whose whole output comes from the heads kernel) or a long prompt's state-free interior."""
+    assert worst_error(SCRIPT, str(seed), channels_first, block_t) < 1.0  # error over each case's tolerance

@@ -318,23 +318,33 @@ def test_multi_row_gated_norm_compiles_for_sm90():
     assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])
 
 
-@pytest.mark.parametrize("interior_fast, channels_first, norm, tile", [(False, False, False, 64), (True, True, False, 64),
-                                                                        (True, True, True, 128), (True, True, True, 48)])
-def test_short_conv_compiles_for_sm90(interior_fast, channels_first, norm, tile):
-    """The prefill short conv, with the state-free interior-tile branch (a branch on a reduction of
-    the tile's positions), channel-block-first program order and q/k L2 norm (tiles a head wide,
-    48 in a 64-lane tile: the bundled tiny model);
-    x's rows are 16-aligned (the fused in_proj's), so its loads are vectors."""
-    ptrs = {n: "*bf16" for n in ("X", "STATE", "OUT")} | {"WEIGHT": "*fp32"} | {n: "*i64" for n in ("TOKEN_SEQ", "QSTART", "SLOTS")}
-    ptrs["HAS_CTX"] = "*i32"
-    ints = {n: "i32" for n in ("T", "C", "PLANE", "stride_xt", "stride_ss", "stride_sc", "stride_sw", "stride_op",
-                               "stride_ot")}
-    ints.update(NORM_C="i32", NORM_EPS="fp32")
-    consts = dict(W=4, SILU=True, BLOCK_T=32, BLOCK_C=triton.next_power_of_2(tile), TILE_C=tile, INTERIOR_FAST=interior_fast,
-                  CHANNELS_FIRST=channels_first, NORM_HEADS=norm)
-    kernel = _compile(short_conv_triton._short_conv_kernel, ptrs, ints, consts,
-                      ("X", "OUT", "C", "PLANE", "stride_xt", "stride_op", "stride_ot"), num_warps=4)
-    assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])
+@pytest.mark.parametrize("channels_first, norm, tile, fast_div", [(False, False, 64, False), (True, False, 128, True),
+                                                                  (True, True, 128, True), (True, True, 48, True)])
+def test_short_conv_compiles_for_sm90(channels_first, norm, tile, fast_div):
+    """The prefill short conv's two kernels, with channel-block-first program order, q/k L2 norm
+    (tiles a head wide, 48 in a 64-lane tile: the bundled tiny model) and SiLU's approximate
+    division (libdevice, which the interpreter lacks). x's rows are 16-aligned (the fused
+    in_proj's), so the stencil's loads and stores are vectors, and it never touches the conv
+    state: no scalar (16-bit) global access at all."""
+    ptrs = {"X": "*bf16", "WEIGHT": "*fp32", "OUT": "*bf16", "TOKEN_SEQ": "*i64", "QSTART": "*i64"}
+    ints = {n: "i32" for n in ("T", "C", "PLANE", "stride_xt", "stride_op", "stride_ot")} | {"NORM_C": "i32",
+                                                                                          "NORM_EPS": "fp32"}
+    consts = dict(W=4, SILU=True, BLOCK_T=32, BLOCK_C=triton.next_power_of_2(tile), TILE_C=tile,
+                  CHANNELS_FIRST=channels_first, NORM_HEADS=norm, FAST_DIV=fast_div)
+    divisible = ("X", "OUT", "C", "PLANE", "stride_xt", "stride_op", "stride_ot")
+    ptx = _compile(short_conv_triton._short_conv_kernel, ptrs, ints, consts, divisible, num_warps=4).asm["ptx"]
+    if tile % 64 == 0:
+        assert re.search(r"ld\.global(\.\w+)*\.v4", ptx) and re.search(r"st\.global(\.\w+)*\.v4", ptx)
+        assert not re.search(r"(ld|st)\.global(\.\w+)*\.b16", ptx)
+    assert ("div.approx" in ptx) == fast_div
+    ptrs = {"X": "*bf16", "WEIGHT": "*fp32", "STATE": "*bf16", "OUT": "*bf16", "QSTART": "*i64", "SLOTS": "*i64",
+            "HAS_CTX": "*i32"}
+    ints = {n: "i32" for n in ("C", "PLANE", "stride_xt", "stride_ss", "stride_sc", "stride_sw", "stride_op",
+                               "stride_ot")} | {"NORM_C": "i32", "NORM_EPS": "fp32"}
+    consts = dict(W=4, W_P=4, SILU=True, BLOCK_C=triton.next_power_of_2(tile), TILE_C=tile, NORM_HEADS=norm,
+                  FAST_DIV=fast_div)
+    assert _compile(short_conv_triton._short_conv_heads_kernel, ptrs, ints, consts, divisible[:2] + divisible[3:],
+                    num_warps=4).asm["cubin"]
 
 
 def test_router_gemm_keeps_chunk_sums_out_of_the_mma_accumulator():
