@@ -8,7 +8,7 @@ with cached context.
 
 Also the Gluon kernels (moe_gluon, kda_decode_gluon, mla_decode_gluon) against the same references.
 
-Usage: python bench/gpu_check_kernels.py [--no-gluon | --gluon mla|kda|moe]
+Usage: python bench/gpu_check_kernels.py [--no-gluon | --gluon mla|kda|moe | --short-conv]
 (prints one row per check; exit code 1 if any fails)
 """
 
@@ -71,6 +71,12 @@ def check_short_conv(C: int, layout: list[tuple[int, int]], gen: torch.Generator
     normed = short_conv_triton(x, w, state0, batch, plane=C // 3, norm=(2 * C // 3, head))
     ref_n = l2norm_heads(ref, 2 * C // 3, head)
     record("short conv + SiLU + q/k L2 norm", f"C={C} heads of {head}", rel(normed.transpose(0, 1).reshape(T, C).float(), ref_n), 2e-2)
+
+
+def check_short_convs(gen: torch.Generator) -> None:
+    check_short_conv(12288, [(1, 40), (1, 7), (2, 1), (8192, 0), (300, 129)], gen)  # kimi-linear: 3 x 32 x 128
+    check_short_conv(3 * 96 * 128, [(1, 5), (2048, 64), (3, 0)], gen)  # K3 widths
+    check_short_conv(3 * 4 * 48, [(1, 5), (300, 7), (3, 0)], gen, head=48)  # the bundled tiny model
 
 
 def check_gated_norm(T: int, H: int, D: int, gen: torch.Generator) -> None:
@@ -534,9 +540,9 @@ def main() -> int:
         check_mla_decode(2, 32, [300, 1], gen, width=16384)
         gluon_checks("mla", gen)
         return report()
-    check_short_conv(12288, [(1, 40), (1, 7), (2, 1), (8192, 0), (300, 129)], gen)  # kimi-linear: 3 x 32 x 128
-    check_short_conv(3 * 96 * 128, [(1, 5), (2048, 64), (3, 0)], gen)  # K3 widths
-    check_short_conv(3 * 4 * 48, [(1, 5), (300, 7), (3, 0)], gen, head=48)  # the bundled tiny model
+    check_short_convs(gen)
+    if "--short-conv" in args:
+        return report()
     for T, D in ((1, 2304), (16, 2304), (3, 7168), (8192, 2304)):
         check_add_norm(T, D, gen)
     check_gated_norm(8192, 32, 128, gen)

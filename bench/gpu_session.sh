@@ -209,13 +209,13 @@ case "$1" in
     [ "${KDA:-1}" = 0 ] || grep "kda_core" "$OUT/kda.log" | grep -v "^|"
     [ "${PROF:-1}" = 0 ] || { grep -A"$(( ${TOP:-40} + 3 ))" "aten ops with GPU time" "$OUT/prof.log"
       grep -A28 "new tokens" "$OUT/prof.log" | head -c 6000; } ;;
-  prefillab)  # kimi-linear-48b's eager prefill steps (1 x 512, 16 x 512, 1 x 8192) with the seventeenth session's
-              # prefill defaults (short conv 32 x 128 tiles, interior fast path, channel-first order, q/k norm in the
-              # conv, router GEMM kernel) and with the old ones (alternating rounds), an 8K step's torch ops by
-              # source line, then the engine (TTFT)
+  prefillab)  # kimi-linear-48b's eager prefill steps (1 x 512, 16 x 512, 1 x 8192) with the prefill defaults
+              # (short conv in channel-first order with fast SiLU, q/k norm in the conv, router GEMM kernel) and
+              # with those off (alternating rounds; the short conv's tile forms before the thirty-eighth session are
+              # gone), an 8K step's torch ops by source line, then the engine (TTFT)
     C=k3serve.ops.short_conv_triton
     step ab "$(left "${AB_UNTIL:-420}")" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_ab,op_sources \
-      --ab "new:;old:$C.CONV_BLOCK_C=64,$C.CONV_INTERIOR_FAST=False,$C.CONV_CHANNELS_FIRST=False,k3serve.model.kda.CONV_NORMS_QK=False,k3serve.ops.moe_triton.ROUTER_PREFILL_KERNEL=False" \
+      --ab "new:;old:$C.CONV_CHANNELS_FIRST=False,$C.CONV_FAST_SILU=False,k3serve.model.kda.CONV_NORMS_QK=False,k3serve.ops.moe_triton.ROUTER_PREFILL_KERNEL=False" \
       --top 40 --out /tmp/gpu_work
     step e2e_engine "$(left 585)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A14 "| variant | round" "$OUT/ab.log"; grep -A43 "aten ops with GPU time" "$OUT/ab.log"

@@ -28,12 +28,15 @@ from k3serve.ops import moe_triton, norm_triton, short_conv_triton
 from k3serve.ops.short_conv import l2norm_heads, short_conv_ref
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--tokens 64)
-# (block_t, block_c, warps, channels_first, fast_div) of the stencil (the state-free kernel since the
-# thirty-eighth session; before it, 32 x 128 at 4 warps was best at 29-30 % of copy).
-CONV_TILES = ((32, 128, 4, True, True), (32, 128, 4, True, False), (32, 128, 4, False, True), (16, 128, 4, True, True),
-              (64, 128, 8, True, True), (32, 128, 8, True, True), (64, 128, 4, True, True), (128, 128, 8, True, True),
-              (16, 128, 2, True, True), (32, 64, 4, True, True))
-CONV_DEFAULT = (short_conv_triton.CONV_BLOCK_T, short_conv_triton.CONV_BLOCK_C, short_conv_triton.CONV_WARPS)
+# (rows, rows loaded at once, block_c, warps, channels_first, fast_silu) of the stencil (a row-sliding window
+# since the thirty-eighth session; its first split form's best, 32 x 128 tiles at 4 warps, was 55-62 % of copy;
+# the sweep there kept 32 rows, 8 at once, 512 lanes, 4 warps).
+CONV_TILES = ((32, 8, 512, 4, True, True), (32, 8, 512, 4, True, False), (32, 8, 512, 4, False, True),
+              (32, 4, 512, 4, True, True), (32, 16, 512, 4, True, True), (64, 8, 512, 4, True, True),
+              (16, 8, 512, 4, True, True), (32, 8, 256, 2, True, True), (32, 4, 256, 2, True, True),
+              (32, 8, 1024, 4, True, True), (32, 4, 1024, 4, True, True), (32, 8, 256, 1, True, True))
+CONV_DEFAULT = (short_conv_triton.CONV_ROWS, short_conv_triton.CONV_GROUP, short_conv_triton.CONV_BLOCK_C,
+                short_conv_triton.CONV_WARPS)
 NORM_TILES = (0, 1024, 2048, 4096)  # rows a program = tile // 128; 0: one row a program (the old kernel)
 
 
@@ -57,9 +60,9 @@ def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:
     ref = F.silu(short_conv_ref(x, w, ref_state, batch).float())
     out = []
     conv = "k3serve.ops.short_conv_triton."
-    for bt, bc, warps, first, fast in CONV_TILES:
-        saved = set_constants(f"{conv}CONV_BLOCK_T={bt},{conv}CONV_BLOCK_C={bc},{conv}CONV_WARPS={warps},"
-                              f"{conv}CONV_CHANNELS_FIRST={first},{conv}CONV_FAST_DIV={fast}")
+    for bt, grp, bc, warps, first, fast in CONV_TILES:
+        saved = set_constants(f"{conv}CONV_ROWS={bt},{conv}CONV_GROUP={grp},{conv}CONV_BLOCK_C={bc},{conv}CONV_WARPS={warps},"
+                              f"{conv}CONV_CHANNELS_FIRST={first},{conv}CONV_FAST_SILU={fast}")
         state = state0.clone()
         planes = short_conv_triton.short_conv_triton(x, w, state, batch, plane=C // 3)
         err = rel(planes.transpose(0, 1).reshape(T, C).float(), ref)
@@ -67,21 +70,21 @@ def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:
         ms = _ms(lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3))
         restore(saved)
         gb = 2 * T * C * 2 / 1e9  # read x once, write the planes once
-        flags = "".join(f", {f}" for f, on in (("channels first", first), ("fast div", fast)) if on)
-        out.append(f"| short conv + SiLU | T={T} C={C} | {bt}x{bc}, {warps} warps{flags} | {ms:.4f} | "
+        flags = "".join(f", {f}" for f, on in (("channels first", first), ("fast SiLU", fast)) if on)
+        out.append(f"| short conv + SiLU | T={T} C={C} | {bt} rows ({grp} at once) x {bc} lanes, {warps} warps{flags} | {ms:.4f} | "
                    f"{100 * gb / ms / copy:.0f} % | {'ok' if ok else f'FAIL rel {err:.1e}'} |")
     # q and k L2-normalised in the conv (kda.CONV_NORMS_QK: tiles one head of 128 wide) vs fla's two
     # l2norm launches on the conv's q and k planes (what chunk_kda runs otherwise)
     ref_n = l2norm_heads(ref, 2 * C // 3, 128)
-    for bt, warps in ((CONV_DEFAULT[0], CONV_DEFAULT[2]), (16, 4), (64, 8)):
-        saved = set_constants(f"{conv}CONV_BLOCK_T={bt},{conv}CONV_WARPS={warps}")
+    for bt, grp, bc, warps in (CONV_DEFAULT, (32, 4, 512, 4), (32, 8, 256, 2), (32, 4, 1024, 4)):
+        saved = set_constants(f"{conv}CONV_ROWS={bt},{conv}CONV_GROUP={grp},{conv}CONV_BLOCK_C={bc},{conv}CONV_WARPS={warps}")
         normed = lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3,  # noqa: E731
                                                              norm=(2 * C // 3, 128))
         err = rel(normed().transpose(0, 1).reshape(T, C).float(), ref_n)
         ms = _ms(normed)
         restore(saved)
         gb = 2 * T * C * 2 / 1e9
-        out.append(f"| short conv + SiLU + q/k L2 norm | T={T} C={C} | {bt}x128 (a head), {warps} warps "
+        out.append(f"| short conv + SiLU + q/k L2 norm | T={T} C={C} | {bt} rows ({grp} at once) x {bc} lanes, {warps} warps "
                    f"| {ms:.4f} | {100 * gb / ms / copy:.0f} % | {'ok' if err < 2e-2 else f'FAIL rel {err:.1e}'} |")
     try:
         from fla.modules.norm.l2norm import l2norm_fwd

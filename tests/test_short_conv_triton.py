@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent('''
     from k3serve.ops import short_conv_triton as m
     from k3serve.ops.short_conv_triton import short_conv_triton
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
-    m.CONV_CHANNELS_FIRST, m.CONV_BLOCK_T = sys.argv[2] == "1", int(sys.argv[3])
+    m.CONV_CHANNELS_FIRST, m.CONV_ROWS, m.CONV_BLOCK_C = sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
+    m.CONV_GROUP = int(sys.argv[5])
     worst = 0.0
     for C, W, plane, dtype, shape in [(96, 4, 32, torch.float32, [(1, 5), (1, 9), (7, 0), (2, 3), (40, 11)]),
                                       (80, 4, None, torch.float32, [(3, 1), (1, 2), (1, 0), (33, 0)]),
@@ -62,10 +63,12 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("seed, channels_first, block_t", [(0, "0", "32"), (1, "0", "8"), (0, "1", "32"),
-                                                            (1, "1", "4")])
-def test_short_conv_kernel_matches_reference(seed, channels_first, block_t):
-    """Programs in channel-block-first order or not; token tiles that hold several sequences and
-    their starts (4 and 8 rows: a decode row, a window cut by a sequence start, a short prompt
-    whose whole output comes from the heads kernel) or a long prompt's state-free interior."""
-    assert worst_error(SCRIPT, str(seed), channels_first, block_t) < 1.0  # error over each case's tolerance
+@pytest.mark.parametrize("seed, channels_first, rows, block_c, group", [
+    (0, "0", "32", "1024", "8"), (1, "0", "8", "64", "8"), (0, "1", "32", "128", "4"), (1, "1", "4", "32", "2")])
+def test_short_conv_kernel_matches_reference(seed, channels_first, rows, block_c, group):
+    """Programs in channel-block-first order or not; programs of 4 / 8 rows that hold several
+    sequences and their starts (a decode row, a window cut by a sequence start, a short prompt
+    whose whole output comes from the heads kernel) or 32 of a long prompt's state-free interior;
+    channel tiles of 1,024 lanes (one for all channels), or of 32-128 (several a row, and heads of
+    16 / 24 / 48 grouped 1-4 a tile for the norm); rows loaded 2-8 at a time."""
+    assert worst_error(SCRIPT, str(seed), channels_first, rows, block_c, group) < 1.0  # error over each case's tolerance

@@ -318,31 +318,35 @@ def test_multi_row_gated_norm_compiles_for_sm90():
     assert kernel.asm["cubin"] and re.search(r"ld\.global(\.\w+)*\.v[24]", kernel.asm["ptx"])
 
 
-@pytest.mark.parametrize("channels_first, norm, tile, fast_div", [(False, False, 64, False), (True, False, 128, True),
-                                                                  (True, True, 128, True), (True, True, 48, True)])
-def test_short_conv_compiles_for_sm90(channels_first, norm, tile, fast_div):
+@pytest.mark.parametrize("channels_first, norm, head, block_c, fast_silu", [
+    (False, False, 512, 512, False), (True, False, 1024, 1024, True), (True, True, 128, 512, True),
+    (True, True, 48, 64, True)])
+def test_short_conv_compiles_for_sm90(channels_first, norm, head, block_c, fast_silu):
     """The prefill short conv's two kernels, with channel-block-first program order, q/k L2 norm
-    (tiles a head wide, 48 in a 64-lane tile: the bundled tiny model) and SiLU's approximate
-    division (libdevice, which the interpreter lacks). x's rows are 16-aligned (the fused
-    in_proj's), so the stencil's loads and stores are vectors, and it never touches the conv
-    state: no scalar (16-bit) global access at all."""
+    (4 heads of 128 a tile; a 48-wide head in 64 lanes: the bundled tiny model) and SiLU's
+    approximate exp and division (libdevice, which the interpreter lacks). x's rows are 16-aligned
+    (the fused in_proj's), so the stencil's loads and stores are vectors, and it never touches the
+    conv state: no scalar (16-bit) global access at all. The norm's per-tile choice is a select:
+    as a branch, the two sides' layouts met through shared memory (twice the instructions)."""
     ptrs = {"X": "*bf16", "WEIGHT": "*fp32", "OUT": "*bf16", "TOKEN_SEQ": "*i64", "QSTART": "*i64"}
     ints = {n: "i32" for n in ("T", "C", "PLANE", "stride_xt", "stride_op", "stride_ot")} | {"NORM_C": "i32",
                                                                                           "NORM_EPS": "fp32"}
-    consts = dict(W=4, SILU=True, BLOCK_T=32, BLOCK_C=triton.next_power_of_2(tile), TILE_C=tile,
-                  CHANNELS_FIRST=channels_first, NORM_HEADS=norm, FAST_DIV=fast_div)
+    hp = triton.next_power_of_2(head)
+    consts = dict(W=4, SILU=True, ROWS=8, GROUP=4, BLOCK_C=block_c, HEAD=head, HEAD_P=hp, CHANNELS_FIRST=channels_first,
+                  NORM_HEADS=norm, FAST_SILU=fast_silu)
     divisible = ("X", "OUT", "C", "PLANE", "stride_xt", "stride_op", "stride_ot")
     ptx = _compile(short_conv_triton._short_conv_kernel, ptrs, ints, consts, divisible, num_warps=4).asm["ptx"]
-    if tile % 64 == 0:
-        assert re.search(r"ld\.global(\.\w+)*\.v4", ptx) and re.search(r"st\.global(\.\w+)*\.v4", ptx)
+    if head == hp:
+        # (4 lanes a thread at 512 lanes and 4 warps: 8-byte vectors; 8 at 1,024: 16-byte)
+        assert re.search(r"ld\.global(\.\w+)*\.v[24]", ptx) and re.search(r"st\.global(\.\w+)*\.v[24]", ptx)
         assert not re.search(r"(ld|st)\.global(\.\w+)*\.b16", ptx)
-    assert ("div.approx" in ptx) == fast_div
+        assert not re.search(r"(ld|st)\.shared", ptx)
+    assert ("div.approx" in ptx) == fast_silu
     ptrs = {"X": "*bf16", "WEIGHT": "*fp32", "STATE": "*bf16", "OUT": "*bf16", "QSTART": "*i64", "SLOTS": "*i64",
             "HAS_CTX": "*i32"}
     ints = {n: "i32" for n in ("C", "PLANE", "stride_xt", "stride_ss", "stride_sc", "stride_sw", "stride_op",
                                "stride_ot")} | {"NORM_C": "i32", "NORM_EPS": "fp32"}
-    consts = dict(W=4, W_P=4, SILU=True, BLOCK_C=triton.next_power_of_2(tile), TILE_C=tile, NORM_HEADS=norm,
-                  FAST_DIV=fast_div)
+    consts = dict(W=4, W_P=4, SILU=True, BLOCK_C=block_c, HEAD=head, HEAD_P=hp, NORM_HEADS=norm, FAST_SILU=fast_silu)
     assert _compile(short_conv_triton._short_conv_heads_kernel, ptrs, ints, consts, divisible[:2] + divisible[3:],
                     num_warps=4).asm["cubin"]
 

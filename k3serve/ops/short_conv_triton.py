@@ -4,11 +4,12 @@ The torch reference (``short_conv.short_conv_ref``) loops over prefill sequences
 each one's conv state with its transposed inputs in fp32 and running a generic depthwise conv: on
 kimi-linear-48b an 8K-token prefill spent ~45 ms of its 295 ms there (RESULTS.md, sixth session).
 Here the work splits by where a token's window lies:
-- ``_short_conv_kernel``, a stencil over the flat batch: a program covers a [tokens x channels]
-  tile, reads the W shifted rows of x as vectors and writes every token whose W-1 predecessors are
-  in its own sequence's new tokens; it never reads the conv state, so no tile pays for its gathers
-  (the thirty-eighth session's reason: with a state path in every tile the kernel took 221
-  registers a thread, two programs an SM, and ran at 29-30 % of copy).
+- ``_short_conv_kernel``, a stencil over the flat batch: a program slides down ROWS tokens of a
+  channel tile with the last W-1 rows in registers (each x row loaded and upcast once), and writes
+  every token whose W-1 predecessors are new tokens of its own sequence; it never reads the conv
+  state. (Thirty-eighth session: the old one-kernel form held the state path in every tile, 221
+  registers a thread, and ran at 29 % of copy; [tokens x channels] tiles without it 55-62 %;
+  sliding rows 58-64 %, 65-73 % without the q/k norm.)
 - ``_short_conv_heads_kernel``, a program per (sequence, channel tile): the sequence's first W-1
   outputs, whose windows reach into its conv-state slot (zeros without cached context), then the
   slot's new state (its last W-1 pre-conv inputs). The two launches touch disjoint outputs and only
@@ -31,49 +32,86 @@ from .autotune import interpreted
 
 
 @triton.jit
-def _finish(acc, OUT, t, c, rows, cmask, pid_c, PLANE, stride_op, stride_ot, SILU: tl.constexpr,
-            TILE_C: tl.constexpr, NORM_C, NORM_EPS, NORM_HEADS: tl.constexpr, FAST_DIV: tl.constexpr):
-    """SiLU, the per-head L2 norm of the first NORM_C channels (a tile is then one head wide; lanes
-    past the head hold zeros), one rounding, and the store of the ``rows`` into the planes.
-    FAST_DIV: SiLU's division as div.approx (2 ulp; the interpreter has no libdevice)."""
+def _channels(pid_c, C, BLOCK_C: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr):
+    """(channels [BLOCK_C], their mask) of channel tile ``pid_c``: BLOCK_C // HEAD_P groups (heads,
+    for the norm) of HEAD channels, each in HEAD_P lanes (a power of two: the bundled tiny model's
+    KDA heads are 48 wide); dense, hence vector loads, where HEAD == HEAD_P."""
+    lane = tl.arange(0, BLOCK_C)
+    if HEAD == HEAD_P:
+        c = pid_c * BLOCK_C + lane
+        return c, c < C
+    c = pid_c * (BLOCK_C // HEAD_P * HEAD) + lane // HEAD_P * HEAD + lane % HEAD_P
+    return c, (c < C) & (lane % HEAD_P < HEAD)
+
+
+@triton.jit
+def _finish(acc, OUT, t, c, rows, cmask, first_c, PLANE, stride_op, stride_ot, SILU: tl.constexpr,
+            BLOCK_C: tl.constexpr, HEAD_P: tl.constexpr, NORM_C, NORM_EPS, NORM_HEADS: tl.constexpr,
+            FAST_SILU: tl.constexpr):
+    """acc [R, BLOCK_C] (tokens ``t`` [R], channels ``c``): SiLU, the L2 norm of each group of the
+    tiles below NORM_C (a tile starting at channel ``first_c`` is all q/k or all v), one rounding,
+    and the store of the ``rows`` [R] into the planes. FAST_SILU: SiLU's exp and division as
+    ex2.approx.ftz and div.approx (2 ulp, no denormal fix-ups; the interpreter has no libdevice)."""
     if SILU:
-        if FAST_DIV:
-            acc = libdevice.fast_dividef(acc, 1.0 + tl.exp(-acc))
+        if FAST_SILU:
+            acc = libdevice.fast_dividef(acc, 1.0 + libdevice.fast_expf(-acc))
         else:
             acc = acc / (1.0 + tl.exp(-acc))
-    if NORM_HEADS:
-        if pid_c * TILE_C < NORM_C:
-            acc = acc * tl.math.rsqrt(tl.sum(acc * acc, 1) + NORM_EPS)[:, None]
+    if NORM_HEADS:  # (lanes past a head hold zeros; a select, not a branch: the two sides' layouts would meet
+        R: tl.constexpr = acc.shape[0]  # in shared memory)
+        g = tl.reshape(acc, [R, BLOCK_C // HEAD_P, HEAD_P])
+        scale = tl.where(first_c < NORM_C, tl.math.rsqrt(tl.sum(g * g, 2) + NORM_EPS), 1.0)
+        acc = tl.reshape(g * scale[:, :, None], [R, BLOCK_C])
     out = OUT + (c // PLANE)[None, :] * stride_op + t.to(tl.int64)[:, None] * stride_ot + (c % PLANE)[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=rows[:, None] & cmask[None, :])
 
 
 @triton.jit
 def _short_conv_kernel(X, WEIGHT, OUT, TOKEN_SEQ, QSTART, T, C, PLANE, stride_xt, stride_op, stride_ot,
-                       W: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                       TILE_C: tl.constexpr, CHANNELS_FIRST: tl.constexpr = False, NORM_C=0, NORM_EPS=1e-6,
-                       NORM_HEADS: tl.constexpr = False, FAST_DIV: tl.constexpr = False):
-    """Program: TILE_C channels (<= BLOCK_C, a power of two; with NORM_HEADS one head) of BLOCK_T
-    tokens; a sequence's first W-1 tokens are left to ``_short_conv_heads_kernel``."""
+                       W: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_C: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
+                       CHANNELS_FIRST: tl.constexpr = False, NORM_C=0, NORM_EPS=1e-6,
+                       NORM_HEADS: tl.constexpr = False, FAST_SILU: tl.constexpr = False):
+    """Program: ROWS consecutive tokens of a channel tile (GROUP rows loaded at once, a divisor of
+    ROWS), a row at a time, the W-1 rows before it held in registers: each x row is loaded and
+    upcast once (and W-1 more a program). A sequence's first W-1 tokens are left to
+    ``_short_conv_heads_kernel``."""
     if CHANNELS_FIRST:  # neighbouring programs take neighbouring channels of the same tokens
-        n_cb = tl.cdiv(C, TILE_C)
+        n_cb = tl.cdiv(C, BLOCK_C // HEAD_P * HEAD)
         pid_t, pid_c = tl.program_id(0) // n_cb, tl.program_id(0) % n_cb
     else:
         pid_t, pid_c = tl.program_id(0), tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    lane = tl.arange(0, BLOCK_C)
-    c = pid_c * TILE_C + lane
-    tmask, cmask = t < T, (c < C) & (lane < TILE_C)
-    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    c, cmask = _channels(pid_c, C, BLOCK_C, HEAD, HEAD_P)
+    first_c = pid_c * (BLOCK_C // HEAD_P * HEAD)
+    t0 = pid_t * ROWS
+    wts = ()
     for w in tl.static_range(W):
-        src = t - (W - 1) + w  # rows before the batch, or of another sequence, feed only rows not kept
-        xv = tl.load(X + src.to(tl.int64)[:, None] * stride_xt + c[None, :],
-                     mask=(tmask & (src >= 0))[:, None] & cmask[None, :], other=0.0)
-        acc += xv.to(tl.float32) * tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0)[None, :]
-    seq = tl.load(TOKEN_SEQ + t, mask=tmask, other=0)
-    keep = tmask & (t - tl.load(QSTART + seq, mask=tmask, other=0) >= W - 1)
-    _finish(acc, OUT, t, c, keep, cmask, pid_c, PLANE, stride_op, stride_ot, SILU, TILE_C, NORM_C, NORM_EPS,
-            NORM_HEADS, FAST_DIV)
+        wts = wts + (tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0),)
+    win = ()  # rows t0 - (W-1) .. t0 - 1: before the batch (zeros), or of another sequence, feed only rows not kept
+    for w in tl.static_range(W - 1):
+        src = t0 - (W - 1) + w
+        # (masks as selects: Triton's interpreter rejects a vector mask and-ed with a scalar)
+        win = win + (tl.load(X + src.to(tl.int64) * stride_xt + c, mask=tl.where((src >= 0) & (src < T), cmask, False),
+                             other=0.0).to(tl.float32),)
+    one = tl.zeros([1], tl.int32)
+    for g in tl.static_range(ROWS // GROUP):
+        # A group's rows are loaded before any of its outputs is stored: a load cannot move above a
+        # store (x and the planes might alias), so row by row each load waited for the row before.
+        xs, keeps = (), ()
+        for r in tl.static_range(GROUP):
+            t = t0 + g * GROUP + r
+            live = t < T
+            xs = xs + (tl.load(X + t.to(tl.int64) * stride_xt + c, mask=tl.where(live, cmask, False), other=0.0),)
+            pos = t - tl.load(QSTART + tl.load(TOKEN_SEQ + t, mask=live, other=0), mask=live, other=0)
+            keeps = keeps + (live & (pos >= W - 1),)
+        for r in tl.static_range(GROUP):
+            xr = xs[r].to(tl.float32)
+            acc = xr * wts[W - 1]
+            for w in tl.static_range(W - 1):
+                acc += win[w] * wts[w]
+            _finish(acc[None, :], OUT, one + (t0 + g * GROUP + r), c, (one + keeps[r]) != 0, cmask, first_c, PLANE,
+                    stride_op, stride_ot, SILU, BLOCK_C, HEAD_P, NORM_C, NORM_EPS, NORM_HEADS, FAST_SILU)
+            win = win[1:] + (xr,)
 
 
 @triton.jit
@@ -92,16 +130,15 @@ def _window_entry(X, STATE, i, c, live, start, qlen, slot, has_ctx, stride_xt, s
 @triton.jit
 def _short_conv_heads_kernel(X, WEIGHT, STATE, OUT, QSTART, SLOTS, HAS_CTX, C, PLANE, stride_xt, stride_ss,
                              stride_sc, stride_sw, stride_op, stride_ot, W: tl.constexpr, W_P: tl.constexpr,
-                             SILU: tl.constexpr, BLOCK_C: tl.constexpr, TILE_C: tl.constexpr, NORM_C=0,
-                             NORM_EPS=1e-6, NORM_HEADS: tl.constexpr = False, FAST_DIV: tl.constexpr = False):
-    """Program (sequence n, TILE_C channels): outputs of the sequence's first min(W-1, qlen) tokens
+                             SILU: tl.constexpr, BLOCK_C: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
+                             NORM_C=0, NORM_EPS=1e-6, NORM_HEADS: tl.constexpr = False,
+                             FAST_SILU: tl.constexpr = False):
+    """Program (sequence n, channel tile): outputs of the sequence's first min(W-1, qlen) tokens
     from its conv state and new inputs, then its new state (the last W-1 entries of [old state ;
     new inputs]), once every old entry is read."""
     n = tl.program_id(0)
     pid_c = tl.program_id(1)
-    lane = tl.arange(0, BLOCK_C)
-    c = pid_c * TILE_C + lane
-    cmask = (c < C) & (lane < TILE_C)
+    c, cmask = _channels(pid_c, C, BLOCK_C, HEAD, HEAD_P)
     start = tl.load(QSTART + n)
     qlen = tl.load(QSTART + n + 1) - start
     slot = tl.load(SLOTS + n).to(tl.int64)
@@ -119,15 +156,17 @@ def _short_conv_heads_kernel(X, WEIGHT, STATE, OUT, QSTART, SLOTS, HAS_CTX, C, P
                         stride_sc, stride_sw, W)
     tl.debug_barrier()  # every old entry is read (by whichever thread) before any is overwritten
     tl.store(STATE + slot * stride_ss + c[None, :] * stride_sc + j[:, None] * stride_sw, new, mask=live_state)
-    _finish(acc, OUT, start + j, c, rows, cmask, pid_c, PLANE, stride_op, stride_ot, SILU, TILE_C, NORM_C, NORM_EPS,
-            NORM_HEADS, FAST_DIV)
+    _finish(acc, OUT, start + j, c, rows, cmask, pid_c * (BLOCK_C // HEAD_P * HEAD), PLANE, stride_op, stride_ot, SILU,
+            BLOCK_C, HEAD_P, NORM_C, NORM_EPS, NORM_HEADS, FAST_SILU)
 
 
-# The stencil's [tokens x channels] tile and warps, and programs in channel-block-first order
-# (CHANNELS_FIRST), from bench/kernels_prefill.py's sweep at 8K tokens on the H200.
-CONV_BLOCK_T, CONV_BLOCK_C, CONV_WARPS = 32, 128, 4
+# The stencil's rows a program, rows loaded at once, channel lanes (whole 128-wide heads for the q/k norm)
+# and warps, and programs in channel-block-first order (CHANNELS_FIRST), from bench/kernels_prefill.py's sweep
+# at 8K tokens on the H200 (RESULTS.md thirty-eighth session): 32 rows, 8 at once, 512 lanes, 4 warps at
+# 58 / 64 % of copy (kimi-linear / K3 widths, with the q/k norm), 65 / 73 % without it.
+CONV_ROWS, CONV_GROUP, CONV_BLOCK_C, CONV_WARPS = 32, 8, 512, 4
 CONV_CHANNELS_FIRST = True
-CONV_FAST_DIV = True
+CONV_FAST_SILU = True
 
 
 def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch,
@@ -137,34 +176,43 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
     [C, W] fp32, conv_state [num_slots, C, W-1] (any strides; updated in place). Returns the
     [T, C] result in x's dtype as C/P contiguous planes [C/P, T, P] (``plane`` P divides C; None: C).
     ``norm`` = (channels N, head dim D): the first N channels L2-normalised per head of D
-    (x / sqrt(sum x^2 + eps), KDA's q and k) before the one rounding; tiles are then one head wide
-    (D channels in a power-of-two tile: the bundled tiny model's KDA heads are 48 wide)."""
+    (x / sqrt(sum x^2 + eps), KDA's q and k) before the one rounding; tiles then hold whole heads
+    (each in a power-of-two run of lanes: the bundled tiny model's KDA heads are 48 wide), as many
+    as divide N / D."""
     T, C = x.shape
     W = weight.shape[-1]
     plane = plane or C
     if C % plane or x.stride(-1) != 1:
         raise ValueError(f"plane {plane} must divide {C} channels, and x's channels must be dense")
-    tile_c = block_c = CONV_BLOCK_C
+    head = head_p = block_c = CONV_BLOCK_C
     if norm is not None:
-        tile_c, block_c = norm[1], triton.next_power_of_2(norm[1])
-        if norm[0] % tile_c:
-            raise ValueError(f"norm heads of {tile_c} must tile the {norm[0]} normalised channels")
+        head, head_p = norm[1], triton.next_power_of_2(norm[1])
+        if norm[0] % head:
+            raise ValueError(f"norm heads of {head} must tile the {norm[0]} normalised channels")
+        groups = max(CONV_BLOCK_C // head_p, 1)
+        while (norm[0] // head) % groups:
+            groups //= 2
+        block_c = groups * head_p
+    tile_c = block_c // head_p * head
+    group = min(CONV_GROUP, CONV_ROWS)
+    if CONV_ROWS % group:
+        raise ValueError(f"rows a program ({CONV_ROWS}) must be groups of {group}")
     planes = torch.empty(C // plane, T, plane, dtype=x.dtype, device=x.device)
     if T:
         w = weight.float().contiguous()
         st = conv_state
-        n_t, n_c = triton.cdiv(T, CONV_BLOCK_T), triton.cdiv(C, tile_c)
+        n_t, n_c = triton.cdiv(T, CONV_ROWS), triton.cdiv(C, tile_c)
         norm_c = norm[0] if norm else 0
-        fast = CONV_FAST_DIV and not interpreted()
+        fast = CONV_FAST_SILU and not interpreted()
         # (no order needed; the heads first, so that the stencil overwrites any head row it should not)
         _short_conv_heads_kernel[(batch.num_seqs, n_c)](
             x, w, st, planes, batch.query_start, batch.kda_slots, batch.has_context, C, plane, x.stride(0),
             st.stride(0), st.stride(1), st.stride(2), planes.stride(0), planes.stride(1), W=W,
-            W_P=triton.next_power_of_2(W - 1), SILU=silu, BLOCK_C=block_c, TILE_C=tile_c, NORM_C=norm_c,
-            NORM_EPS=eps, NORM_HEADS=norm is not None, FAST_DIV=fast)
+            W_P=triton.next_power_of_2(W - 1), SILU=silu, BLOCK_C=block_c, HEAD=head, HEAD_P=head_p, NORM_C=norm_c,
+            NORM_EPS=eps, NORM_HEADS=norm is not None, FAST_SILU=fast, num_warps=CONV_WARPS)
         _short_conv_kernel[(n_t * n_c,) if CONV_CHANNELS_FIRST else (n_t, n_c)](
             x, w, planes, batch.token_seq, batch.query_start, T, C, plane, x.stride(0), planes.stride(0),
-            planes.stride(1), W=W, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=block_c, TILE_C=tile_c,
+            planes.stride(1), W=W, SILU=silu, ROWS=CONV_ROWS, GROUP=group, BLOCK_C=block_c, HEAD=head, HEAD_P=head_p,
             CHANNELS_FIRST=CONV_CHANNELS_FIRST, NORM_C=norm_c, NORM_EPS=eps, NORM_HEADS=norm is not None,
-            FAST_DIV=fast, num_warps=CONV_WARPS)
+            FAST_SILU=fast, num_warps=CONV_WARPS)
     return planes
