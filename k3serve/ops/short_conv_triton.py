@@ -118,13 +118,13 @@ def _short_conv_kernel(X, WEIGHT, OUT, TOKEN_SEQ, QSTART, T, C, PLANE, stride_xt
 def _window_entry(X, STATE, i, c, live, start, qlen, slot, has_ctx, stride_xt, stride_ss, stride_sc, stride_sw,
                   W: tl.constexpr):
     """Entries ``i`` [R] of a sequence's [old conv state (W-1) ; new inputs (qlen)] for channels c,
-    in the state's dtype ([R, BLOCK_C]; entries of a state without context are zeros)."""
+    in fp32 ([R, BLOCK_C]; entries of a state without context are zeros)."""
     in_batch = (i >= W - 1)[:, None]
     xv = tl.load(X + (start + i - (W - 1)).to(tl.int64)[:, None] * stride_xt + c[None, :],
                  mask=live & in_batch & (i - (W - 1) < qlen)[:, None], other=0.0)
     sv = tl.load(STATE + slot * stride_ss + c[None, :] * stride_sc + i[:, None] * stride_sw,
                  mask=live & ~in_batch & has_ctx, other=0.0)
-    return tl.where(in_batch, xv.to(STATE.dtype.element_ty), sv)
+    return tl.where(in_batch, xv.to(tl.float32), sv.to(tl.float32))
 
 
 @triton.jit
@@ -150,12 +150,13 @@ def _short_conv_heads_kernel(X, WEIGHT, STATE, OUT, QSTART, SLOTS, HAS_CTX, C, P
     for w in tl.static_range(W):  # token j's window: entries j .. j + W-1
         e = _window_entry(X, STATE, j + w, c, live, start, qlen, slot, has_ctx, stride_xt, stride_ss, stride_sc,
                           stride_sw, W)
-        acc += e.to(tl.float32) * tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0)[None, :]
+        acc += e * tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0)[None, :]
     live_state = (j < W - 1)[:, None] & cmask[None, :]
     new = _window_entry(X, STATE, qlen + j, c, live_state, start, qlen, slot, has_ctx, stride_xt, stride_ss,
                         stride_sc, stride_sw, W)
     tl.debug_barrier()  # every old entry is read (by whichever thread) before any is overwritten
-    tl.store(STATE + slot * stride_ss + c[None, :] * stride_sc + j[:, None] * stride_sw, new, mask=live_state)
+    tl.store(STATE + slot * stride_ss + c[None, :] * stride_sc + j[:, None] * stride_sw, new.to(STATE.dtype.element_ty),
+             mask=live_state)
     _finish(acc, OUT, start + j, c, rows, cmask, pid_c * (BLOCK_C // HEAD_P * HEAD), PLANE, stride_op, stride_ot, SILU,
             BLOCK_C, HEAD_P, NORM_C, NORM_EPS, NORM_HEADS, FAST_SILU)
 
