@@ -328,7 +328,7 @@ def test_short_conv_compiles_for_sm90(channels_first, norm, head, block_c, fast_
     (the fused in_proj's), so the stencil's loads and stores are vectors, and it never touches the
     conv state: no scalar (16-bit) global access at all. The norm's per-tile choice is a select:
     as a branch, the two sides' layouts met through shared memory (twice the instructions)."""
-    ptrs = {"X": "*bf16", "WEIGHT": "*fp32", "OUT": "*bf16", "TOKEN_SEQ": "*i64", "QSTART": "*i64"}
+    ptrs = {"X": "*bf16", "WEIGHT": "*fp32", "OUT": "*bf16"}
     ints = {n: "i32" for n in ("T", "C", "PLANE", "stride_xt", "stride_op", "stride_ot")} | {"NORM_C": "i32",
                                                                                           "NORM_EPS": "fp32"}
     hp = triton.next_power_of_2(head)

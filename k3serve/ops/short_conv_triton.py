@@ -6,14 +6,14 @@ kimi-linear-48b an 8K-token prefill spent ~45 ms of its 295 ms there (RESULTS.md
 Here the work splits by where a token's window lies:
 - ``_short_conv_kernel``, a stencil over the flat batch: a program slides down ROWS tokens of a
   channel tile with the last W-1 rows in registers (each x row loaded and upcast once), and writes
-  every token whose W-1 predecessors are new tokens of its own sequence; it never reads the conv
-  state. (Thirty-eighth session: the old one-kernel form held the state path in every tile, 221
+  every token as if the batch were one sequence; it never reads the conv state nor where
+  sequences start. (Thirty-eighth session: the old one-kernel form held the state path in every tile, 221
   registers a thread, and ran at 29 % of copy; [tokens x channels] tiles without it 55-62 %;
-  sliding rows 58-64 %, 65-73 % without the q/k norm.)
-- ``_short_conv_heads_kernel``, a program per (sequence, channel tile): the sequence's first W-1
-  outputs, whose windows reach into its conv-state slot (zeros without cached context), then the
-  slot's new state (its last W-1 pre-conv inputs). The two launches touch disjoint outputs and only
-  the second reads or writes the state, so they need no order.
+  sliding rows 58-64 %, 65-73 % without the q/k norm, while they still tested each row's sequence
+  start: the form without that test is untimed.)
+- ``_short_conv_heads_kernel``, a program per (sequence, channel tile), launched second: it
+  rewrites the sequence's first W-1 outputs, whose windows reach into its conv-state slot (zeros
+  without cached context), then writes the slot's new state (its last W-1 pre-conv inputs).
 SiLU (and the optional q/k L2 norm) is applied before the one rounding.
 
 Output columns can be laid out in planes: with ``plane`` = P the [T, 3P] result is stored as three
@@ -67,15 +67,15 @@ def _finish(acc, OUT, t, c, rows, cmask, first_c, PLANE, stride_op, stride_ot, S
 
 
 @triton.jit
-def _short_conv_kernel(X, WEIGHT, OUT, TOKEN_SEQ, QSTART, T, C, PLANE, stride_xt, stride_op, stride_ot,
+def _short_conv_kernel(X, WEIGHT, OUT, T, C, PLANE, stride_xt, stride_op, stride_ot,
                        W: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_C: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
                        CHANNELS_FIRST: tl.constexpr = False, NORM_C=0, NORM_EPS=1e-6,
                        NORM_HEADS: tl.constexpr = False, FAST_SILU: tl.constexpr = False):
     """Program: ROWS consecutive tokens of a channel tile (GROUP rows loaded at once, a divisor of
     ROWS), a row at a time, the W-1 rows before it held in registers: each x row is loaded and
-    upcast once (and W-1 more a program). A sequence's first W-1 tokens are left to
-    ``_short_conv_heads_kernel``."""
+    upcast once (and W-1 more a program). Every token is written, a sequence's first W-1 from
+    windows that reach into the sequence before it: ``_short_conv_heads_kernel`` rewrites those."""
     if CHANNELS_FIRST:  # neighbouring programs take neighbouring channels of the same tokens
         n_cb = tl.cdiv(C, BLOCK_C // HEAD_P * HEAD)
         pid_t, pid_c = tl.program_id(0) // n_cb, tl.program_id(0) % n_cb
@@ -87,7 +87,7 @@ def _short_conv_kernel(X, WEIGHT, OUT, TOKEN_SEQ, QSTART, T, C, PLANE, stride_xt
     wts = ()
     for w in tl.static_range(W):
         wts = wts + (tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0),)
-    win = ()  # rows t0 - (W-1) .. t0 - 1: before the batch (zeros), or of another sequence, feed only rows not kept
+    win = ()  # rows t0 - (W-1) .. t0 - 1 (before the batch: zeros)
     for w in tl.static_range(W - 1):
         src = t0 - (W - 1) + w
         # (masks as selects: Triton's interpreter rejects a vector mask and-ed with a scalar)
@@ -97,19 +97,18 @@ def _short_conv_kernel(X, WEIGHT, OUT, TOKEN_SEQ, QSTART, T, C, PLANE, stride_xt
     for g in tl.static_range(ROWS // GROUP):
         # A group's rows are loaded before any of its outputs is stored: a load cannot move above a
         # store (x and the planes might alias), so row by row each load waited for the row before.
-        xs, keeps = (), ()
+        xs, lives = (), ()
         for r in tl.static_range(GROUP):
             t = t0 + g * GROUP + r
             live = t < T
             xs = xs + (tl.load(X + t.to(tl.int64) * stride_xt + c, mask=tl.where(live, cmask, False), other=0.0),)
-            pos = t - tl.load(QSTART + tl.load(TOKEN_SEQ + t, mask=live, other=0), mask=live, other=0)
-            keeps = keeps + (live & (pos >= W - 1),)
+            lives = lives + (live,)
         for r in tl.static_range(GROUP):
             xr = xs[r].to(tl.float32)
             acc = xr * wts[W - 1]
             for w in tl.static_range(W - 1):
                 acc += win[w] * wts[w]
-            _finish(acc[None, :], OUT, one + (t0 + g * GROUP + r), c, (one + keeps[r]) != 0, cmask, first_c, PLANE,
+            _finish(acc[None, :], OUT, one + (t0 + g * GROUP + r), c, (one + lives[r]) != 0, cmask, first_c, PLANE,
                     stride_op, stride_ot, SILU, BLOCK_C, HEAD_P, NORM_C, NORM_EPS, NORM_HEADS, FAST_SILU)
             win = win[1:] + (xr,)
 
@@ -205,15 +204,14 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
         n_t, n_c = triton.cdiv(T, CONV_ROWS), triton.cdiv(C, tile_c)
         norm_c = norm[0] if norm else 0
         fast = CONV_FAST_SILU and not interpreted()
-        # (no order needed; the heads first, so that the stencil overwrites any head row it should not)
+        _short_conv_kernel[(n_t * n_c,) if CONV_CHANNELS_FIRST else (n_t, n_c)](
+            x, w, planes, T, C, plane, x.stride(0), planes.stride(0), planes.stride(1), W=W, SILU=silu, ROWS=CONV_ROWS, GROUP=group, BLOCK_C=block_c, HEAD=head, HEAD_P=head_p,
+            CHANNELS_FIRST=CONV_CHANNELS_FIRST, NORM_C=norm_c, NORM_EPS=eps, NORM_HEADS=norm is not None,
+            FAST_SILU=fast, num_warps=CONV_WARPS)
+        # second: over the stencil's rows of each sequence's first W-1 tokens
         _short_conv_heads_kernel[(batch.num_seqs, n_c)](
             x, w, st, planes, batch.query_start, batch.kda_slots, batch.has_context, C, plane, x.stride(0),
             st.stride(0), st.stride(1), st.stride(2), planes.stride(0), planes.stride(1), W=W,
             W_P=triton.next_power_of_2(W - 1), SILU=silu, BLOCK_C=block_c, HEAD=head, HEAD_P=head_p, NORM_C=norm_c,
             NORM_EPS=eps, NORM_HEADS=norm is not None, FAST_SILU=fast, num_warps=CONV_WARPS)
-        _short_conv_kernel[(n_t * n_c,) if CONV_CHANNELS_FIRST else (n_t, n_c)](
-            x, w, planes, batch.token_seq, batch.query_start, T, C, plane, x.stride(0), planes.stride(0),
-            planes.stride(1), W=W, SILU=silu, ROWS=CONV_ROWS, GROUP=group, BLOCK_C=block_c, HEAD=head, HEAD_P=head_p,
-            CHANNELS_FIRST=CONV_CHANNELS_FIRST, NORM_C=norm_c, NORM_EPS=eps, NORM_HEADS=norm is not None,
-            FAST_SILU=fast, num_warps=CONV_WARPS)
     return planes
