@@ -33,15 +33,23 @@ from .autotune import interpreted
 
 @triton.jit
 def _channels(pid_c, C, BLOCK_C: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr):
-    """(channels [BLOCK_C], their mask) of channel tile ``pid_c``: BLOCK_C // HEAD_P groups (heads,
-    for the norm) of HEAD channels, each in HEAD_P lanes (a power of two: the bundled tiny model's
-    KDA heads are 48 wide); dense, hence vector loads, where HEAD == HEAD_P."""
+    """(channels [BLOCK_C], their mask, the first channel) of channel tile ``pid_c``: BLOCK_C // HEAD_P
+    groups (heads, for the norm) of HEAD channels, each in HEAD_P lanes (a power of two: the bundled
+    tiny model's KDA heads are 48 wide); dense, hence vector loads, where HEAD == HEAD_P."""
     lane = tl.arange(0, BLOCK_C)
+    first = pid_c * (BLOCK_C // HEAD_P * HEAD)
     if HEAD == HEAD_P:
-        c = pid_c * BLOCK_C + lane
-        return c, c < C
-    c = pid_c * (BLOCK_C // HEAD_P * HEAD) + lane // HEAD_P * HEAD + lane % HEAD_P
-    return c, (c < C) & (lane % HEAD_P < HEAD)
+        c = first + lane
+        return c, c < C, first
+    c = first + lane // HEAD_P * HEAD + lane % HEAD_P
+    return c, (c < C) & (lane % HEAD_P < HEAD), first
+
+
+@triton.jit
+def _x_row(X, t, c, cmask, T, stride_xt):
+    """Row ``t`` of x at channels c (zeros outside the batch). (The mask as a select: Triton's
+    interpreter rejects a vector mask and-ed with a scalar.)"""
+    return tl.load(X + t.to(tl.int64) * stride_xt + c, mask=tl.where((t >= 0) & (t < T), cmask, False), other=0.0)
 
 
 @triton.jit
@@ -81,35 +89,29 @@ def _short_conv_kernel(X, WEIGHT, OUT, T, C, PLANE, stride_xt, stride_op, stride
         pid_t, pid_c = tl.program_id(0) // n_cb, tl.program_id(0) % n_cb
     else:
         pid_t, pid_c = tl.program_id(0), tl.program_id(1)
-    c, cmask = _channels(pid_c, C, BLOCK_C, HEAD, HEAD_P)
-    first_c = pid_c * (BLOCK_C // HEAD_P * HEAD)
+    c, cmask, first_c = _channels(pid_c, C, BLOCK_C, HEAD, HEAD_P)
     t0 = pid_t * ROWS
     wts = ()
     for w in tl.static_range(W):
         wts = wts + (tl.load(WEIGHT + c * W + w, mask=cmask, other=0.0),)
     win = ()  # rows t0 - (W-1) .. t0 - 1 (before the batch: zeros)
     for w in tl.static_range(W - 1):
-        src = t0 - (W - 1) + w
-        # (masks as selects: Triton's interpreter rejects a vector mask and-ed with a scalar)
-        win = win + (tl.load(X + src.to(tl.int64) * stride_xt + c, mask=tl.where((src >= 0) & (src < T), cmask, False),
-                             other=0.0).to(tl.float32),)
+        win = win + (_x_row(X, t0 - (W - 1) + w, c, cmask, T, stride_xt).to(tl.float32),)
     one = tl.zeros([1], tl.int32)
     for g in tl.static_range(ROWS // GROUP):
         # A group's rows are loaded before any of its outputs is stored: a load cannot move above a
         # store (x and the planes might alias), so row by row each load waited for the row before.
-        xs, lives = (), ()
+        xs = ()
         for r in tl.static_range(GROUP):
-            t = t0 + g * GROUP + r
-            live = t < T
-            xs = xs + (tl.load(X + t.to(tl.int64) * stride_xt + c, mask=tl.where(live, cmask, False), other=0.0),)
-            lives = lives + (live,)
+            xs = xs + (_x_row(X, t0 + g * GROUP + r, c, cmask, T, stride_xt),)
         for r in tl.static_range(GROUP):
             xr = xs[r].to(tl.float32)
             acc = xr * wts[W - 1]
             for w in tl.static_range(W - 1):
                 acc += win[w] * wts[w]
-            _finish(acc[None, :], OUT, one + (t0 + g * GROUP + r), c, (one + lives[r]) != 0, cmask, first_c, PLANE,
-                    stride_op, stride_ot, SILU, BLOCK_C, HEAD_P, NORM_C, NORM_EPS, NORM_HEADS, FAST_SILU)
+            t = one + (t0 + g * GROUP + r)
+            _finish(acc[None, :], OUT, t, c, t < T, cmask, first_c, PLANE, stride_op, stride_ot, SILU, BLOCK_C,
+                    HEAD_P, NORM_C, NORM_EPS, NORM_HEADS, FAST_SILU)
             win = win[1:] + (xr,)
 
 
@@ -137,7 +139,7 @@ def _short_conv_heads_kernel(X, WEIGHT, STATE, OUT, QSTART, SLOTS, HAS_CTX, C, P
     new inputs]), once every old entry is read."""
     n = tl.program_id(0)
     pid_c = tl.program_id(1)
-    c, cmask = _channels(pid_c, C, BLOCK_C, HEAD, HEAD_P)
+    c, cmask, first_c = _channels(pid_c, C, BLOCK_C, HEAD, HEAD_P)
     start = tl.load(QSTART + n)
     qlen = tl.load(QSTART + n + 1) - start
     slot = tl.load(SLOTS + n).to(tl.int64)
@@ -156,8 +158,8 @@ def _short_conv_heads_kernel(X, WEIGHT, STATE, OUT, QSTART, SLOTS, HAS_CTX, C, P
     tl.debug_barrier()  # every old entry is read (by whichever thread) before any is overwritten
     tl.store(STATE + slot * stride_ss + c[None, :] * stride_sc + j[:, None] * stride_sw, new.to(STATE.dtype.element_ty),
              mask=live_state)
-    _finish(acc, OUT, start + j, c, rows, cmask, pid_c * (BLOCK_C // HEAD_P * HEAD), PLANE, stride_op, stride_ot, SILU,
-            BLOCK_C, HEAD_P, NORM_C, NORM_EPS, NORM_HEADS, FAST_SILU)
+    _finish(acc, OUT, start + j, c, rows, cmask, first_c, PLANE, stride_op, stride_ot, SILU, BLOCK_C, HEAD_P, NORM_C,
+            NORM_EPS, NORM_HEADS, FAST_SILU)
 
 
 # The stencil's rows a program, rows loaded at once, channel lanes (whole 128-wide heads for the q/k norm)
