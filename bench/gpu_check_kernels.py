@@ -8,7 +8,7 @@ with cached context.
 
 Also the Gluon kernels (moe_gluon, kda_decode_gluon, mla_decode_gluon) against the same references.
 
-Usage: python bench/gpu_check_kernels.py [--no-gluon | --gluon mla|kda|moe | --short-conv]
+Usage: python bench/gpu_check_kernels.py [--no-gluon | --gluon mla|kda|moe | --short-conv | --moe-bf16]
 (prints one row per check; exit code 1 if any fails)
 """
 
@@ -19,6 +19,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
@@ -469,15 +470,16 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
                    rel(out, exact[glu]), 1e-4)
 
 
-def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator) -> None:
+def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator, block_m: int = 16) -> None:
     """bf16 experts (kimi-linear's) through every bf16 tile of the grouped GEMM: gate / up with the
     SiLU-GLU epilogue, and a plain GEMM with the routing weights on its rows (the down projection),
-    against float64 of the same bf16 values."""
+    against float64 of the same bf16 values. Row blocks past 16 (prefill's): the prefill tiles and
+    the one they compete with; a tile whose shared memory does not fit is skipped, as the autotuner does."""
     w, w_up = ((torch.randn(E, N, K, generator=gen, device=DEV) * K ** -0.5).bfloat16() for _ in range(2))
     ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
     x = torch.randn(T, K, device=DEV, generator=gen).bfloat16()
     row_scale = torch.rand(T * top, device=DEV, generator=gen) + 0.5
-    rows, blocks = sort_by_expert(ids, E, 16)
+    rows, blocks = sort_by_expert(ids, E, block_m)
     xa, a = x.double()[torch.arange(T * top, device=DEV) // top], ids.flatten()
     gate = torch.einsum("ak,ank->an", xa, w.double()[a])
     exact = {False: gate * row_scale.double()[:, None],
@@ -485,15 +487,27 @@ def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Gene
     # the autotuner's tiles (K tiles of 64), then wider K tiles (moe_triton.PINNED's fifth entry)
     k_tiles = [(32, True, 2, 3, 128), (64, True, 4, 3, 128), (64, False, 4, 3, 128), (32, True, 2, 4, 128),
                (128, False, 4, 4, 128), (32, True, 4, 3, 256), (16, True, 2, 4, 256), (64, True, 4, 3, 256)]
-    for tile in sorted(moe_triton._TILES) + k_tiles:
+    tiles = sorted(moe_triton._TILES | moe_triton._PREFILL_TILES) + k_tiles if block_m == 16 else \
+        sorted(moe_triton._PREFILL_TILES | {(128, False, 8, 3)})
+    for tile in tiles:
         for glu in (False, True):
             out = torch.empty(T * top, N, device=DEV)
-            grouped_gemm(x, rows, blocks, T * top, top, w, None, N, 16, up=(w_up, None) if glu else None,
-                         row_scale=None if glu else row_scale, out=out,
-                         tiles=dict(zip(("BLOCK_N", "SWAP_AB", "num_warps", "num_stages", "BLOCK_K"), tile)))
+            try:
+                grouped_gemm(x, rows, blocks, T * top, top, w, None, N, block_m, up=(w_up, None) if glu else None,
+                             row_scale=None if glu else row_scale, out=out,
+                             tiles=dict(zip(("BLOCK_N", "SWAP_AB", "num_warps", "num_stages", "BLOCK_K"), tile)))
+            except triton.runtime.errors.OutOfResources:
+                continue
             record("bf16 grouped GEMM" + (" + GLU" if glu else " + row scale"),
-                   f"T={T} E={E} N={N} K={K} tile {tile[0]}{'s' if tile[1] else ''}/{tile[2]}w/{tile[3]}s"
-                   + (f"/k{tile[4]}" if len(tile) > 4 else ""), rel(out, exact[glu]), 1e-4)
+                   f"T={T} E={E} N={N} K={K} rows {block_m} tile {tile[0]}{'s' if tile[1] else ''}/{tile[2]}w/"
+                   f"{tile[3]}s" + (f"/k{tile[4]}" if len(tile) > 4 else ""), rel(out, exact[glu]), 1e-4)
+
+
+def bf16_grouped_checks(gen: torch.Generator) -> None:
+    for T, N, K in ((1, 1024, 2304), (1, 2304, 1024), (16, 2304, 1024)):  # kimi-linear's gate / up and down
+        check_bf16_grouped(T, 64, N, K, 9, gen)
+    for N, K in ((1024, 2304), (2304, 1024)):  # prefill row blocks: ~300 rows an expert
+        check_bf16_grouped(600, 16, N, K, 8, gen, block_m=128)
 
 
 def gluon_checks(family: str, gen: torch.Generator) -> None:
@@ -534,6 +548,9 @@ def main() -> int:
         for S in (1, 3, 16, 64, 256):
             check_sampling(S, 163840, gen)
             check_sampling(S, 163840, gen, peaked=True)
+        return report()
+    if "--moe-bf16" in args:
+        bf16_grouped_checks(gen)
         return report()
     if "--mla-decode" in args:
         check_mla_decode(1, 32, [4096], gen)
@@ -580,8 +597,7 @@ def main() -> int:
         check_kda_fused(N, H, 128, lb, gen)
     for T, E, N, K, top in ((1, 64, 3072, 3584, 16), (16, 64, 3584, 3072, 16), (200, 32, 1024, 2304, 8)):
         check_mxfp4_mma(T, E, N, K, top, gen, "mma")
-    for T, N, K in ((1, 1024, 2304), (1, 2304, 1024), (16, 2304, 1024)):  # kimi-linear's gate / up and down
-        check_bf16_grouped(T, 64, N, K, 9, gen)
+    bf16_grouped_checks(gen)
     if "--no-gluon" not in args:
         for family in ("moe", "kda", "mla"):
             gluon_checks(family, gen)

@@ -11,7 +11,9 @@ reference, so a fast wrong tile cannot win); its winners are the autotuner's can
 a short decode sweep.
 
 Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode] [--mxfp4-only] [--decode-only] [--mma-only]
-(--mma-only: the MMA-layout upcast's rows alone)
+[--bf16-prefill-only]
+(--mma-only: the MMA-layout upcast's rows alone; --bf16-prefill-only: Kimi-Linear's bf16 prefill sweep and
+the model's own call at 8K tokens, nothing else)
 """
 
 import copy as copy_module
@@ -68,6 +70,10 @@ BF16_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, False, 128, 4, 3), (16, 12
 BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st, "dot_scaled", {"cols_first": c})
                          for bm, bn in ((64, 128), (128, 128), (128, 256)) for w, st in ((4, 3), (8, 3), (8, 4))
                          for c in (False, True)]  # (cols_first: programs column tile fastest, fifteenth session)
+# Row blocks of mixed sizes an expert (expert_sort.sort_by_expert_sizes): an expert's ~288 rows at 8K tokens take
+# 128 + 128 + 32 rows instead of 3 x 128 (a quarter of the uniform blocks' rows are padding).
+BF16_PREFILL_VARIANTS += [(sizes, bn, False, 64, w, 3, "dot_scaled", {"cols_first": True})
+                          for sizes in ((64, 128), (32, 64, 128), (16, 32, 64, 128)) for bn, w in ((128, 8), (256, 8))]
 
 
 def routing(moe, d, T):
@@ -130,9 +136,51 @@ def kimi_linear_experts():
     return ex
 
 
+def kimi_linear_cases(kl, tokens):
+    """(tokens, x, routing weights, ids, fp32 reference) cases for ``kimi_linear_experts``, top-8 of random scores."""
+    cases = []
+    for T in tokens:
+        g = torch.Generator(device="cuda").manual_seed(T)
+        ids = torch.rand(T, kl.num_experts, device="cuda", generator=g).topk(8, dim=-1).indices
+        w = torch.rand(T, 8, device="cuda", generator=g)
+        z = torch.randn(T, 2304, device="cuda", generator=g).bfloat16()
+        cases.append((T, z, w, ids, experts_ref(z.float(), w, ids, lambda e: tuple(t.float() for t in kl.expert(e)),
+                                                *kl.act)))
+    return cases
+
+
+def bf16_prefill(copy, mm):
+    """Kimi-Linear's bf16 experts at 8K tokens (row blocks of 128) and 2K (of 64): the sweep, then
+    ``experts_triton`` as the model calls it, autotuned with and without the prefill tiles."""
+    kl = kimi_linear_experts()
+    cases = kimi_linear_cases(kl, (8192, 2048))
+    if "--no-sweep" not in sys.argv:
+        sweep(kl, cases[:1], BF16_PREFILL_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, prefill")
+    print("\nthe model's call (autotuned), with and without the prefill tiles (moe_triton._PREFILL_TILES):\n"
+          "| tokens | prefill tiles | round | ms | TFLOP/s | % matmul | rel err |\n|---|---|---|---|---|---|---|")
+    first, picks = moe_triton.PREFILL_TILES_MIN_ROWS, []
+    for T, z, w, ids, ref in cases:
+        run = lambda: experts_triton(z, w, ids, kl)  # noqa: E731
+        for r in range(3):  # alternating rounds
+            for on in (True, False):
+                moe_triton.PREFILL_TILES_MIN_ROWS = first if on else 1 << 30
+                _grouped_gemm_tuned.cache.clear()  # (keyed by shape only: each candidate set picks again, or from disk)
+                err, ms, (_, _, flops) = rel(run(), ref), gpu_ms(run, rep=60), work(kl, ids)
+                if r == 0:
+                    picks.append((T, on, [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                                          for c in _grouped_gemm_tuned.cache.values()]))
+                print(f"| {T} | {on} | {r} | {ms:.3f} | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
+                      f"{err:.2e} |", flush=True)
+    moe_triton.PREFILL_TILES_MIN_ROWS = first
+    for T, on, tiles in picks:
+        print(f"{T} tokens, prefill tiles {on}: picked (BLOCK_N, warps, stages) {tiles} (gate / up, down)")
+
+
 def main():
     copy, mm = copy_tbs(), matmul_tflops()
     print(f"copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    if "--bf16-prefill-only" in sys.argv:
+        return bf16_prefill(copy, mm)
     moe_triton.MMA_LAYOUT = False  # the checkpoint layout for dot_scaled / asm; "mma" gets its own copy below
     model = load_model(preset="k3-slice", device="cuda", dtype="bfloat16", seed=0)
     moe = model.model.layers[1].block_sparse_moe
@@ -153,14 +201,7 @@ def main():
             sweep(ex, [cases[8192]], PREFILL_VARIANTS, copy, mm, "K3 MXFP4 experts, prefill", ex_mma)
     if "--no-sweep" not in sys.argv and "--mxfp4-only" not in sys.argv:
         kl = kimi_linear_experts()
-        kl_cases = []
-        for T in (1, 16, 64, 8192):
-            g = torch.Generator(device="cuda").manual_seed(T)
-            ids = torch.rand(T, kl.num_experts, device="cuda", generator=g).topk(8, dim=-1).indices
-            w = torch.rand(T, 8, device="cuda", generator=g)
-            z = torch.randn(T, 2304, device="cuda", generator=g).bfloat16()
-            kl_cases.append((T, z, w, ids, experts_ref(z.float(), w, ids, lambda e: tuple(t.float() for t in kl.expert(e)),
-                                                       *kl.act)))
+        kl_cases = kimi_linear_cases(kl, (1, 16, 64, 8192))
         if "--bf16-decode" in sys.argv:  # 94-98 % of copy in the fifth session's sweep
             sweep(kl, kl_cases[:3], BF16_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, decode")
             print("\nKimi-Linear bf16 experts, autotuned as the model calls them:\n| tokens | ms | TB/s | % copy | rel err |"

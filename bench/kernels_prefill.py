@@ -76,7 +76,8 @@ def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:
     # q and k L2-normalised in the conv (kda.CONV_NORMS_QK: tiles one head of 128 wide) vs fla's two
     # l2norm launches on the conv's q and k planes (what chunk_kda runs otherwise)
     ref_n = l2norm_heads(ref, 2 * C // 3, 128)
-    norm_tiles = (CONV_DEFAULT, (32, 4, 512, 4), (32, 8, 256, 2), (32, 4, 1024, 4))
+    norm_tiles = (CONV_DEFAULT, (32, 4, 512, 4), (32, 8, 256, 2), (32, 4, 1024, 4), (32, 16, 512, 4), (16, 8, 512, 4),
+                  (16, 16, 512, 4))
     for bt, grp, bc, warps in norm_tiles if DEV == "cuda" else norm_tiles[:1]:
         saved = set_constants(f"{conv}CONV_ROWS={bt},{conv}CONV_GROUP={grp},{conv}CONV_BLOCK_C={bc},{conv}CONV_WARPS={warps}")
         normed = lambda: short_conv_triton.short_conv_triton(x, w, state0.clone(), batch, plane=C // 3,  # noqa: E731

@@ -599,6 +599,11 @@ def test_mxfp4_upcast_choice_and_tuned_tiles(monkeypatch):
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_asm")) == m._ASM_TILES
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {}, WEIGHTS="mx_dot_scaled")) == m._TILES
     assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, {"WEIGHTS": "bf16"})) == m._TILES
+    # bf16 prefill row counts add the wide / deep tiles; MXFP4 and decode classes never see them
+    prefill = {"WEIGHTS": "bf16", "rows_class": m.PREFILL_TILES_MIN_ROWS}
+    assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, prefill)) == m._TILES | m._PREFILL_TILES
+    assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, dict(prefill, rows_class=1024))) == m._TILES
+    assert tiles(m._tiles_for_weights(m.GROUPED_GEMM_CONFIGS, dict(prefill, WEIGHTS="mx_dot_scaled"))) == m._TILES
 
 
 def test_one_token_layout_is_a_block_per_assignment():

@@ -399,13 +399,21 @@ _TILES = {(64, False, 4, 3), (32, False, 4, 3), (32, True, 2, 4), (128, False, 8
           (64, True, 4, 4), (32, True, 2, 3), (64, True, 4, 3)}
 _ASM_TILES = {(64, False, 4, 3), (32, True, 2, 4), (128, True, 4, 3)}
 _MMA_TILES = {(64, True, 4, 2), (64, True, 4, 3), (128, True, 4, 2), (128, True, 8, 2), (128, True, 8, 3)}
+# bf16 prefill (rows classes from ``PREFILL_TILES_MIN_ROWS``) also tries a 4-stage 128-wide tile and a 256-wide one
+# (the latter fits shared memory without the GLU's second weight tile: the down projection). Kimi-Linear at 8K
+# tokens, row blocks of 128, alone on the H200: gate / up 1.290 ms (128, 8 warps, 4 stages) against 1.379 (3
+# stages); down 0.800 (256 wide) against 0.816-0.937 (RESULTS.md thirty-ninth session).
+_PREFILL_TILES = {(128, False, 8, 4), (256, False, 8, 3)}
+PREFILL_TILES_MIN_ROWS = 4096
 GROUPED_GEMM_CONFIGS = [triton.Config({"BLOCK_N": bn, "SWAP_AB": swap}, num_warps=w, num_stages=st)
-                        for bn, swap, w, st in sorted(_TILES | _ASM_TILES | _MMA_TILES)]
+                        for bn, swap, w, st in sorted(_TILES | _ASM_TILES | _MMA_TILES | _PREFILL_TILES)]
 
 
 def _tiles_for_weights(configs, named_args, **kwargs):
     weights = kwargs.get("WEIGHTS", named_args.get("WEIGHTS"))
     keep = {"mx_asm": _ASM_TILES, "mx_mma": _MMA_TILES}.get(weights, _TILES)
+    if weights == "bf16" and kwargs.get("rows_class", named_args.get("rows_class", 0)) >= PREFILL_TILES_MIN_ROWS:
+        keep = keep | _PREFILL_TILES
     return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["SWAP_AB"], c.num_warps, c.num_stages) in keep] \
         or configs[:1]
 

@@ -164,9 +164,9 @@ def _short_conv_heads_kernel(X, WEIGHT, STATE, OUT, QSTART, SLOTS, HAS_CTX, C, P
 
 # The stencil's rows a program, rows loaded at once, channel lanes (whole 128-wide heads for the q/k norm)
 # and warps, and programs in channel-block-first order (CHANNELS_FIRST), from bench/kernels_prefill.py's sweep
-# at 8K tokens on the H200 (RESULTS.md thirty-eighth session): 32 rows, 8 at once, 512 lanes, 4 warps at
-# 58 / 64 % of copy (kimi-linear / K3 widths, with the q/k norm), 65 / 73 % without it.
-CONV_ROWS, CONV_GROUP, CONV_BLOCK_C, CONV_WARPS = 32, 8, 512, 4
+# at 8K tokens on the H200 (RESULTS.md thirty-ninth session): 16 rows, 8 at once, 512 lanes, 4 warps at
+# 71 / 83 % of copy (kimi-linear / K3 widths, with the q/k norm; 32 rows 68 / 78 %), 80 / 90 % without it.
+CONV_ROWS, CONV_GROUP, CONV_BLOCK_C, CONV_WARPS = 16, 8, 512, 4
 CONV_CHANNELS_FIRST = True
 CONV_FAST_SILU = True
 
