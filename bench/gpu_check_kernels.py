@@ -8,7 +8,7 @@ with cached context.
 
 Also the Gluon kernels (moe_gluon, kda_decode_gluon, mla_decode_gluon) against the same references.
 
-Usage: python bench/gpu_check_kernels.py [--no-gluon | --gluon mla|kda|moe | --short-conv | --moe-bf16]
+Usage: python bench/gpu_check_kernels.py [--no-gluon | --gluon mla|kda|moe | --short-conv | --moe-bf16 | --mla-prefill]
 (prints one row per check; exit code 1 if any fails)
 """
 
@@ -503,6 +503,14 @@ def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Gene
                    f"{tile[3]}s" + (f"/k{tile[4]}" if len(tile) > 4 else ""), rel(out, exact[glu]), 1e-4)
 
 
+def mla_prefill_checks(gen: torch.Generator) -> None:
+    check_mla_prefill(32, 0, 2048, gen)
+    check_mla_prefill(32, 700, 300, gen)
+    check_mla_prefill(96, 0, 37, gen)
+    check_mla_prefill(96, 6000, 2100, gen)
+    check_mla_prefill_varlen(32, [(0, 512), (700, 300), (0, 1), (64, 2048), (5, 37)], gen)
+
+
 def bf16_grouped_checks(gen: torch.Generator) -> None:
     for T, N, K in ((1, 1024, 2304), (1, 2304, 1024), (16, 2304, 1024)):  # kimi-linear's gate / up and down
         check_bf16_grouped(T, 64, N, K, 9, gen)
@@ -549,6 +557,9 @@ def main() -> int:
             check_sampling(S, 163840, gen)
             check_sampling(S, 163840, gen, peaked=True)
         return report()
+    if "--mla-prefill" in args:
+        mla_prefill_checks(gen)
+        return report()
     if "--moe-bf16" in args:
         bf16_grouped_checks(gen)
         return report()
@@ -570,10 +581,7 @@ def main() -> int:
         check_combine(T, 16, 3584, True, gen)  # K3 latent: the latent norm (14 column blocks a row)
     check_attn_res.run(check_attn_res_partial, gen)  # (split between programs and not)
     check_attn_res.run_summaries(check_attn_res_summary, gen)
-    check_mla_prefill(32, 0, 2048, gen)
-    check_mla_prefill(32, 700, 300, gen)
-    check_mla_prefill(96, 0, 37, gen)
-    check_mla_prefill_varlen(32, [(0, 512), (700, 300), (0, 1), (64, 2048), (5, 37)], gen)
+    mla_prefill_checks(gen)
     check_mla_decode(1, 32, [4096], gen)
     check_mla_decode(2, 32, [300, 1], gen, width=16384)
     for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16),

@@ -74,6 +74,9 @@ BF16_PREFILL_VARIANTS = [(bm, bn, False, 64, w, st, "dot_scaled", {"cols_first":
 # 128 + 128 + 32 rows instead of 3 x 128 (a quarter of the uniform blocks' rows are padding).
 BF16_PREFILL_VARIANTS += [(sizes, bn, False, 64, w, 3, "dot_scaled", {"cols_first": True})
                           for sizes in ((64, 128), (32, 64, 128), (16, 32, 64, 128)) for bn, w in ((128, 8), (256, 8))]
+# (2K tokens: ~64 rows an expert, so the 64-row blocks hold ~50 % padding; tails of 16 / 32 rows instead)
+BF16_PREFILL_VARIANTS += [(sizes, 128, False, 64, w, st, "dot_scaled", {"cols_first": True})
+                          for sizes in ((32, 64), (16, 32, 64)) for w, st in ((4, 4), (8, 3))]
 
 
 def routing(moe, d, T):
@@ -155,7 +158,7 @@ def bf16_prefill(copy, mm):
     kl = kimi_linear_experts()
     cases = kimi_linear_cases(kl, (8192, 2048))
     if "--no-sweep" not in sys.argv:
-        sweep(kl, cases[:1], BF16_PREFILL_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, prefill")
+        sweep(kl, cases, BF16_PREFILL_VARIANTS, copy, mm, "Kimi-Linear bf16 experts, prefill")
     print("\nthe model's call (autotuned), with and without the prefill tiles (moe_triton._PREFILL_TILES):\n"
           "| tokens | prefill tiles | round | ms | TFLOP/s | % matmul | rel err |\n|---|---|---|---|---|---|---|")
     first, picks = moe_triton.PREFILL_TILES_MIN_ROWS, []

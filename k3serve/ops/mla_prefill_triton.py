@@ -17,6 +17,32 @@ from .autotune import autotuned
 
 
 @triton.jit
+def _attend_block(q_n, q_p, KN, KP, V, h, n0, qpos, S, m_i, l_i, acc, qk_scale,
+                  stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, dn, dr, dv, nmask, pmask, vmask,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """One key block of the online softmax, scores in the log2 domain (exp2). MASKED: the block
+    crosses the causal diagonal or the sequence's end; blocks wholly below it skip the masks."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < S
+    if not MASKED:
+        cmask = cols >= 0  # (all true: the loads keep only the head-width padding masks)
+    k_n = tl.load(KN + cols[:, None] * stride_kt + h * stride_kh + dn[None, :],
+                  mask=cmask[:, None] & nmask[None, :], other=0.0)
+    k_p = tl.load(KP + cols[:, None] * stride_pt + dr[None, :], mask=cmask[:, None] & pmask[None, :], other=0.0)
+    s = (tl.dot(q_n, tl.trans(k_n)).to(tl.float32) + tl.dot(q_p, tl.trans(k_p)).to(tl.float32)) * qk_scale
+    if MASKED:
+        s = tl.where((cols[None, :] <= qpos[:, None]) & cmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + cols[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                mask=cmask[:, None] & vmask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_prefill_kernel(
     Q, KN, KP, V, O, SEQS, context_len, Tq, S, scale, TQ_BUCKET,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -25,8 +51,10 @@ def _mla_prefill_kernel(
     VARLEN: tl.constexpr = False,
 ):
     # Head widths are padded to powers of two >= 16 (tl.arange and tl.dot need them); the padding
-    # lanes load zeros, so they add nothing to the scores and are not stored.
-    mb = tl.program_id(0)
+    # lanes load zeros, so they add nothing to the scores and are not stored. Query blocks run last
+    # first: under the causal mask they hold the most keys, so the long programs start early and
+    # the short ones fill the tail.
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     if VARLEN:  # sequence program_id(2) of many back to back: SEQS[n] = (first query row, first key row, context, new)
         n = tl.program_id(2)
@@ -51,28 +79,22 @@ def _mla_prefill_kernel(
     q_p = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + DN + dr[None, :],
                   mask=rmask[:, None] & pmask[None, :], other=0.0)
     qpos = context_len + rows  # absolute position of each query token
+    qk_scale = scale * 1.4426950408889634  # (log2 e: the softmax in exp2)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
-    hi = tl.minimum(S, context_len + (mb + 1) * BLOCK_M)  # causal: later keys are never visible
-    hi = tl.where(mb * BLOCK_M < Tq, hi, 0)  # (a shorter sequence's spare query blocks: no work)
-    for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        cmask = cols < S
-        k_n = tl.load(KN + cols[:, None] * stride_kt + h * stride_kh + dn[None, :],
-                      mask=cmask[:, None] & nmask[None, :], other=0.0)
-        k_p = tl.load(KP + cols[:, None] * stride_pt + dr[None, :], mask=cmask[:, None] & pmask[None, :], other=0.0)
-        s = tl.dot(q_n, tl.trans(k_n)).to(tl.float32) + tl.dot(q_p, tl.trans(k_p)).to(tl.float32)
-        visible = (cols[None, :] <= qpos[:, None]) & cmask[None, :]
-        s = tl.where(visible, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + cols[:, None] * stride_vt + h * stride_vh + dv[None, :],
-                    mask=cmask[:, None] & vmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+    live = mb * BLOCK_M < Tq  # (a shorter sequence's spare query blocks: no work)
+    # keys every row of the block sees (below its first query's position), then the diagonal's
+    lo = tl.where(live, (context_len + mb * BLOCK_M) // BLOCK_N * BLOCK_N, 0)
+    hi = tl.where(live, tl.minimum(S, context_len + (mb + 1) * BLOCK_M), 0)  # causal: later keys are never visible
+    for n0 in range(0, lo, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q_n, q_p, KN, KP, V, h, n0, qpos, S, m_i, l_i, acc, qk_scale, stride_kt,
+                                      stride_kh, stride_pt, stride_vt, stride_vh, dn, dr, dv, nmask, pmask, vmask,
+                                      BLOCK_N, False)
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q_n, q_p, KN, KP, V, h, n0, qpos, S, m_i, l_i, acc, qk_scale, stride_kt,
+                                      stride_kh, stride_pt, stride_vt, stride_vh, dn, dr, dv, nmask, pmask, vmask,
+                                      BLOCK_N, True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (0 only in a shorter sequence's spare blocks)
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out, mask=rmask[:, None] & vmask[None, :])
 
@@ -90,7 +112,9 @@ def _blocks_that_fit(configs, named_args, **kwargs):
 # Query / key tiles, warps and stages, picked on the GPU per head shape and chunk-length bucket
 # (TQ_BUCKET, not read by the kernel). The first version ran 32 x 32 tiles with 4 warps: 34 ms of
 # a kimi-linear-48b 8K-token prefill for its 7 MLA layers, ~20 % of the matmul ceiling (RESULTS.md,
-# sixth session); FlashAttention-2's Hopper Triton tiles are 128 x 64 with 8 warps.
+# sixth session); FlashAttention-2's Hopper Triton tiles are 128 x 64 with 8 warps. Key blocks below the
+# diagonal without masks, exp2, and the longest query blocks first: 53-55 -> 64-68 % of the matmul ceiling
+# at 8K tokens, 32 / 96 heads (torch's SDPA 80-82 %; bench/kernels_mla_prefill.py, RESULTS.md thirty-ninth session).
 _mla_prefill_tuned = autotuned(
     _mla_prefill_kernel,
     [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)

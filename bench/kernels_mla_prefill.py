@@ -1,0 +1,122 @@
+"""The flash MLA prefill on the GPU ([gpu-kernels] item 2; not a CI test): kimi-linear's 32 heads and
+K3's 96 (q/k 128 + 64 wide, values 128, latents 512) at 8K new tokens, as one prompt, as four of 2K in
+one launch, and as a 2K chunk on 6K of context; checked against the fp32 reference (on a 1K slice of
+queries), then timed: the served call (key expansion + attention) and the expansion alone, causal
+attention TFLOP/s and % of the bf16 matmul ceiling measured in the same run, torch's SDPA (flash or
+cuDNN backend, values padded to 192 where it needs equal widths) beside it. ``--against FILE``: the
+same rows for another copy of ``mla_prefill_triton.py`` (an older commit's), alternating rounds.
+
+    python3 -m bench.kernels_mla_prefill [--against FILE] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from bench.ceilings import matmul_tflops
+from bench.timing import gpu_ms
+from k3serve.ops import mla_prefill_triton, mla_ref
+
+DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--shrink 64)
+DN, DR, DV, RKV = 128, 64, 128, 512
+LAYOUTS = {"1 x 8192": [(0, 8192)], "4 x 2048": [(0, 2048)] * 4, "2048 on 6144": [(6144, 2048)]}
+
+
+def load(path: str):
+    """A module from another copy of mla_prefill_triton.py (its package-relative imports made absolute)."""
+    src = open(path).read().replace("from .", "from k3serve.ops.")
+    tmp = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    tmp.write(src)
+    tmp.close()
+    spec = importlib.util.spec_from_file_location("mla_prefill_other", tmp.name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def case(heads: int, layout: list[tuple[int, int]], g: torch.Generator):
+    w = (torch.randn(heads * (DN + DV), RKV, generator=g, device=DEV) / RKV ** 0.5).bfloat16()
+    q = torch.randn(sum(t for _, t in layout), heads, DN + DR, generator=g, device=DEV).bfloat16()
+    lat = torch.randn(sum(c + t for c, t in layout), RKV + DR, generator=g, device=DEV).bfloat16()
+    rows, q0, k0 = [], 0, 0
+    for c, t in layout:
+        rows.append([q0, k0, c, t])
+        q0, k0 = q0 + t, k0 + c + t
+    seqs = torch.tensor(rows, dtype=torch.int32, device=DEV)
+    flops = sum(2 * heads * (DN + DR + DV) * (t * c + t * (t + 1) / 2) for c, t in layout)
+    return w, q, lat, seqs, max(t for _, t in layout), flops
+
+
+def check(mod, w, q, lat, seqs, max_tq, layout) -> float:
+    """Relative error of the last sequence's last 1K queries against the fp32 reference."""
+    scale = (DN + DR) ** -0.5
+    out = mod.mla_prefill_varlen(q, lat, w, seqs, max_tq, RKV, DN, scale)
+    c, t = layout[-1]
+    q0, k0 = (int(v) for v in seqs[-1, :2])
+    keep = min(t, 1024)
+    ref = mla_ref.mla_expanded_ref(q[q0 + t - keep:q0 + t].float(), lat[k0:k0 + c + t].float(), w.float(),
+                                   c + t - keep, RKV, DN, scale)
+    got = out[q0 + t - keep:q0 + t]
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def sdpa_ms(heads: int, layout, g) -> tuple[float, str]:
+    """torch SDPA, causal, on one sequence's expanded q / k / v (fresh prompts only)."""
+    if any(c for c, _ in layout):
+        return float("nan"), "-"
+    t = layout[0][1]
+    q, k = (torch.randn(len(layout), heads, t, DN + DR, generator=g, device=DEV).bfloat16() for _ in range(2))
+    v = torch.randn(len(layout), heads, t, DV, generator=g, device=DEV).bfloat16()
+    for form, vv in (("v 128", v), ("v padded to 192", F.pad(v, (0, DN + DR - DV)))):
+        try:
+            F.scaled_dot_product_attention(q, k, vv, is_causal=True)
+            return gpu_ms(lambda: F.scaled_dot_product_attention(q, k, vv, is_causal=True), rep=50), form
+        except RuntimeError:
+            continue
+    return float("nan"), "failed"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", help="another mla_prefill_triton.py to time beside the served one")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shrink", type=int, default=1, help="divide every length by this (a CPU smoke: 64)")
+    args = ap.parse_args()
+    mm = matmul_tflops() if DEV == "cuda" else 1.0
+    mods = {"served": mla_prefill_triton} | ({"other": load(args.against)} if args.against else {})
+    g = torch.Generator(device=DEV).manual_seed(0)
+    print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}: bf16 matmul {mm:.0f} TFLOP/s\n")
+    print("| heads | layout | kernel | rel err | round ms | expansion ms | attention TFLOP/s | % matmul |\n"
+          "|---|---|---|---|---|---|---|---|")
+    scale = (DN + DR) ** -0.5
+    for heads in (32, 96):
+        for name, layout in LAYOUTS.items():
+            layout = [(c // args.shrink, t // args.shrink) for c, t in layout]
+            w, q, lat, seqs, max_tq, flops = case(heads, layout, g)
+            expand = gpu_ms(lambda: mla_prefill_triton._expanded(q, lat, w, RKV, DN), rep=50)
+            times = {label: [] for label in mods}
+            errs = {label: check(mod, w, q, lat, seqs, max_tq, layout) for label, mod in mods.items()}
+            for _ in range(args.rounds):
+                for label, mod in mods.items():
+                    times[label].append(gpu_ms(lambda: mod.mla_prefill_varlen(q, lat, w, seqs, max_tq, RKV, DN, scale),
+                                               rep=50))
+            for label in mods:
+                best = min(times[label])
+                attn = max(best - expand, 1e-6)
+                print(f"| {heads} | {name} | {label} | {errs[label]:.1e} | {' / '.join(f'{t:.3f}' for t in times[label])} "
+                      f"| {expand:.3f} | {flops / attn / 1e9:.0f} | {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
+            ms, form = sdpa_ms(heads, layout, g)
+            if form != "-":
+                print(f"| {heads} | {name} | torch SDPA ({form}) | - | {ms:.3f} | - | {flops / ms / 1e9:.0f} | "
+                      f"{100 * flops / ms / 1e9 / mm:.0f} % |", flush=True)
+            del w, q, lat
+
+
+if __name__ == "__main__":
+    main()
