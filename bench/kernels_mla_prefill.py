@@ -3,10 +3,11 @@ K3's 96 (q/k 128 + 64 wide, values 128, latents 512) at 8K new tokens, as one pr
 one launch, and as a 2K chunk on 6K of context; checked against the fp32 reference (on a 1K slice of
 queries), then timed: the served call (key expansion + attention) and the expansion alone, causal
 attention TFLOP/s and % of the bf16 matmul ceiling measured in the same run, torch's SDPA (flash or
-cuDNN backend, values padded to 192 where it needs equal widths) beside it. ``--against FILE``: the
+cuDNN backend, values padded to 192 where it needs equal widths) beside it, and torch's varlen flash
+attention (``torch.nn.attention.varlen``, where this torch has it) as a drop-in for the whole call. ``--against FILE``: the
 same rows for another copy of ``mla_prefill_triton.py`` (an older commit's), alternating rounds.
 
-    python3 -m bench.kernels_mla_prefill [--against FILE] [--rounds 3]
+    python3 -m bench.kernels_mla_prefill [--against FILE] [--rounds 3] [--heads 32,96] [--layouts "1 x 8192,..."]
 """
 
 from __future__ import annotations
@@ -82,11 +83,39 @@ def sdpa_ms(heads: int, layout, g) -> tuple[float, str]:
     return float("nan"), "failed"
 
 
+def torch_varlen(q, lat, w, layout, heads: int):
+    """The same prefill through torch's varlen flash attention (``torch.nn.attention.varlen``): the keys
+    expanded as ours, the shared 64-wide part broadcast over the heads, the values padded to the keys'
+    192 (flash needs equal widths), causal aligned to each sequence's last key. Returns the call, or
+    None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    lens_q = torch.tensor([t for _, t in layout], device=DEV)
+    lens_k = torch.tensor([c + t for c, t in layout], device=DEV)
+    cu_q, cu_k = (F.pad(n.cumsum(0), (1, 0)).to(torch.int32) for n in (lens_q, lens_k))
+    max_q, max_k = max(t for _, t in layout), max(c + t for c, t in layout)
+
+    def run():
+        qx, k_nope, k_pe, v = mla_prefill_triton._expanded(q, lat, w, RKV, DN)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)
+        vp = F.pad(v, (0, DN + DR - DV))
+        try:  # (newer torch: causal as a window; older: is_causal)
+            o = varlen_attn(qx, k, vp, cu_q, cu_k, max_q, max_k, scale=(DN + DR) ** -0.5, window_size=(-1, 0))
+        except TypeError:
+            o = varlen_attn(qx, k, vp, cu_q, cu_k, max_q, max_k, is_causal=True, scale=(DN + DR) ** -0.5)
+        return o[..., :DV]
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--against", help="another mla_prefill_triton.py to time beside the served one")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shrink", type=int, default=1, help="divide every length by this (a CPU smoke: 64)")
+    ap.add_argument("--heads", default="32,96")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="of: " + ", ".join(LAYOUTS))
     args = ap.parse_args()
     mm = matmul_tflops() if DEV == "cuda" else 1.0
     mods = {"served": mla_prefill_triton} | ({"other": load(args.against)} if args.against else {})
@@ -95,8 +124,9 @@ def main() -> None:
     print("| heads | layout | kernel | rel err | round ms | expansion ms | attention TFLOP/s | % matmul |\n"
           "|---|---|---|---|---|---|---|---|")
     scale = (DN + DR) ** -0.5
-    for heads in (32, 96):
-        for name, layout in LAYOUTS.items():
+    for heads in map(int, args.heads.split(",")):
+        for name in args.layouts.split(","):
+            layout = LAYOUTS[name]
             layout = [(c // args.shrink, t // args.shrink) for c, t in layout]
             w, q, lat, seqs, max_tq, flops = case(heads, layout, g)
             expand = gpu_ms(lambda: mla_prefill_triton._expanded(q, lat, w, RKV, DN), rep=50)
@@ -111,6 +141,18 @@ def main() -> None:
                 attn = max(best - expand, 1e-6)
                 print(f"| {heads} | {name} | {label} | {errs[label]:.1e} | {' / '.join(f'{t:.3f}' for t in times[label])} "
                       f"| {expand:.3f} | {flops / attn / 1e9:.0f} | {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
+            run = torch_varlen(q, lat, w, layout, heads)
+            if run is not None:
+                try:
+                    mod = type("varlen", (), {"mla_prefill_varlen": staticmethod(lambda *a: run().float())})
+                    err = check(mod, w, q, lat, seqs, max_tq, layout)
+                    ms = min(gpu_ms(run, rep=50) for _ in range(args.rounds))
+                    attn = max(ms - expand, 1e-6)
+                    print(f"| {heads} | {name} | torch varlen_attn (values padded to 192) | {err:.1e} | {ms:.3f} | "
+                          f"{expand:.3f} | {flops / attn / 1e9:.0f} | {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
+                except Exception as exc:  # (a torch without the flash backend for these widths)
+                    print(f"| {heads} | {name} | torch varlen_attn | failed: {type(exc).__name__}: {str(exc)[:160]!r} |"
+                          "||||||", flush=True)
             ms, form = sdpa_ms(heads, layout, g)
             if form != "-":
                 print(f"| {heads} | {name} | torch SDPA ({form}) | - | {ms:.3f} | - | {flops / ms / 1e9:.0f} | "
