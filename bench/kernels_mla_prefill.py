@@ -2,9 +2,10 @@
 K3's 96 (q/k 128 + 64 wide, values 128, latents 512) at 8K new tokens, as one prompt, as four of 2K in
 one launch, and as a 2K chunk on 6K of context; checked against the fp32 reference (on a 1K slice of
 queries), then timed: the served call (key expansion + attention) and the expansion alone, causal
-attention TFLOP/s and % of the bf16 matmul ceiling measured in the same run, torch's SDPA (flash or
-cuDNN backend, values padded to 192 where it needs equal widths) beside it, and torch's varlen flash
-attention (``torch.nn.attention.varlen``, where this torch has it) as a drop-in for the whole call. ``--against FILE``: the
+attention TFLOP/s and % of the bf16 matmul ceiling measured in the same run; beside it, as drop-ins for
+the whole call (checked the same way): torch's varlen flash attention (``torch.nn.attention.varlen``,
+values padded to 192) and, for layouts of equal sequences, torch's SDPA under each of its backends
+(causal to the last key where there is context). ``--against FILE``: the
 same rows for another copy of ``mla_prefill_triton.py`` (an older commit's), alternating rounds.
 
     python3 -m bench.kernels_mla_prefill [--against FILE] [--rounds 3] [--heads 32,96] [--layouts "1 x 8192,..."]
@@ -13,6 +14,7 @@ same rows for another copy of ``mla_prefill_triton.py`` (an older commit's), alt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import tempfile
@@ -67,20 +69,29 @@ def check(mod, w, q, lat, seqs, max_tq, layout) -> float:
     return ((got - ref).norm() / ref.norm()).item()
 
 
-def sdpa_ms(heads: int, layout, g) -> tuple[float, str]:
-    """torch SDPA, causal, on one sequence's expanded q / k / v (fresh prompts only)."""
-    if any(c for c, _ in layout):
-        return float("nan"), "-"
-    t = layout[0][1]
-    q, k = (torch.randn(len(layout), heads, t, DN + DR, generator=g, device=DEV).bfloat16() for _ in range(2))
-    v = torch.randn(len(layout), heads, t, DV, generator=g, device=DEV).bfloat16()
-    for form, vv in (("v 128", v), ("v padded to 192", F.pad(v, (0, DN + DR - DV)))):
-        try:
-            F.scaled_dot_product_attention(q, k, vv, is_causal=True)
-            return gpu_ms(lambda: F.scaled_dot_product_attention(q, k, vv, is_causal=True), rep=50), form
-        except RuntimeError:
-            continue
-    return float("nan"), "failed"
+def torch_sdpa(q, lat, w, layout, heads: int, backend):
+    """The same prefill through torch's SDPA under one backend (``SDPBackend`` name, or None: torch's
+    choice), for layouts of equal sequences (a batch): q / k / v expanded as ours, unpadded (the values
+    128 wide); causal aligned to the last key (``causal_lower_right``) where there is context. Returns
+    the call (the [tokens, heads, 128] output), or None where the layout is not a batch."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    if len(set(layout)) != 1:
+        return None
+    (c, t), B = layout[0], len(layout)
+    scale = (DN + DR) ** -0.5
+    pick = (lambda: sdpa_kernel([getattr(SDPBackend, backend)])) if backend else contextlib.nullcontext
+
+    def run():
+        qx, k_nope, k_pe, v = mla_prefill_triton._expanded(q, lat, w, RKV, DN)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)
+        qb, kb, vb = (x.view(B, -1, heads, x.shape[-1]).transpose(1, 2) for x in (qx, k, v))
+        mask = dict(is_causal=True) if c == 0 else dict(attn_mask=causal_lower_right(t, c + t))
+        with pick():
+            o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, **mask)
+        return o.transpose(1, 2).reshape(B * t, heads, DV)
+    return run
 
 
 def torch_varlen(q, lat, w, layout, heads: int):
@@ -141,22 +152,22 @@ def main() -> None:
                 attn = max(best - expand, 1e-6)
                 print(f"| {heads} | {name} | {label} | {errs[label]:.1e} | {' / '.join(f'{t:.3f}' for t in times[label])} "
                       f"| {expand:.3f} | {flops / attn / 1e9:.0f} | {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
-            run = torch_varlen(q, lat, w, layout, heads)
-            if run is not None:
-                try:
-                    mod = type("varlen", (), {"mla_prefill_varlen": staticmethod(lambda *a: run().float())})
+            libraries = [("torch varlen_attn (values padded to 192)", torch_varlen(q, lat, w, layout, heads))] + [
+                (f"torch SDPA, {b or 'its own choice'}", torch_sdpa(q, lat, w, layout, heads, b))
+                for b in (None, "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")]
+            for label, run in libraries:
+                if run is None:
+                    continue
+                try:  # (each library's call checked like ours, then timed whole: expansion included)
+                    mod = type("lib", (), {"mla_prefill_varlen": staticmethod(lambda *a, run=run: run().float())})
                     err = check(mod, w, q, lat, seqs, max_tq, layout)
                     ms = min(gpu_ms(run, rep=50) for _ in range(args.rounds))
                     attn = max(ms - expand, 1e-6)
-                    print(f"| {heads} | {name} | torch varlen_attn (values padded to 192) | {err:.1e} | {ms:.3f} | "
-                          f"{expand:.3f} | {flops / attn / 1e9:.0f} | {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
-                except Exception as exc:  # (a torch without the flash backend for these widths)
-                    print(f"| {heads} | {name} | torch varlen_attn | failed: {type(exc).__name__}: {str(exc)[:160]!r} |"
-                          "||||||", flush=True)
-            ms, form = sdpa_ms(heads, layout, g)
-            if form != "-":
-                print(f"| {heads} | {name} | torch SDPA ({form}) | - | {ms:.3f} | - | {flops / ms / 1e9:.0f} | "
-                      f"{100 * flops / ms / 1e9 / mm:.0f} % |", flush=True)
+                    print(f"| {heads} | {name} | {label} | {err:.1e} | {ms:.3f} | {expand:.3f} | {flops / attn / 1e9:.0f} "
+                          f"| {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
+                except Exception as exc:  # (a backend that does not take these widths or this mask)
+                    print(f"| {heads} | {name} | {label} | failed: {type(exc).__name__}: {str(exc)[:160]!r} |||||",
+                          flush=True)
             del w, q, lat
 
 
