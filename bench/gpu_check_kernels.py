@@ -30,6 +30,7 @@ from k3serve.ops.kda import kda_core
 from k3serve.ops.kda_decode_triton import kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
+from k3serve.ops.mla_prefill_sdpa import mla_prefill_sdpa
 from k3serve.ops.mla_prefill_triton import mla_prefill, mla_prefill_varlen
 from k3serve.ops import moe_triton
 from k3serve.ops import expert_sort
@@ -114,15 +115,17 @@ def check_combine(T: int, k: int, D: int, norm: bool, gen: torch.Generator) -> N
     record("MoE combine", f"T={T} k={k} D={D} {'norm' if norm else 'add'}", rel(out, ref), 1e-2)
 
 
-def check_mla_prefill(Ha: int, ctx: int, Tq: int, gen: torch.Generator) -> None:
+def check_mla_prefill(Ha: int, ctx: int, Tq: int, gen: torch.Generator, sdpa: bool = False) -> None:
+    """Our flash kernel (autotuned), or with ``sdpa`` torch's SDPA (``ops.mla_prefill_sdpa``), vs fp32."""
     dn, dr, dv, rkv = 128, 64, 128, 512
     q = torch.randn(Tq, Ha, dn + dr, generator=gen, device=DEV).bfloat16()
     latent = torch.randn(ctx + Tq, rkv + dr, generator=gen, device=DEV).bfloat16()
     w = (torch.randn(Ha * (dn + dv), rkv, generator=gen, device=DEV) / rkv ** 0.5).bfloat16()
     scale = (dn + dr) ** -0.5
-    out = mla_prefill(q, latent, w, ctx, rkv, dn, scale)
+    out = (mla_prefill_sdpa if sdpa else mla_prefill)(q, latent, w, ctx, rkv, dn, scale)
     ref = mla_ref.mla_expanded_ref(q.float(), latent.float(), w.float(), ctx, rkv, dn, scale)
-    record("MLA flash prefill (autotuned)", f"Ha={Ha} ctx={ctx} Tq={Tq}", rel(out, ref), 2e-2)
+    record("MLA prefill, torch SDPA" if sdpa else "MLA flash prefill (autotuned)", f"Ha={Ha} ctx={ctx} Tq={Tq}",
+           rel(out, ref), 2e-2)
 
 
 def check_mla_prefill_varlen(Ha: int, layout: list[tuple[int, int]], gen: torch.Generator) -> None:
@@ -508,6 +511,8 @@ def mla_prefill_checks(gen: torch.Generator) -> None:
     check_mla_prefill(32, 700, 300, gen)
     check_mla_prefill(96, 0, 37, gen)
     check_mla_prefill(96, 6000, 2100, gen)
+    for ctx, Tq in ((0, 2048), (700, 300), (6000, 1)):
+        check_mla_prefill(32, ctx, Tq, gen, sdpa=True)
     check_mla_prefill_varlen(32, [(0, 512), (700, 300), (0, 1), (64, 2048), (5, 37)], gen)
 
 

@@ -4,8 +4,7 @@ one launch, and as a 2K chunk on 6K of context; checked against the fp32 referen
 queries), then timed: the served call (key expansion + attention) and the expansion alone, causal
 attention TFLOP/s and % of the bf16 matmul ceiling measured in the same run; beside it, as drop-ins for
 the whole call (checked the same way): torch's varlen flash attention (``torch.nn.attention.varlen``,
-values padded to 192) and, for layouts of equal sequences, torch's SDPA under each of its backends
-(causal to the last key where there is context). ``--against FILE``: the
+values padded to 192) and torch's SDPA a prompt a call under each of its backends (``ops.mla_prefill_sdpa``). ``--against FILE``: the
 same rows for another copy of ``mla_prefill_triton.py`` (an older commit's), alternating rounds.
 
     python3 -m bench.kernels_mla_prefill [--against FILE] [--rounds 3] [--heads 32,96] [--layouts "1 x 8192,..."]
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from bench.ceilings import matmul_tflops
 from bench.timing import gpu_ms
 from k3serve.ops import mla_prefill_triton, mla_ref
+from k3serve.ops.mla_prefill_sdpa import mla_prefill_sdpa
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--shrink 64)
 DN, DR, DV, RKV = 128, 64, 128, 512
@@ -70,27 +70,22 @@ def check(mod, w, q, lat, seqs, max_tq, layout) -> float:
 
 
 def torch_sdpa(q, lat, w, layout, heads: int, backend):
-    """The same prefill through torch's SDPA under one backend (``SDPBackend`` name, or None: torch's
-    choice), for layouts of equal sequences (a batch): q / k / v expanded as ours, unpadded (the values
-    128 wide); causal aligned to the last key (``causal_lower_right``) where there is context. Returns
-    the call (the [tokens, heads, 128] output), or None where the layout is not a batch."""
+    """``ops.mla_prefill_sdpa`` (torch's SDPA a prompt a call, as ``mla.PREFILL_SDPA`` serves) under one
+    SDPA backend (an ``SDPBackend`` name, or None: torch's own choice)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
 
-    if len(set(layout)) != 1:
-        return None
-    (c, t), B = layout[0], len(layout)
-    scale = (DN + DR) ** -0.5
     pick = (lambda: sdpa_kernel([getattr(SDPBackend, backend)])) if backend else contextlib.nullcontext
+    bounds, q0, k0 = [], 0, 0
+    for c, t in layout:
+        bounds.append((q0, k0, c, t))
+        q0, k0 = q0 + t, k0 + c + t
 
     def run():
-        qx, k_nope, k_pe, v = mla_prefill_triton._expanded(q, lat, w, RKV, DN)
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)
-        qb, kb, vb = (x.view(B, -1, heads, x.shape[-1]).transpose(1, 2) for x in (qx, k, v))
-        mask = dict(is_causal=True) if c == 0 else dict(attn_mask=causal_lower_right(t, c + t))
+        out = torch.empty(q.shape[0], heads, DV, device=q.device)
         with pick():
-            o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, **mask)
-        return o.transpose(1, 2).reshape(B * t, heads, DV)
+            for q0, k0, c, t in bounds:
+                out[q0:q0 + t] = mla_prefill_sdpa(q[q0:q0 + t], lat[k0:k0 + c + t], w, c, RKV, DN, (DN + DR) ** -0.5)
+        return out
     return run
 
 
