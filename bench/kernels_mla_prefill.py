@@ -56,10 +56,10 @@ def case(heads: int, layout: list[tuple[int, int]], g: torch.Generator):
     return w, q, lat, seqs, max(t for _, t in layout), flops
 
 
-def check(mod, w, q, lat, seqs, max_tq, layout) -> float:
-    """Relative error of the last sequence's last 1K queries against the fp32 reference."""
+def check(run, w, q, lat, seqs, layout) -> float:
+    """Relative error of ``run()``'s last sequence's last 1K queries against the fp32 reference."""
     scale = (DN + DR) ** -0.5
-    out = mod.mla_prefill_varlen(q, lat, w, seqs, max_tq, RKV, DN, scale)
+    out = run().float()
     c, t = layout[-1]
     q0, k0 = (int(v) for v in seqs[-1, :2])
     keep = min(t, 1024)
@@ -136,33 +136,25 @@ def main() -> None:
             layout = [(c // args.shrink, t // args.shrink) for c, t in layout]
             w, q, lat, seqs, max_tq, flops = case(heads, layout, g)
             expand = gpu_ms(lambda: mla_prefill_triton._expanded(q, lat, w, RKV, DN), rep=50)
-            times = {label: [] for label in mods}
-            errs = {label: check(mod, w, q, lat, seqs, max_tq, layout) for label, mod in mods.items()}
-            for _ in range(args.rounds):
-                for label, mod in mods.items():
-                    times[label].append(gpu_ms(lambda: mod.mla_prefill_varlen(q, lat, w, seqs, max_tq, RKV, DN, scale),
-                                               rep=50))
-            for label in mods:
-                best = min(times[label])
-                attn = max(best - expand, 1e-6)
-                print(f"| {heads} | {name} | {label} | {errs[label]:.1e} | {' / '.join(f'{t:.3f}' for t in times[label])} "
-                      f"| {expand:.3f} | {flops / attn / 1e9:.0f} | {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
-            libraries = [("torch varlen_attn (values padded to 192)", torch_varlen(q, lat, w, layout, heads))] + [
-                (f"torch SDPA, {b or 'its own choice'}", torch_sdpa(q, lat, w, layout, heads, b))
-                for b in (None, "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")]
-            for label, run in libraries:
-                if run is None:
-                    continue
-                try:  # (each library's call checked like ours, then timed whole: expansion included)
-                    mod = type("lib", (), {"mla_prefill_varlen": staticmethod(lambda *a, run=run: run().float())})
-                    err = check(mod, w, q, lat, seqs, max_tq, layout)
-                    ms = min(gpu_ms(run, rep=50) for _ in range(args.rounds))
-                    attn = max(ms - expand, 1e-6)
-                    print(f"| {heads} | {name} | {label} | {err:.1e} | {ms:.3f} | {expand:.3f} | {flops / attn / 1e9:.0f} "
-                          f"| {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
-                except Exception as exc:  # (a backend that does not take these widths or this mask)
+            runs = {label: (lambda mod=mod: mod.mla_prefill_varlen(q, lat, w, seqs, max_tq, RKV, DN, scale))
+                    for label, mod in mods.items()}
+            runs["torch varlen_attn (values padded to 192)"] = torch_varlen(q, lat, w, layout, heads)
+            for b in (None, "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+                runs[f"torch SDPA, {b or 'its own choice'}"] = torch_sdpa(q, lat, w, layout, heads, b)
+            errs, times = {}, {}
+            for label, run in ((k, r) for k, r in runs.items() if r is not None):  # (None: this torch lacks it)  # each call checked, then timed whole (expansion included)
+                try:
+                    errs[label], times[label] = check(run, w, q, lat, seqs, layout), []
+                except Exception as exc:  # (a library or backend that does not take these widths or this mask)
                     print(f"| {heads} | {name} | {label} | failed: {type(exc).__name__}: {str(exc)[:160]!r} |||||",
                           flush=True)
+            for _ in range(args.rounds):  # alternating rounds
+                for label in times:
+                    times[label].append(gpu_ms(runs[label], rep=50))
+            for label, ts in times.items():
+                attn = max(min(ts) - expand, 1e-6)
+                print(f"| {heads} | {name} | {label} | {errs[label]:.1e} | {' / '.join(f'{t:.3f}' for t in ts)} "
+                      f"| {expand:.3f} | {flops / attn / 1e9:.0f} | {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
             del w, q, lat
 
 
