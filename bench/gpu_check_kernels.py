@@ -30,7 +30,7 @@ from k3serve.ops.kda import kda_core
 from k3serve.ops.kda_decode_triton import kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
-from k3serve.ops.mla_prefill_sdpa import mla_prefill_sdpa
+from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from k3serve.ops.mla_prefill_triton import mla_prefill, mla_prefill_varlen
 from k3serve.ops import moe_triton
 from k3serve.ops import expert_sort
@@ -116,7 +116,7 @@ def check_combine(T: int, k: int, D: int, norm: bool, gen: torch.Generator) -> N
 
 
 def check_mla_prefill(Ha: int, ctx: int, Tq: int, gen: torch.Generator, sdpa: bool = False) -> None:
-    """Our flash kernel (autotuned), or with ``sdpa`` torch's SDPA (``ops.mla_prefill_sdpa``), vs fp32."""
+    """Our flash kernel (autotuned), or with ``sdpa`` torch's SDPA (``bench.mla_prefill_sdpa``), vs fp32."""
     dn, dr, dv, rkv = 128, 64, 128, 512
     q = torch.randn(Tq, Ha, dn + dr, generator=gen, device=DEV).bfloat16()
     latent = torch.randn(ctx + Tq, rkv + dr, generator=gen, device=DEV).bfloat16()

@@ -4,7 +4,7 @@ one launch, and as a 2K chunk on 6K of context; checked against the fp32 referen
 queries), then timed: the served call (key expansion + attention) and the expansion alone, causal
 attention TFLOP/s and % of the bf16 matmul ceiling measured in the same run; beside it, as drop-ins for
 the whole call (checked the same way): torch's varlen flash attention (``torch.nn.attention.varlen``,
-values padded to 192) and torch's SDPA a prompt a call under each of its backends (``ops.mla_prefill_sdpa``). ``--against FILE``: the
+values padded to 192) and torch's SDPA a prompt a call under each of its backends (``bench.mla_prefill_sdpa``). ``--against FILE``: the
 same rows for another copy of ``mla_prefill_triton.py`` (an older commit's), alternating rounds.
 
     python3 -m bench.kernels_mla_prefill [--against FILE] [--rounds 3] [--heads 32,96] [--layouts "1 x 8192,..."]
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from bench.ceilings import matmul_tflops
 from bench.timing import gpu_ms
 from k3serve.ops import mla_prefill_triton, mla_ref
-from k3serve.ops.mla_prefill_sdpa import mla_prefill_sdpa
+from bench.mla_prefill_sdpa import mla_prefill_sdpa
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--shrink 64)
 DN, DR, DV, RKV = 128, 64, 128, 512
@@ -70,8 +70,8 @@ def check(run, w, q, lat, seqs, layout) -> float:
 
 
 def torch_sdpa(q, lat, w, layout, heads: int, backend):
-    """``ops.mla_prefill_sdpa`` (torch's SDPA a prompt a call, as ``mla.PREFILL_SDPA`` serves) under one
-    SDPA backend (an ``SDPBackend`` name, or None: torch's own choice)."""
+    """``bench.mla_prefill_sdpa`` (torch's SDPA a prompt a call) under one SDPA backend (an
+    ``SDPBackend`` name, or None: torch's own choice)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     pick = (lambda: sdpa_kernel([getattr(SDPBackend, backend)])) if backend else contextlib.nullcontext

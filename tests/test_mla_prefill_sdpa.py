@@ -1,11 +1,11 @@
-"""MLA prefill through torch's SDPA (``ops.mla_prefill_sdpa``) against the expanded reference on
+"""MLA prefill through torch's SDPA (``bench.mla_prefill_sdpa``) against the expanded reference on
 CPU (SDPA's math backend): fresh prompts, chunks after cached context (causal to the last key), a
 single new token on context, value widths other than the keys'."""
 
 import pytest
 import torch
 
-from k3serve.ops.mla_prefill_sdpa import mla_prefill_sdpa
+from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from k3serve.ops.mla_ref import mla_expanded_ref
 
 

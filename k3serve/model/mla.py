@@ -19,10 +19,6 @@ from .layers import Linear, LinearGroup, RMSNorm, batched_linear, glu_activation
 # expansion, copies and a launch each (~7 launches a prompt a layer): kimi-linear-48b's eager
 # prefill step of 16 x 512 tokens 229 -> 181 ms, with SORT_KERNEL 177 (RESULTS.md, sixteenth session).
 VARLEN_PREFILL = True
-# Prompts through torch's SDPA a prompt a call (``ops.mla_prefill_sdpa``) instead of our flash kernel. Off:
-# faster than ours alone on the H200 (1.17 against 1.50 ms at kimi-linear's 8K tokens), but not yet
-# timed in the model's prefill steps nor checked inside prefill CUDA graphs (RESULTS.md thirty-ninth session).
-PREFILL_SDPA = False
 
 
 class MLAMixer(nn.Module):
@@ -125,7 +121,7 @@ class MLAMixer(nn.Module):
             q_abs = mla_ref.absorb_query(q[:nd], w_dec, self.rkv, self.nope)
             o_lat = mla_ref.mla_absorbed_ref(q_abs[:, None], lat, mask[:, None], self.rkv, self.scale)
             out[:nd] = mla_ref.unabsorb_output(o_lat[:, 0], w_dec, self.rkv, self.nope)
-        if VARLEN_PREFILL and not PREFILL_SDPA and nd < batch.num_seqs and triton_enabled("MLA", q.device):
+        if VARLEN_PREFILL and nd < batch.num_seqs and triton_enabled("MLA", q.device):
             from ..ops.mla_prefill_triton import mla_prefill_varlen  # every prompt in one launch
 
             page, offset, seqs, max_new = batch.prefill_latents
@@ -136,11 +132,7 @@ class MLAMixer(nn.Module):
             s, e = batch.token_range(i)
             ctx = batch.context_lens_host[i]
             lat = mla_ref.gather_latent(latent_pages, batch.block_table[i], ctx + e - s)
-            if PREFILL_SDPA:
-                from ..ops.mla_prefill_sdpa import mla_prefill_sdpa
-
-                out[s:e] = mla_prefill_sdpa(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)
-            elif triton_enabled("MLA", q.device):
+            if triton_enabled("MLA", q.device):
                 from ..ops.mla_prefill_triton import mla_prefill  # flash-style, no T x S scores
 
                 out[s:e] = mla_prefill(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)

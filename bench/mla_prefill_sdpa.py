@@ -1,11 +1,12 @@
-"""MLA prefill through torch's scaled_dot_product_attention (expanded form), a prompt a call.
+"""MLA prefill through torch's scaled_dot_product_attention (expanded form), a prompt a call: the
+library comparator of ``bench.kernels_mla_prefill`` and ``gpu_check_kernels.py --mla-prefill``.
 
-The library's fused attention where it beats our Triton flash kernel: on the H200 torch's SDPA took
-kimi-linear's 8K-token prompt in 1.17 ms against our 1.50 (96 heads: 3.38 against 4.70; its flash
-backend refuses 128-wide values under 192-wide keys, so another backend serves: RESULTS.md
-thirty-ninth session). On CPU its math backend. A chunk after cached context is causal to its last
-key (``causal_lower_right``). Same contract as ``mla_prefill_triton.mla_prefill``; ``model.mla``
-takes it where ``PREFILL_SDPA`` is set.
+Not served: on the H200 our flash kernel (``ops.mla_prefill_triton``) beat every SDPA backend in every
+layout (kimi-linear's 8K-token prompt 1.53 against cuDNN's 1.60 ms, four of 2K 0.55 against 0.93, 2K on
+6K of context 0.72 against 1.30; SDPA's flash backend refuses 128-wide values under 192-wide keys), and
+kimi-linear-48b's eager 16 x 512 prefill step took 2-3 ms more kernel time with it (RESULTS.md fortieth
+session). A chunk after cached context is causal to its last key (``causal_lower_right``). Same
+contract as ``mla_prefill_triton.mla_prefill``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from .mla_prefill_triton import _expanded
+from k3serve.ops.mla_prefill_triton import _expanded
 
 
 def mla_prefill_sdpa(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, context_len: int, kv_lora_rank: int,
