@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from bench.mla_prefill_sdpa import mla_prefill_sdpa
+from bench.overrides import constants
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
 from k3serve.ops import attn_res_triton, mla_ref
@@ -30,7 +32,6 @@ from k3serve.ops.kda import kda_core
 from k3serve.ops.kda_decode_triton import kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate
 from k3serve.ops.mla_decode_triton import mla_decode
-from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from k3serve.ops.mla_prefill_triton import mla_prefill, mla_prefill_varlen
 from k3serve.ops import moe_triton
 from k3serve.ops import expert_sort
@@ -115,20 +116,22 @@ def check_combine(T: int, k: int, D: int, norm: bool, gen: torch.Generator) -> N
     record("MoE combine", f"T={T} k={k} D={D} {'norm' if norm else 'add'}", rel(out, ref), 1e-2)
 
 
-def check_mla_prefill(Ha: int, ctx: int, Tq: int, gen: torch.Generator, sdpa: bool = False) -> None:
-    """Our flash kernel (autotuned), or with ``sdpa`` torch's SDPA (``bench.mla_prefill_sdpa``), vs fp32."""
+def check_mla_prefill(Ha: int, ctx: int, Tq: int, gen: torch.Generator, sdpa: bool = False, tma: bool = False) -> None:
+    """Our flash kernel (autotuned; with ``tma`` its keys and values loaded by TMA), or with ``sdpa`` torch's
+    SDPA (``bench.mla_prefill_sdpa``), vs fp32."""
     dn, dr, dv, rkv = 128, 64, 128, 512
     q = torch.randn(Tq, Ha, dn + dr, generator=gen, device=DEV).bfloat16()
     latent = torch.randn(ctx + Tq, rkv + dr, generator=gen, device=DEV).bfloat16()
     w = (torch.randn(Ha * (dn + dv), rkv, generator=gen, device=DEV) / rkv ** 0.5).bfloat16()
     scale = (dn + dr) ** -0.5
-    out = (mla_prefill_sdpa if sdpa else mla_prefill)(q, latent, w, ctx, rkv, dn, scale)
+    with constants(f"k3serve.ops.mla_prefill_triton.TMA_LOADS={tma}"):
+        out = (mla_prefill_sdpa if sdpa else mla_prefill)(q, latent, w, ctx, rkv, dn, scale)
     ref = mla_ref.mla_expanded_ref(q.float(), latent.float(), w.float(), ctx, rkv, dn, scale)
-    record("MLA prefill, torch SDPA" if sdpa else "MLA flash prefill (autotuned)", f"Ha={Ha} ctx={ctx} Tq={Tq}",
-           rel(out, ref), 2e-2)
+    record("MLA prefill, torch SDPA" if sdpa else f"MLA flash prefill (autotuned{', TMA loads' if tma else ''})",
+           f"Ha={Ha} ctx={ctx} Tq={Tq}", rel(out, ref), 2e-2)
 
 
-def check_mla_prefill_varlen(Ha: int, layout: list[tuple[int, int]], gen: torch.Generator) -> None:
+def check_mla_prefill_varlen(Ha: int, layout: list[tuple[int, int]], gen: torch.Generator, tma: bool = False) -> None:
     """Many prompts (context, new tokens) in one launch vs the fp32 reference on each alone."""
     dn, dr, dv, rkv = 128, 64, 128, 512
     w = (torch.randn(Ha * (dn + dv), rkv, generator=gen, device=DEV) / rkv ** 0.5).bfloat16()
@@ -137,10 +140,12 @@ def check_mla_prefill_varlen(Ha: int, layout: list[tuple[int, int]], gen: torch.
     starts = [(sum(t for _, t in layout[:i]), sum(c + t for c, t in layout[:i])) for i in range(len(layout))]
     seqs = torch.tensor([[q0, k0, c, t] for (q0, k0), (c, t) in zip(starts, layout)], dtype=torch.int32, device=DEV)
     scale = (dn + dr) ** -0.5
-    out = mla_prefill_varlen(torch.cat(qs), torch.cat(lats), w, seqs, max(t for _, t in layout), rkv, dn, scale)
+    with constants(f"k3serve.ops.mla_prefill_triton.TMA_LOADS={tma}"):
+        out = mla_prefill_varlen(torch.cat(qs), torch.cat(lats), w, seqs, max(t for _, t in layout), rkv, dn, scale)
     ref = torch.cat([mla_ref.mla_expanded_ref(q.float(), lat.float(), w.float(), c, rkv, dn, scale)
                      for q, lat, (c, _) in zip(qs, lats, layout)])
-    record("MLA flash prefill, prompts in one launch", f"Ha={Ha} (ctx, new)={layout}", rel(out, ref), 2e-2)
+    record(f"MLA flash prefill, prompts in one launch{', TMA loads' if tma else ''}", f"Ha={Ha} (ctx, new)={layout}",
+           rel(out, ref), 2e-2)
 
 
 def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluon: bool = False,
@@ -507,13 +512,12 @@ def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Gene
 
 
 def mla_prefill_checks(gen: torch.Generator) -> None:
-    check_mla_prefill(32, 0, 2048, gen)
-    check_mla_prefill(32, 700, 300, gen)
-    check_mla_prefill(96, 0, 37, gen)
-    check_mla_prefill(96, 6000, 2100, gen)
+    for tma in (False, True):  # the served loads, and TMA's (``TMA_LOADS``)
+        for Ha, ctx, Tq in ((32, 0, 2048), (32, 700, 300), (96, 0, 37), (96, 6000, 2100)):
+            check_mla_prefill(Ha, ctx, Tq, gen, tma=tma)
+        check_mla_prefill_varlen(32, [(0, 512), (700, 300), (0, 1), (64, 2048), (5, 37)], gen, tma=tma)
     for ctx, Tq in ((0, 2048), (700, 300), (6000, 1)):
         check_mla_prefill(32, ctx, Tq, gen, sdpa=True)
-    check_mla_prefill_varlen(32, [(0, 512), (700, 300), (0, 1), (64, 2048), (5, 37)], gen)
 
 
 def bf16_grouped_checks(gen: torch.Generator) -> None:

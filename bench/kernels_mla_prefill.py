@@ -1,10 +1,11 @@
 """The flash MLA prefill on the GPU ([gpu-kernels] item 2; not a CI test): kimi-linear's 32 heads and
 K3's 96 (q/k 128 + 64 wide, values 128, latents 512) at 8K new tokens, as one prompt, as four of 2K in
 one launch, and as a 2K chunk on 6K of context; checked against the fp32 reference (on a 1K slice of
-queries), then timed: the served call (key expansion + attention) and the expansion alone, causal
-attention TFLOP/s and % of the bf16 matmul ceiling measured in the same run; beside it, as drop-ins for
-the whole call (checked the same way): torch's varlen flash attention (``torch.nn.attention.varlen``,
-values padded to 192) and torch's SDPA a prompt a call under each of its backends (``bench.mla_prefill_sdpa``). ``--against FILE``: the
+queries), then timed: the served call (key expansion + attention), the same with the keys and values
+loaded by TMA (``TMA_LOADS``) and the expansion alone, causal attention TFLOP/s and % of the bf16
+matmul ceiling measured in the same run; beside it, as drop-ins for the whole call (checked the same
+way): torch's varlen flash attention (``torch.nn.attention.varlen``, values padded to 192) and torch's
+SDPA a prompt a call under each of its backends (``bench.mla_prefill_sdpa``). ``--against FILE``: the
 same rows for another copy of ``mla_prefill_triton.py`` (an older commit's), alternating rounds.
 
     python3 -m bench.kernels_mla_prefill [--against FILE] [--rounds 3] [--heads 32,96] [--layouts "1 x 8192,..."]
@@ -22,13 +23,24 @@ import torch
 import torch.nn.functional as F
 
 from bench.ceilings import matmul_tflops
+from bench.overrides import constants
 from bench.timing import gpu_ms
 from k3serve.ops import mla_prefill_triton, mla_ref
 from bench.mla_prefill_sdpa import mla_prefill_sdpa
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--shrink 64)
+DT = torch.bfloat16 if DEV == "cuda" else torch.float32  # (Triton's interpreter mis-reads bf16 dots and descriptors)
 DN, DR, DV, RKV = 128, 64, 128, 512
 LAYOUTS = {"1 x 8192": [(0, 8192)], "4 x 2048": [(0, 2048)] * 4, "2048 on 6144": [(6144, 2048)]}
+
+
+def tma_loads(fn):
+    """``fn`` run with the keys and values loaded by TMA (``mla_prefill_triton.TMA_LOADS``), whatever the default."""
+    return constants("k3serve.ops.mla_prefill_triton.TMA_LOADS=True")(fn)
+
+
+def _ms(fn, rep: int) -> float:
+    return gpu_ms(fn, rep=rep) if DEV == "cuda" else (fn(), float("nan"))[1]
 
 
 def load(path: str):
@@ -44,9 +56,9 @@ def load(path: str):
 
 
 def case(heads: int, layout: list[tuple[int, int]], g: torch.Generator):
-    w = (torch.randn(heads * (DN + DV), RKV, generator=g, device=DEV) / RKV ** 0.5).bfloat16()
-    q = torch.randn(sum(t for _, t in layout), heads, DN + DR, generator=g, device=DEV).bfloat16()
-    lat = torch.randn(sum(c + t for c, t in layout), RKV + DR, generator=g, device=DEV).bfloat16()
+    w = (torch.randn(heads * (DN + DV), RKV, generator=g, device=DEV) / RKV ** 0.5).to(DT)
+    q = torch.randn(sum(t for _, t in layout), heads, DN + DR, generator=g, device=DEV).to(DT)
+    lat = torch.randn(sum(c + t for c, t in layout), RKV + DR, generator=g, device=DEV).to(DT)
     rows, q0, k0 = [], 0, 0
     for c, t in layout:
         rows.append([q0, k0, c, t])
@@ -135,9 +147,11 @@ def main() -> None:
             layout = LAYOUTS[name]
             layout = [(c // args.shrink, t // args.shrink) for c, t in layout]
             w, q, lat, seqs, max_tq, flops = case(heads, layout, g)
-            expand = gpu_ms(lambda: mla_prefill_triton._expanded(q, lat, w, RKV, DN), rep=50)
+            expand = _ms(lambda: mla_prefill_triton._expanded(q, lat, w, RKV, DN), rep=50)
             runs = {label: (lambda mod=mod: mod.mla_prefill_varlen(q, lat, w, seqs, max_tq, RKV, DN, scale))
                     for label, mod in mods.items()}
+            runs["served, TMA loads (TMA_LOADS)"] = lambda: tma_loads(mla_prefill_triton.mla_prefill_varlen)(
+                q, lat, w, seqs, max_tq, RKV, DN, scale)
             runs["torch varlen_attn (values padded to 192)"] = torch_varlen(q, lat, w, layout, heads)
             for b in (None, "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
                 runs[f"torch SDPA, {b or 'its own choice'}"] = torch_sdpa(q, lat, w, layout, heads, b)
@@ -150,7 +164,7 @@ def main() -> None:
                           flush=True)
             for _ in range(args.rounds):  # alternating rounds
                 for label in times:
-                    times[label].append(gpu_ms(runs[label], rep=50))
+                    times[label].append(_ms(runs[label], rep=50))
             for label, ts in times.items():
                 attn = max(min(ts) - expand, 1e-6)
                 print(f"| {heads} | {name} | {label} | {errs[label]:.1e} | {' / '.join(f'{t:.3f}' for t in ts)} "

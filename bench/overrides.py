@@ -4,6 +4,7 @@ how a GPU run checks or times a flag of the code without editing it."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 
 
@@ -37,3 +38,13 @@ def _top_level_split(assigns: str) -> list[str]:
 def restore(saved: list[tuple]) -> None:
     for mod, const, value in reversed(saved):
         setattr(mod, const, value)
+
+
+@contextlib.contextmanager
+def constants(assigns: str):
+    """``set_constants`` for the duration of a ``with`` block."""
+    saved = set_constants(assigns)
+    try:
+        yield
+    finally:
+        restore(saved)

@@ -4,7 +4,7 @@ way to compare kernel variants between device leases (what a change does to the 
 instruction count), not a timing. Integer arguments marked divisible by 16 here, as Triton
 specialises them at launch for 16-aligned strides, so loads vectorise as they would on the device.
 
-Usage: python -m bench.sass_mix [grouped_gemm | kda_fused | mla_decode] (all by default);
+Usage: python -m bench.sass_mix [grouped_gemm | kda_fused | mla_decode | mla_prefill] (all by default);
 SASS_MIX_DUMP=dir also writes each grouped-GEMM row's TTGIR and SASS there.
 
 Seventh session (RESULTS.md): the MXFP4 grouped GEMM's K loop (swapped 32-wide tile, BLOCK_K 128,
@@ -59,8 +59,8 @@ def registers(kernel) -> int:
     return int(re.search(r"REG:(\d+)", _cubin_tool(kernel, "cuobjdump", "-res-usage")).group(1))
 
 
-def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
-    """(instructions, opcode counts) of the longest backward-branch span in the SASS: the main loop."""
+def _code_and_loops(kernel) -> tuple[list, list]:
+    """The SASS as (address, instruction) pairs, and every backward-branch span (start, end)."""
     text = sass_text(kernel)
     code, labels, pending = [], {}, None
     for line in text.splitlines():
@@ -72,17 +72,38 @@ def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
             code.append((addr, m.group(2)))
             if pending:
                 labels[pending], pending = addr, None
-    span = (0, -1)
+    loops = []
     for addr, ins in code:
         m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
-        if m and labels.get(m.group(1), addr) < addr and addr - labels[m.group(1)] > span[1] - span[0]:
-            span = (labels[m.group(1)], addr)
+        if m and labels.get(m.group(1), addr) < addr:
+            loops.append((labels[m.group(1)], addr))
+    return code, loops
+
+
+def _span_mix(code: list, span: tuple[int, int]) -> collections.Counter:
     ops = collections.Counter()
     for addr, ins in code:
         if span[0] <= addr <= span[1]:
             words = ins.split()
             ops[(words[1] if words[0].startswith("@") else words[0]).split(".")[0]] += 1
+    return ops
+
+
+def hottest_loop_mix(kernel) -> tuple[int, collections.Counter]:
+    """(instructions, opcode counts) of the longest backward-branch span in the SASS: the main loop."""
+    code, loops = _code_and_loops(kernel)
+    ops = _span_mix(code, max(loops, key=lambda s: s[1] - s[0], default=(0, -1)))
     return sum(ops.values()), ops
+
+
+def mma_loop_mixes(kernel) -> list[collections.Counter]:
+    """Opcode counts of each loop that issues tensor-core MMAs, in code order: for kernels with several
+    main loops, or with mbarrier waits whose retry blocks sit past the last EXIT and branch back into
+    a loop (spans that are not loops, left out here)."""
+    code, loops = _code_and_loops(kernel)
+    last_exit = max((a for a, ins in code if re.match(r"(@\S+\s+)?EXIT", ins)), default=code[-1][0])
+    mixes = [_span_mix(code, s) for s in sorted(loops) if s[1] < last_exit]
+    return [ops for ops in mixes if ops["HGMMA"] or ops["HMMA"]]
 
 
 def dump(kernel, name: str) -> None:
@@ -163,6 +184,29 @@ def mla_decode_rows() -> None:
               f"{', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |")
 
 
+def mla_prefill_rows() -> None:
+    from k3serve.ops import mla_prefill_triton
+
+    ptrs = {n: "*bf16" for n in ("Q", "KN", "KP", "V")} | {"O": "*fp32", "SEQS": "*i32"}
+    strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_pt", "stride_vt", "stride_vh", "stride_ot",
+               "stride_oh")
+    ints = {"context_len": "i32", "Tq": "i32", "S": "i32", "scale": "fp32", "TQ_BUCKET": "i32"} | {
+        n: "i32" for n in strides}
+    print("\n| MLA flash prefill (kimi-linear: 32 heads, 128 + 64 / 128 wide, varlen) | tile (BLOCK_M, BLOCK_N, warps, "
+          "stages) | registers | shared KB | loop instr / thread: below the diagonal, on it | CTA barriers a block "
+          "| top opcodes (below) |\n|---|---|---|---|---|---|---|")
+    for tma in (False, True):
+        for bm, bn, nw, st in ((128, 64, 8, 3), (128, 128, 8, 2)):
+            consts = dict(DN=128, DR=64, DV=128, DN_P=128, DR_P=64, DV_P=128, BLOCK_M=bm, BLOCK_N=bn, VARLEN=True,
+                          TMA=tma, HEADS=32)
+            kernel = compile_sm90(mla_prefill_triton._mla_prefill_kernel, {**ptrs, **ints}, consts,
+                                  tuple(ptrs)[:5] + strides, num_warps=nw, num_stages=st)
+            below, diagonal = mma_loop_mixes(kernel)
+            print(f"| {'TMA' if tma else 'pointers (cp.async)'} | {bm}, {bn}, {nw}, {st} | {registers(kernel)} | "
+                  f"{kernel.metadata.shared // 1024} | {sum(below.values())}, {sum(diagonal.values())} | {below['BAR']} "
+                  f"| {', '.join(f'{k} {v}' for k, v in below.most_common(8))} |")
+
+
 def whole_mix(kernel) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the whole kernel (the KDA decode's value-block loop is unrolled)."""
     total, ops = hottest_loop_mix(kernel)
@@ -174,13 +218,15 @@ def whole_mix(kernel) -> tuple[int, collections.Counter]:
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["grouped_gemm", "kda_fused", "mla_decode"]
+    which = sys.argv[1:] or ["grouped_gemm", "kda_fused", "mla_decode", "mla_prefill"]
     if "grouped_gemm" in which:
         grouped_gemm_rows()
     if "kda_fused" in which:
         kda_fused_rows()
     if "mla_decode" in which:
         mla_decode_rows()
+    if "mla_prefill" in which:
+        mla_prefill_rows()
 
 
 if __name__ == "__main__":

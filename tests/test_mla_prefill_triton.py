@@ -14,6 +14,10 @@ SCRIPT = textwrap.dedent('''
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.ops.mla_prefill_triton import mla_prefill
     from k3serve.ops.mla_ref import mla_expanded_ref
+    from k3serve.ops import mla_prefill_triton
+    mla_prefill_triton.TMA_LOADS = sys.argv[2] == "tma"  # keys and values by tensor descriptors, or by pointers
+    served, taken = mla_prefill_triton.tma_loads, []
+    mla_prefill_triton.tma_loads = lambda *views: taken.append(served(*views)) or taken[-1]
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
     for Ha, dn, dr, dv, rkv, ctx, Tq in [(2, 32, 16, 32, 64, 0, 37), (3, 64, 32, 64, 64, 45, 20),
@@ -27,13 +31,17 @@ SCRIPT = textwrap.dedent('''
         for tiles in (dict(BLOCK_M=16, BLOCK_N=16), None):  # None: the autotuned launch the model makes
             out = mla_prefill(q, latent, w, ctx, rkv, dn, scale, tiles=tiles)
             worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+    assert any(taken) == (sys.argv[2] == "tma"), taken  # (power-of-two widths take TMA when it is on)
     print(worst)
 ''')
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_flash_prefill_matches_reference(seed):
-    assert worst_error(SCRIPT, str(seed)) < 1e-5
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
+def test_flash_prefill_matches_reference(seed, loads):
+    """Fresh prompts and chunks on cached context, head widths powers of two or not (those take the
+    pointer loads), keys and values loaded by pointers or by TMA (``TMA_LOADS``)."""
+    assert worst_error(SCRIPT, str(seed), loads) < 1e-5
 
 
 VARLEN_SCRIPT = textwrap.dedent('''
@@ -41,6 +49,10 @@ VARLEN_SCRIPT = textwrap.dedent('''
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.ops.mla_prefill_triton import mla_prefill_varlen
     from k3serve.ops.mla_ref import mla_expanded_ref
+    from k3serve.ops import mla_prefill_triton
+    mla_prefill_triton.TMA_LOADS = sys.argv[2] == "tma"  # keys and values by tensor descriptors, or by pointers
+    served, taken = mla_prefill_triton.tma_loads, []
+    mla_prefill_triton.tma_loads = lambda *views: taken.append(served(*views)) or taken[-1]
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
     for Ha, dn, dr, dv, rkv, layout in [(2, 32, 16, 32, 64, [(0, 37), (45, 20), (7, 1), (0, 70)]),
@@ -59,15 +71,18 @@ VARLEN_SCRIPT = textwrap.dedent('''
             out = mla_prefill_varlen(torch.cat(qs), torch.cat(lats), w, seqs, max(t for _, t in layout), rkv, dn,
                                      scale, tiles=tiles)
             worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+    assert any(taken) == (sys.argv[2] == "tma"), taken  # (power-of-two widths take TMA when it is on)
     print(worst)
 ''')
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_varlen_flash_prefill_matches_reference_per_sequence(seed):
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
+def test_varlen_flash_prefill_matches_reference_per_sequence(seed, loads):
     """Many sequences in one launch (each with its own cached context, new tokens from 1 to 70,
-    a shorter one's spare query blocks idle) equal the reference run on each alone."""
-    assert worst_error(VARLEN_SCRIPT, str(seed)) < 1e-5
+    a shorter one's spare query blocks idle) equal the reference run on each alone; with TMA each
+    program's descriptors end at its sequence's last key."""
+    assert worst_error(VARLEN_SCRIPT, str(seed), loads) < 1e-5
 
 
 GLUE_SCRIPT = textwrap.dedent('''

@@ -294,18 +294,22 @@ def test_expert_sort_kernels_compile_for_sm90(sizes):
                                              num_warps=4).asm["ptx"]
 
 
-@pytest.mark.parametrize("varlen", [False, True])
-def test_mla_prefill_compiles_for_sm90(varlen):
-    """The flash MLA prefill, one sequence or many in one launch (``mla_prefill_varlen``)."""
+@pytest.mark.parametrize("varlen, tma", [(False, False), (True, False), (True, True)])
+def test_mla_prefill_compiles_for_sm90(varlen, tma):
+    """The flash MLA prefill, one sequence or many in one launch (``mla_prefill_varlen``), keys and
+    values by pointers or by TMA (``TMA_LOADS``: descriptors made in the kernel, loads by
+    ``cp.async.bulk.tensor``)."""
     from k3serve.ops import mla_prefill_triton
 
     ptrs = {n: "*bf16" for n in ("Q", "KN", "KP", "V")} | {"O": "*fp32", "SEQS": "*i32"}
     scalars = {"context_len": "i32", "Tq": "i32", "S": "i32", "scale": "fp32", "TQ_BUCKET": "i32"} | {
         n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_pt", "stride_vt", "stride_vh",
                            "stride_ot", "stride_oh")}
-    consts = dict(DN=128, DR=64, DV=128, DN_P=128, DR_P=64, DV_P=128, BLOCK_M=128, BLOCK_N=64, VARLEN=varlen)
-    assert _compile(mla_prefill_triton._mla_prefill_kernel, ptrs, scalars, consts, num_warps=8,
-                    num_stages=3).asm["cubin"]
+    consts = dict(DN=128, DR=64, DV=128, DN_P=128, DR_P=64, DV_P=128, BLOCK_M=128, BLOCK_N=64, VARLEN=varlen,
+                  TMA=tma, HEADS=32)
+    kernel = _compile(mla_prefill_triton._mla_prefill_kernel, ptrs, scalars, consts, num_warps=8, num_stages=3)
+    assert kernel.asm["cubin"]
+    assert ("cp.async.bulk.tensor" in kernel.asm["ptx"]) == tma
 
 
 def test_multi_row_gated_norm_compiles_for_sm90():

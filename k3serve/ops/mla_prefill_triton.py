@@ -9,35 +9,45 @@ values are per head. Reference: ``mla_ref.mla_expanded_ref``. Checked on CPU wit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .autotune import autotuned
+from .autotune import autotuned, interpreted
 
 
 @triton.jit
 def _attend_block(q_n, q_p, KN, KP, V, h, n0, qpos, S, m_i, l_i, acc, qk_scale,
                   stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, dn, dr, dv, nmask, pmask, vmask,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """One key block of the online softmax, scores in the log2 domain (exp2). MASKED: the block
-    crosses the causal diagonal or the sequence's end; blocks wholly below it skip the masks."""
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """One key block of the online softmax in the log2 domain (exp2), the scale applied in the
+    exponent's FFMA (the running max kept scaled: a multiply a row, not an element). MASKED: the
+    block crosses the causal diagonal or the sequence's end; blocks wholly below it skip the masks."""
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < S
     if not MASKED:
         cmask = cols >= 0  # (all true: the loads keep only the head-width padding masks)
-    k_n = tl.load(KN + cols[:, None] * stride_kt + h * stride_kh + dn[None, :],
-                  mask=cmask[:, None] & nmask[None, :], other=0.0)
-    k_p = tl.load(KP + cols[:, None] * stride_pt + dr[None, :], mask=cmask[:, None] & pmask[None, :], other=0.0)
-    s = (tl.dot(q_n, tl.trans(k_n)).to(tl.float32) + tl.dot(q_p, tl.trans(k_p)).to(tl.float32)) * qk_scale
+    if TMA:  # KN, KP, V are the sequence's tensor descriptors (rows past its keys read as zeros)
+        k_n = KN.load([n0, h * stride_kh])
+        k_p = KP.load([n0, 0])
+    else:
+        k_n = tl.load(KN + cols[:, None] * stride_kt + h * stride_kh + dn[None, :],
+                      mask=cmask[:, None] & nmask[None, :], other=0.0)
+        k_p = tl.load(KP + cols[:, None] * stride_pt + dr[None, :], mask=cmask[:, None] & pmask[None, :], other=0.0)
+    s = tl.dot(q_p, tl.trans(k_p), tl.dot(q_n, tl.trans(k_n)))  # raw scores, one fp32 accumulator
     if MASKED:
         s = tl.where((cols[None, :] <= qpos[:, None]) & cmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + cols[:, None] * stride_vt + h * stride_vh + dv[None, :],
-                mask=cmask[:, None] & vmask[None, :], other=0.0)
+    if TMA:
+        v = V.load([n0, h * stride_vh])
+    else:
+        v = tl.load(V + cols[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                    mask=cmask[:, None] & vmask[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
     return m_new, l_i, acc
 
@@ -48,7 +58,7 @@ def _mla_prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot, stride_oh,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     DN_P: tl.constexpr, DR_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, TMA: tl.constexpr = False, HEADS: tl.constexpr = 1,
 ):
     # Head widths are padded to powers of two >= 16 (tl.arange and tl.dot need them); the padding
     # lanes load zeros, so they add nothing to the scores and are not stored. Query blocks run last
@@ -68,6 +78,12 @@ def _mla_prefill_kernel(
         KN += k0 * stride_kt
         KP += k0 * stride_pt
         V += k0 * stride_vt
+    if TMA:  # (``tma_loads``: power-of-two head widths, 16-byte aligned rows) the key and value loads by TMA
+        KN = tl.make_tensor_descriptor(KN, shape=[S, (HEADS - 1) * stride_kh + DN], strides=[stride_kt, 1],
+                                       block_shape=[BLOCK_N, DN])
+        KP = tl.make_tensor_descriptor(KP, shape=[S, DR], strides=[stride_pt, 1], block_shape=[BLOCK_N, DR])
+        V = tl.make_tensor_descriptor(V, shape=[S, (HEADS - 1) * stride_vh + DV], strides=[stride_vt, 1],
+                                      block_shape=[BLOCK_N, DV])
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < Tq
     dn = tl.arange(0, DN_P)
@@ -90,11 +106,11 @@ def _mla_prefill_kernel(
     for n0 in range(0, lo, BLOCK_N):
         m_i, l_i, acc = _attend_block(q_n, q_p, KN, KP, V, h, n0, qpos, S, m_i, l_i, acc, qk_scale, stride_kt,
                                       stride_kh, stride_pt, stride_vt, stride_vh, dn, dr, dv, nmask, pmask, vmask,
-                                      BLOCK_N, False)
+                                      BLOCK_N, False, TMA)
     for n0 in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(q_n, q_p, KN, KP, V, h, n0, qpos, S, m_i, l_i, acc, qk_scale, stride_kt,
                                       stride_kh, stride_pt, stride_vt, stride_vh, dn, dr, dv, nmask, pmask, vmask,
-                                      BLOCK_N, True)
+                                      BLOCK_N, True, TMA)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (0 only in a shorter sequence's spare blocks)
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out, mask=rmask[:, None] & vmask[None, :])
 
@@ -121,7 +137,7 @@ _mla_prefill_tuned = autotuned(
      for bm, bn, w, st in ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3),
                            (32, 32, 4, 2))],
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1),
-    key=["DN", "DR", "DV", "TQ_BUCKET"], prune=_blocks_that_fit)
+    key=["DN", "DR", "DV", "TQ_BUCKET", "TMA"], prune=_blocks_that_fit)
 
 
 def _expanded(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, kv_lora_rank: int, nope_dim: int):
@@ -134,11 +150,44 @@ def _expanded(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, kv_lo
     return q.to(dt).contiguous(), kv[..., :nope_dim], k_pe.to(dt).contiguous(), kv[..., nope_dim:]
 
 
+# Keys and values loaded by TMA (tensor descriptors made in the kernel over a sequence's own rows)
+# instead of cp.async with per-element addresses. sm_90 SASS of the 128 x 64 tile, 8 warps (Triton 3.6,
+# ``python -m bench.sass_mix mla_prefill``): 214 -> 154 registers, a key block 388 -> 363 instructions a
+# thread below the diagonal and 550 -> 494 on it, but four CTA barriers a block instead of two (Triton
+# fences each TMA issue), which couple the two warpgroups more (RESULTS.md fortieth session, CPU). Off until
+# the H200 checks and times it (``gpu_check_kernels.py --mla-prefill``, ``bench.kernels_mla_prefill``).
+TMA_LOADS = False
+
+
+def tma_loads(k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether TMA can serve these views: power-of-two widths of at least 16, unit inner strides,
+    16-byte aligned bases and row strides (TMA's rules), and tensor descriptors in this Triton."""
+    if not (TMA_LOADS and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
+        return False
+    for t in (k_nope, k_pe, v):
+        size = t.element_size()
+        if (t.shape[-1] < 16 or t.shape[-1] & (t.shape[-1] - 1) or t.stride(-1) != 1 or t.data_ptr() % 16
+                or any(st * size % 16 for st in t.stride()[:-1])):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _descriptor_scratch() -> None:
+    """Kernels that make tensor descriptors need global scratch for them: from torch's allocator (a
+    CUDA graph's pool when captured)."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cpu" if interpreted() else "cuda"))
+
+
 def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, seqs, context_len, S, max_tq):
     q, k_nope, k_pe, v = _expanded(q, latent, w_kv_b, kv_lora_rank, nope_dim)
     Tq, Ha, _ = q.shape
     dv, dr = v.shape[-1], q.shape[-1] - nope_dim
     out = torch.empty(Tq, Ha, dv, dtype=torch.float32, device=q.device)
+    tma = tma_loads(k_nope, k_pe, v)
+    if tma:
+        _descriptor_scratch()
     kernel, tiles = (_mla_prefill_tuned, {}) if tiles is None else (_mla_prefill_kernel, tiles)
     kernel[lambda meta: (triton.cdiv(max_tq, meta["BLOCK_M"]), Ha, grid_seqs)](
         q, k_nope, k_pe, v, out, seqs if seqs is not None else out, context_len, Tq, S, scale,
@@ -146,7 +195,7 @@ def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, 
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         DN=nope_dim, DR=dr, DV=dv, DN_P=_padded(nope_dim), DR_P=_padded(dr), DV_P=_padded(dv),
-        VARLEN=seqs is not None, **tiles,
+        VARLEN=seqs is not None, TMA=tma, HEADS=Ha if tma else 1, **tiles,  # (HEADS: the descriptors' width)
     )
     return out
 
