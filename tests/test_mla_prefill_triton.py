@@ -9,17 +9,26 @@ pytest.importorskip("triton")
 
 from interpreted import worst_error  # noqa: E402
 
-SCRIPT = textwrap.dedent('''
+# argv: seed, "tma" or "pointers" (how the kernel loads keys and values); each script ends by checking
+# that TMA served exactly when it was on (the power-of-two head widths take it), then prints its worst error.
+PRELUDE = textwrap.dedent('''
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
-    from k3serve.ops.mla_prefill_triton import mla_prefill
-    from k3serve.ops.mla_ref import mla_expanded_ref
     from k3serve.ops import mla_prefill_triton
-    mla_prefill_triton.TMA_LOADS = sys.argv[2] == "tma"  # keys and values by tensor descriptors, or by pointers
+    from k3serve.ops.mla_prefill_triton import mla_prefill, mla_prefill_varlen
+    from k3serve.ops.mla_ref import mla_expanded_ref
+    mla_prefill_triton.TMA_LOADS = sys.argv[2] == "tma"
     served, taken = mla_prefill_triton.tma_loads, []
     mla_prefill_triton.tma_loads = lambda *views: taken.append(served(*views)) or taken[-1]
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
+''')
+EPILOGUE = textwrap.dedent('''
+    assert any(taken) == (sys.argv[2] == "tma"), taken
+    print(worst)
+''')
+
+SCRIPT = PRELUDE + textwrap.dedent('''
     for Ha, dn, dr, dv, rkv, ctx, Tq in [(2, 32, 16, 32, 64, 0, 37), (3, 64, 32, 64, 64, 45, 20),
                                          (4, 32, 16, 16, 32, 100, 1), (1, 16, 16, 32, 32, 7, 70),
                                          (2, 32, 8, 48, 64, 10, 25), (3, 24, 4, 40, 32, 0, 19)]:
@@ -31,9 +40,7 @@ SCRIPT = textwrap.dedent('''
         for tiles in (dict(BLOCK_M=16, BLOCK_N=16), None):  # None: the autotuned launch the model makes
             out = mla_prefill(q, latent, w, ctx, rkv, dn, scale, tiles=tiles)
             worst = max(worst, ((out - ref).norm() / ref.norm()).item())
-    assert any(taken) == (sys.argv[2] == "tma"), taken  # (power-of-two widths take TMA when it is on)
-    print(worst)
-''')
+''') + EPILOGUE
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -44,17 +51,7 @@ def test_flash_prefill_matches_reference(seed, loads):
     assert worst_error(SCRIPT, str(seed), loads) < 1e-5
 
 
-VARLEN_SCRIPT = textwrap.dedent('''
-    import os, sys, torch
-    os.environ["TRITON_INTERPRET"] = "1"
-    from k3serve.ops.mla_prefill_triton import mla_prefill_varlen
-    from k3serve.ops.mla_ref import mla_expanded_ref
-    from k3serve.ops import mla_prefill_triton
-    mla_prefill_triton.TMA_LOADS = sys.argv[2] == "tma"  # keys and values by tensor descriptors, or by pointers
-    served, taken = mla_prefill_triton.tma_loads, []
-    mla_prefill_triton.tma_loads = lambda *views: taken.append(served(*views)) or taken[-1]
-    gen = torch.Generator().manual_seed(int(sys.argv[1]))
-    worst = 0.0
+VARLEN_SCRIPT = PRELUDE + textwrap.dedent('''
     for Ha, dn, dr, dv, rkv, layout in [(2, 32, 16, 32, 64, [(0, 37), (45, 20), (7, 1), (0, 70)]),
                                         (3, 24, 4, 40, 32, [(100, 3)]), (1, 16, 16, 32, 32, [(3, 17), (0, 16)])]:
         scale = (dn + dr) ** -0.5
@@ -71,9 +68,7 @@ VARLEN_SCRIPT = textwrap.dedent('''
             out = mla_prefill_varlen(torch.cat(qs), torch.cat(lats), w, seqs, max(t for _, t in layout), rkv, dn,
                                      scale, tiles=tiles)
             worst = max(worst, ((out - ref).norm() / ref.norm()).item())
-    assert any(taken) == (sys.argv[2] == "tma"), taken  # (power-of-two widths take TMA when it is on)
-    print(worst)
-''')
+''') + EPILOGUE
 
 
 @pytest.mark.parametrize("seed", [0, 1])
