@@ -117,3 +117,42 @@ def test_mla_layer_varlen_prefill_equals_per_prompt(seed):
     gathered by the step's ``ForwardBatch.prefill_latents``, equals the per-prompt launches (both
     the GPU path's kernels, interpreted)."""
     assert worst_error(GLUE_SCRIPT, str(seed)) < 1e-6
+
+
+OUT_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from k3serve.ops.mla_prefill_triton import mla_prefill, mla_prefill_varlen
+    gen = torch.Generator().manual_seed(0)
+    Ha, dn, dr, dv, rkv = 2, 32, 16, 32, 64
+    q = torch.randn(30, Ha, dn + dr, generator=gen)
+    latent = torch.randn(50, rkv + dr, generator=gen)
+    w = torch.randn(Ha * (dn + dv), rkv, generator=gen) / rkv ** 0.5
+    tiles = dict(BLOCK_M=16, BLOCK_N=16)
+    fp32 = mla_prefill(q, latent, w, 20, rkv, dn, dn ** -0.5, tiles=tiles)
+    def rounded_once(got, dtype):  # (the interpreter's bf16 rounding may differ from torch's by an ulp)
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 0.0
+        return bool(((got.float() - fp32).abs() <= fp32.abs() * ulp).all())
+    for dtype in (torch.bfloat16, torch.float32):
+        whole = torch.full((33, Ha, dv), 7.0, dtype=dtype)
+        got = mla_prefill(q, latent, w, 20, rkv, dn, dn ** -0.5, tiles=tiles, out=whole[3:])
+        assert got.data_ptr() == whole[3:].data_ptr() and bool((whole[:3] == 7).all())
+        assert rounded_once(whole[3:], dtype), (whole[3:].float() - fp32).abs().max()
+    seqs = torch.tensor([[0, 0, 20, 30]], dtype=torch.int32)
+    whole = torch.full((31, Ha, dv), 7.0, dtype=torch.bfloat16)
+    mla_prefill_varlen(q, latent, w, seqs, 30, rkv, dn, dn ** -0.5, tiles=tiles, out=whole[1:])
+    assert rounded_once(whole[1:], torch.bfloat16) and bool((whole[0] == 7).all())
+    try:
+        mla_prefill(q, latent, w, 20, rkv, dn, dn ** -0.5, tiles=tiles, out=torch.empty(30, Ha, dv + 1))
+    except ValueError as exc:
+        assert "out must be [30, 2, 32]" in str(exc), exc
+    else:
+        raise AssertionError("a wrongly shaped out was accepted")
+    print(0.0)
+''')
+
+
+def test_prefill_writes_into_a_given_output_in_its_dtype():
+    """``out=``: the fp32 result rounded once into the caller's buffer (a row slice of the layer's
+    output, bf16 or fp32), rows outside it untouched; a wrongly shaped buffer is refused."""
+    assert worst_error(OUT_SCRIPT) == 0.0

@@ -125,8 +125,8 @@ class MLAMixer(nn.Module):
             from ..ops.mla_prefill_triton import mla_prefill_varlen  # every prompt in one launch
 
             page, offset, seqs, max_new = batch.prefill_latents
-            out[nd:] = mla_prefill_varlen(q[nd:], latent_pages[page, offset], w, seqs, max_new, self.rkv, self.nope,
-                                          self.scale)  # (decode tokens lead, one each)
+            mla_prefill_varlen(q[nd:], latent_pages[page, offset], w, seqs, max_new, self.rkv, self.nope, self.scale,
+                               out=out[nd:])  # (decode tokens lead, one each)
             return out
         for i in range(nd, batch.num_seqs):
             s, e = batch.token_range(i)
@@ -135,7 +135,7 @@ class MLAMixer(nn.Module):
             if triton_enabled("MLA", q.device):
                 from ..ops.mla_prefill_triton import mla_prefill  # flash-style, no T x S scores
 
-                out[s:e] = mla_prefill(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)
+                mla_prefill(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale, out=out[s:e])
             else:
                 out[s:e] = mla_ref.mla_expanded_ref(q[s:e], lat, w, ctx, self.rkv, self.nope, self.scale)
         return out

@@ -112,7 +112,8 @@ def _mla_prefill_kernel(
                                       stride_kh, stride_pt, stride_vt, stride_vh, dn, dr, dv, nmask, pmask, vmask,
                                       BLOCK_N, True, TMA)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (0 only in a shorter sequence's spare blocks)
-    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out, mask=rmask[:, None] & vmask[None, :])
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
+             mask=rmask[:, None] & vmask[None, :])
 
 
 def _padded(n: int) -> int:
@@ -180,11 +181,15 @@ def _descriptor_scratch() -> None:
                                                                  device="cpu" if interpreted() else "cuda"))
 
 
-def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, seqs, context_len, S, max_tq):
+def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, seqs, context_len, S, max_tq, out):
     q, k_nope, k_pe, v = _expanded(q, latent, w_kv_b, kv_lora_rank, nope_dim)
     Tq, Ha, _ = q.shape
     dv, dr = v.shape[-1], q.shape[-1] - nope_dim
-    out = torch.empty(Tq, Ha, dv, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(Tq, Ha, dv, dtype=torch.float32, device=q.device)
+    elif out.shape != (Tq, Ha, dv) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{Tq}, {Ha}, {dv}] with unit last stride, got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
     tma = tma_loads(k_nope, k_pe, v)
     if tma:
         _descriptor_scratch()
@@ -201,19 +206,21 @@ def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, 
 
 
 def mla_prefill(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, context_len: int, kv_lora_rank: int,
-                nope_dim: int, scale: float, tiles: dict | None = None) -> torch.Tensor:
+                nope_dim: int, scale: float, tiles: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``mla_ref.mla_expanded_ref``: q [Tq, Ha, dn+dr]; latent [S, rkv+dr] with
-    S = context_len + Tq; w_kv_b [Ha*(dn+dv), rkv]. Returns o [Tq, Ha, dv] fp32. ``tiles``
-    (BLOCK_M, BLOCK_N, num_warps, num_stages) None: autotuned."""
+    S = context_len + Tq; w_kv_b [Ha*(dn+dv), rkv]. Returns o [Tq, Ha, dv] fp32, or written into
+    ``out`` (any float dtype, rounded once from the fp32 result: no second pass to cast or copy it).
+    ``tiles`` (BLOCK_M, BLOCK_N, num_warps, num_stages) None: autotuned."""
     return _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, 1, None, context_len, latent.shape[0],
-                   q.shape[0])
+                   q.shape[0], out)
 
 
 def mla_prefill_varlen(q: torch.Tensor, latent: torch.Tensor, w_kv_b: torch.Tensor, seqs: torch.Tensor, max_tq: int,
-                       kv_lora_rank: int, nope_dim: int, scale: float, tiles: dict | None = None) -> torch.Tensor:
+                       kv_lora_rank: int, nope_dim: int, scale: float, tiles: dict | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """``mla_prefill`` of many sequences in one launch (and one key expansion): q [sum Tq, Ha,
     dn+dr] their new tokens back to back, latent [sum S, rkv+dr] their cached + new latents back to
     back, ``seqs`` [N, 4] int32 on the device: (first query row, first latent row, context, new
     tokens) a sequence; ``max_tq`` the longest one's new tokens (host). A chunked-prefill step of
-    many prompts took ~7 launches a prompt a layer the other way."""
-    return _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, seqs.shape[0], seqs, 0, 0, max_tq)
+    many prompts took ~7 launches a prompt a layer the other way. ``out``: as ``mla_prefill``'s."""
+    return _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, seqs.shape[0], seqs, 0, 0, max_tq, out)
