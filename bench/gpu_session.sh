@@ -5,7 +5,9 @@
 # one archive (a device call returns at most 8 files).
 #
 #   bash bench/gpu_session.sh train     # tiny model: ~8 min of training on the H200 (issue tiny-model)
-#   bash bench/gpu_session.sh checks    # correctness: model vs fp32 reference, CUDA graphs, engine
+#   bash bench/gpu_session.sh checks    # correctness, one call each on a fresh machine: checks (every kernel vs
+#                                       # its reference), checks1 (whole models vs fp32; checkskda: fla's
+#                                       # kda_core), checks2 (CUDA graphs vs eager, the engine vs the model alone)
 #   bash bench/gpu_session.sh kernels   # python -m bench.kernels (KDA / MLA / MoE / AttnRes vs ceilings, fla)
 #   bash bench/gpu_session.sh sweep     # MoE / MLA tile sweeps, k3-slice decode-step profile
 #   bash bench/gpu_session.sh moe       # the MoE tile sweep alone
@@ -15,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: sampling, attnres, attnressum, attnresdeep, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -39,11 +41,16 @@ case "$1" in
       --max-wall-minutes "${WALL:-7.5}" --batch 32 --seq-len 1024
     tail -c 3000 "$OUT/train.log"
     tar czf "$OUT/tiny.tgz" -C /tmp/gpu_work tiny tiny-mxfp4 ;;
-  checks)  # (a fresh machine compiles everything: in one call the first two steps only; checks2 the others)
-    step kernels_check 240 python3 bench/gpu_check_kernels.py
-    step model "$(left 580)" python3 bench/gpu_check_model.py --skip-slice --out /tmp/gpu_work
-    tail -c 2500 "$OUT/kernels_check.log"; tail -c 2500 "$OUT/model.log"
-    tar czf "$OUT/checks.tgz" -C /tmp/gpu_work . ;;
+  checks)  # every kernel check: a fresh machine compiles each kernel's every tile (fortieth session: 301 rows in
+            # 240 s, unfinished; the model check after it, with fla's kda_core first, printed nothing in 340 s)
+    step kernels_check "$(left 580)" python3 bench/gpu_check_kernels.py
+    grep "FAIL\|checks passed" "$OUT/kernels_check.log"; tail -c 1500 "$OUT/kernels_check.log" ;;
+  checks1)  # whole models (bundled tiny, its MXFP4 form, kimi-linear at small widths) vs their fp32 references
+    step model "$(left 580)" python3 bench/gpu_check_model.py --skip-slice --skip-kda --out /tmp/gpu_work
+    tail -c 3000 "$OUT/model.log" ;;
+  checkskda)  # fla's kda_core (chunked prefill + fused recurrent decode, slot-indexed) vs the torch reference
+    step kda "$(left 580)" python3 bench/gpu_check_model.py --skip-slice --skip-tiny --skip-linear-small
+    tail -c 3000 "$OUT/kda.log" ;;
   checks2)  # CUDA graphs vs eager on kimi-linear-48b, then the engine vs the model alone (bundled tiny)
     step graphs "$(left 360)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --iters 10 --out /tmp/gpu_work
     step engine "$(left 580)" python3 bench/gpu_check_engine.py
@@ -410,6 +417,6 @@ while True:
     tail -c 1200 "$OUT/graphs_check.log"; tail -c 3000 "$OUT/kernels_small.log"; tail -c 1500 "$OUT/kernels_moe.log"
     grep -v "^frame" "$OUT/agentic_dbg.log" | tail -c 3000 ;;
   *)
-    echo "usage: bash bench/gpu_session.sh train|checks|kernels|sweep|moe|gluon|mlagluon|model|debugtiny|quick48|graphdiag|pdlab|ncu|ncukda|dense|kda|engine48|profile48|e2e|engine|agentic|debug|verify|ab"; exit 2 ;;
+    echo "usage: bash bench/gpu_session.sh train|checks|checks1|checkskda|checks2|kernels|sweep|moe|gluon|mlagluon|model|debugtiny|quick48|graphdiag|pdlab|ncu|ncukda|dense|kda|engine48|profile48|e2e|engine|agentic|debug|verify|ab"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - T0 )) s"
