@@ -9,8 +9,6 @@ values are per head. Reference: ``mla_ref.mla_expanded_ref``. Checked on CPU wit
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -173,12 +171,11 @@ def tma_loads(k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor) -> bool
     return True
 
 
-@functools.lru_cache(maxsize=1)
-def _descriptor_scratch() -> None:
-    """Kernels that make tensor descriptors need global scratch for them: from torch's allocator (a
-    CUDA graph's pool when captured)."""
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device="cpu" if interpreted() else "cuda"))
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the descriptors a kernel makes, from torch's allocator (a CUDA graph's pool
+    when captured). Triton keeps its allocator in a context variable, i.e. per thread: set at each
+    launch, as the engine's step may run on another thread than the one that first launched."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreted() else "cuda")
 
 
 def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, seqs, context_len, S, max_tq, out):
@@ -192,7 +189,7 @@ def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, 
                          f"strides {out.stride()}")
     tma = tma_loads(k_nope, k_pe, v)
     if tma:
-        _descriptor_scratch()
+        triton.set_allocator(_descriptor_scratch)
     kernel, tiles = (_mla_prefill_tuned, {}) if tiles is None else (_mla_prefill_kernel, tiles)
     kernel[lambda meta: (triton.cdiv(max_tq, meta["BLOCK_M"]), Ha, grid_seqs)](
         q, k_nope, k_pe, v, out, seqs if seqs is not None else out, context_len, Tq, S, scale,
