@@ -129,10 +129,15 @@ SHIPPED_CHECK = textwrap.dedent('''
     for path in sorted(tuned_configs.TUNED_DIR.glob("*.json")):
         data = json.loads(path.read_text())
         ours = {n: e for n, e in data["kernels"].items() if n.startswith("k3serve.")}
-        for name in ours:  # (fla's kernels do not import without CUDA)
+        misaligned = []
+        for name, entries in ours.items():  # (fla's kernels do not import without CUDA)
             importlib.import_module(name.rpartition(".")[0])
+            n = len(tuned_configs._resolve(name).keys)  # Triton's key: the named arguments, then tensor dtypes
+            misaligned += [(name, e["key"]) for e in entries
+                           if not (len(e["key"]) > n and str(e["key"][n]).startswith("torch.")
+                                   and not any(str(v).startswith("torch.") for v in e["key"][:n]))]
         out[path.name] = {"device": data["device"], "triton": data["triton"],
-                          "ours": sum(len(e) for e in ours.values()),
+                          "ours": sum(len(e) for e in ours.values()), "misaligned": misaligned,
                           "counts": tuned_configs.apply(path=path)}
     print(json.dumps(out))
 ''')
@@ -140,8 +145,9 @@ SHIPPED_CHECK = textwrap.dedent('''
 
 def test_shipped_files_match_the_kernels_candidate_lists():
     """Every shipped file is named for the device and Triton minor version it records, and each of
-    its entries for our kernels still names a live kernel and one of its current candidate configs
-    (a changed candidate list or a renamed kernel needs the file re-tuned on that GPU:
+    its entries for our kernels still names a live kernel, one of its current candidate configs and
+    as many key values as the kernel's autotuner names (a changed candidate list or a renamed kernel
+    needs the file re-tuned on that GPU:
     ``python -m bench.tune_configs``). fla's entries cannot be checked without CUDA."""
     from k3serve.ops import tuned_configs
 
@@ -155,5 +161,8 @@ def test_shipped_files_match_the_kernels_candidate_lists():
     for name, info in json.loads(res.stdout.strip().splitlines()[-1]).items():
         assert tuned_configs.file_for(info["device"], info["triton"]).name == name
         assert info["ours"] > 0
+        # an entry whose key has more or fewer named values than its kernel's autotuner (a key argument
+        # added or dropped) would never match: the kernel would tune afresh on every new machine
+        assert info["misaligned"] == [], info["misaligned"][:3]
         # applied = our entries (all live); fla's are stale here only because fla cannot import
         assert info["counts"]["applied"] == info["ours"], (name, info)
