@@ -23,20 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from bench.ceilings import matmul_tflops
+from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from bench.overrides import constants
 from bench.timing import gpu_ms
 from k3serve.ops import mla_prefill_triton, mla_ref
-from bench.mla_prefill_sdpa import mla_prefill_sdpa
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter (--shrink 64)
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32  # (Triton's interpreter mis-reads bf16 dots and descriptors)
 DN, DR, DV, RKV = 128, 64, 128, 512
 LAYOUTS = {"1 x 8192": [(0, 8192)], "4 x 2048": [(0, 2048)] * 4, "2048 on 6144": [(6144, 2048)]}
-
-
-def tma_loads(fn):
-    """``fn`` run with the keys and values loaded by TMA (``mla_prefill_triton.TMA_LOADS``), whatever the default."""
-    return constants("k3serve.ops.mla_prefill_triton.TMA_LOADS=True")(fn)
 
 
 def _ms(fn, rep: int) -> float:
@@ -150,8 +145,8 @@ def main() -> None:
             expand = _ms(lambda: mla_prefill_triton._expanded(q, lat, w, RKV, DN), rep=50)
             runs = {label: (lambda mod=mod: mod.mla_prefill_varlen(q, lat, w, seqs, max_tq, RKV, DN, scale))
                     for label, mod in mods.items()}
-            runs["served, TMA loads (TMA_LOADS)"] = lambda: tma_loads(mla_prefill_triton.mla_prefill_varlen)(
-                q, lat, w, seqs, max_tq, RKV, DN, scale)
+            runs["served, TMA loads (TMA_LOADS)"] = constants("k3serve.ops.mla_prefill_triton.TMA_LOADS=True")(
+                lambda: mla_prefill_triton.mla_prefill_varlen(q, lat, w, seqs, max_tq, RKV, DN, scale))
             runs["torch varlen_attn (values padded to 192)"] = torch_varlen(q, lat, w, layout, heads)
             for b in (None, "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
                 runs[f"torch SDPA, {b or 'its own choice'}"] = torch_sdpa(q, lat, w, layout, heads, b)
