@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from bench.compare import rel
 from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from bench.overrides import constants
 from k3serve.model.batch import ForwardBatch, SeqChunk
@@ -45,11 +46,6 @@ from k3serve.ops.short_conv_triton import short_conv_triton
 
 DEV = os.environ.get("K3SERVE_CHECK_DEVICE", "cuda")  # cpu: a smoke run through the interpreter
 ROWS: list[tuple[str, str, float, float]] = []
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def record(name: str, shape: str, err: float, tol: float) -> None:

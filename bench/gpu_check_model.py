@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.compare import rel
 from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk
 from k3serve.config import ModelConfig
 from k3serve.model.k3 import K3ForCausalLM
@@ -40,11 +41,6 @@ from k3serve.ops import kda as kda_ops
 from k3serve.ops.kda_ref import kda_gate, l2norm
 
 ROWS: list[dict] = []
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_prefill: bool = False) -> None:
@@ -72,11 +68,16 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_p
     outs = {}
     # fla twice: with the decay passed, and computed from f inside its chunk kernel (the model's call)
     # fla_prenorm: q and k normalised before (as kda.CONV_NORMS_QK's conv does), fla told so
-    # fla_direct: fla_prenorm through fla's forward without its wrappers (fla_backend.DIRECT_FORWARD)
-    for name, backend, in_kernel, pre in (("torch", "torch", False, False), ("fla", "fla", False, False),
-                                          ("fla_gate", "fla", True, False), ("fla_prenorm", "fla", True, True),
-                                          ("fla_direct", "fla", True, True)):
-        fla_backend.DIRECT_FORWARD = name == "fla_direct"
+    # fla_direct: fla_prenorm through fla's forward without its wrappers (fla_backend.DIRECT_FORWARD);
+    # with a bounded gate those take fla's safe_gate path (fla_backend.SAFE_GATE), fla_direct_nosafe not
+    variants = [("torch", "torch", False, False), ("fla", "fla", False, False), ("fla_gate", "fla", True, False),
+                ("fla_prenorm", "fla", True, True), ("fla_direct", "fla", True, True)]
+    if fla_backend.safe_gate(lower_bound):
+        variants.append(("fla_direct_nosafe", "fla", True, True))
+    defaults = fla_backend.DIRECT_FORWARD, fla_backend.SAFE_GATE
+    for name, backend, in_kernel, pre in variants:
+        fla_backend.DIRECT_FORWARD = name.startswith("fla_direct")
+        fla_backend.SAFE_GATE = name != "fla_direct_nosafe"
         st = pool.clone()
         inp = [x.float() if backend == "torch" else x for x in (q, k, v)]
         if pre:
@@ -87,8 +88,8 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_p
         outs[name] = (o.float(), st)
     o_ref, s_ref = outs["torch"]
     untouched = [i for i in range(12) if i not in slots]
-    fla_backend.DIRECT_FORWARD = False
-    for name in ("fla", "fla_gate", "fla_prenorm", "fla_direct"):
+    fla_backend.DIRECT_FORWARD, fla_backend.SAFE_GATE = defaults
+    for name in [v[0] for v in variants[1:]]:
         o_fla, s_fla = outs[name]
         ROWS.append(dict(check=f"kda_core {name} vs torch ref" + (", new prompts only" if fresh_prefill else ""),
                          shape=f"H={H} D={D} T={T} lb={lower_bound}",
@@ -234,6 +235,8 @@ def main() -> None:
     ap.add_argument("--skip-linear-small", action="store_true", help="skip kimi-linear-48b's config at small widths")
     ap.add_argument("--backends", default="auto,triton", help="model runs to compare: auto (fla), triton (every kernel)")
     ap.add_argument("--skip-kda", action="store_true", help="skip the kda_core checks (fla autotuning takes a while)")
+    ap.add_argument("--kda-heads", default="4,32,96", help="the kda_core checks' head counts, of 4 (D 32, bounded "
+                    "gate), 32 (kimi-linear's gate) and 96 (K3's)")
     ap.add_argument("--dump-stacks-after", type=float, default=0, help="print every thread's stack after N s "
                     "(and every N s after that): where a slow run spends its time")
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
@@ -249,12 +252,16 @@ def main() -> None:
         faulthandler.dump_traceback_later(args.dump_stacks_after, repeat=True)
     backends = args.backends.split(",")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    kda_heads = {int(h) for h in args.kda_heads.split(",")}
     for H, D, lb, seed in ((4, 32, -5.0, 0), (32, 128, None, 1), (96, 128, -5.0, 2)):
         if args.skip_kda:
             break
+        if H not in kda_heads:
+            continue
         for fresh in (False, True):
+            n = len(ROWS)
             check_kda_core(H, D, lb, seed, fresh)
-            print(*ROWS[-3:], sep="\n", flush=True)
+            print(*ROWS[n:], sep="\n", flush=True)
 
     def with_backend(model_fn, device, dtype, backend):
         """backend: torch (reference), auto (fla for KDA), or triton (every opt-in Triton kernel)."""

@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -48,6 +48,13 @@ case "$1" in
   checks1)  # whole models (bundled tiny, its MXFP4 form, kimi-linear at small widths) vs their fp32 references
     step model "$(left 580)" python3 bench/gpu_check_model.py --skip-slice --skip-kda --out /tmp/gpu_work
     tail -c 3000 "$OUT/model.log" ;;
+  safegate)  # fla's bounded-gate path (fla_backend.SAFE_GATE, K3's gate): its kernels against the plain path at
+             # 96 heads, kda_core against the torch reference with it, then k3-slice's eager prefill steps on / off
+    step kda_prefill "$(left 250)" python3 -m bench.kernels_kda_prefill --heads 96
+    step kda "$(left 450)" python3 bench/gpu_check_model.py --skip-slice --skip-tiny --skip-linear-small --kda-heads 4,96
+    step ab "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_ab \
+      --ab "safe:;plain:k3serve.ops.fla_backend.SAFE_GATE=False" --out /tmp/gpu_work
+    cat "$OUT/kda_prefill.log" | grep "^|"; grep "kda_core" "$OUT/kda.log"; tail -c 2500 "$OUT/ab.log" ;;
   checkskda)  # fla's kda_core (chunked prefill + fused recurrent decode, slot-indexed) vs the torch reference
     step kda "$(left 580)" python3 bench/gpu_check_model.py --skip-slice --skip-tiny --skip-linear-small
     tail -c 3000 "$OUT/kda.log" ;;

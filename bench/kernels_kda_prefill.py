@@ -18,6 +18,7 @@ import argparse
 import torch
 
 from bench.ceilings import matmul_tflops
+from bench.compare import rel
 from bench.timing import gpu_ms
 
 D, CHUNK = 128, 64
@@ -62,6 +63,8 @@ def main() -> None:
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
     from fla.ops.utils.index import prepare_chunk_indices
 
+    from k3serve.ops.fla_backend import safe_gate
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="1 x 8192,16 x 512")
     ap.add_argument("--heads", default="32,96")
@@ -75,16 +78,23 @@ def main() -> None:
         for H in (int(h) for h in args.heads.split(",")):
             for layout in args.layouts.split(","):
                 prompts, length = (int(x) for x in layout.split("x"))
-                kw = inputs(prompts, length, H, None if H == 32 else -5.0, g)  # kimi-linear's gate, K3's
+                lb = None if H == 32 else -5.0  # kimi-linear's gate, K3's
+                kw = inputs(prompts, length, H, lb, g)
                 kw["chunk_indices"] = prepare_chunk_indices(kw["cu_seqlens"], CHUNK, kw["cu_seqlens_cpu"])
-                fn = lambda: chunk_kda_fwd(**kw)  # noqa: E731
-                ms = gpu_ms(fn)
-                tf = chunk_flops(prompts * length, H) / (ms / 1e3) / 1e12
-                rows = by_kernel(fn)
-                total = sum(r[2] for r in rows)
-                head = f"| {H} | {layout.strip()} | {ms:.3f} | {tf:.0f} ({100 * tf / mm:.0f} %) "
-                for i, (name, n, kms) in enumerate(rows):
-                    print((head if i == 0 else "| | | | ") + f"| {name} | {n} | {kms:.4f} | {100 * kms / total:.0f} % |")
+                ref = None
+                for safe in (False, True) if safe_gate(lb) else (False,):  # the served call is the last
+                    fn = lambda: chunk_kda_fwd(**kw, safe_gate=safe)  # noqa: E731
+                    o = fn()[0].float()
+                    err = "" if ref is None else f", rel err vs the plain path {rel(o, ref):.1e}"
+                    ref = o if ref is None else ref
+                    ms = gpu_ms(fn)
+                    tf = chunk_flops(prompts * length, H) / (ms / 1e3) / 1e12
+                    rows = by_kernel(fn)
+                    total = sum(r[2] for r in rows)
+                    head = (f"| {H}{' safe_gate' if safe else ''} | {layout.strip()}{err} | {ms:.3f} | "
+                            f"{tf:.0f} ({100 * tf / mm:.0f} %) ")
+                    for i, (name, n, kms) in enumerate(rows):
+                        print((head if i == 0 else "| | | | ") + f"| {name} | {n} | {kms:.4f} | {100 * kms / total:.0f} % |")
 
 
 if __name__ == "__main__":

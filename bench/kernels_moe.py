@@ -24,6 +24,7 @@ import torch
 import triton
 
 from bench.ceilings import copy_tbs, matmul_tflops
+from bench.compare import rel
 from bench.timing import gpu_ms
 
 from k3serve.model.loader import load_model
@@ -91,10 +92,6 @@ def work(ex, ids) -> tuple[int, float, float]:
     hit = int(torch.unique(ids).numel())
     per_expert = 3 * ex.intermediate * ex.out_features * (17 / 32 if ex.mxfp4 else 2)
     return hit, hit * per_expert / 1e9, 2 * 3 * ids.numel() * ex.intermediate * ex.out_features
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def sweep(ex, cases, variants, copy, mm, label, ex_mma=None):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 
 from bench.ceilings import copy_tbs, matmul_tflops
+from bench.compare import rel
 from bench.overrides import restore, set_constants
 from bench.timing import gpu_ms
 from k3serve.model.batch import ForwardBatch, SeqChunk
@@ -42,10 +43,6 @@ NORM_TILES = (0, 1024, 2048, 4096)  # rows a program = tile // 128; 0: one row a
 
 def _ms(fn) -> float:
     return gpu_ms(fn) if DEV == "cuda" else (fn(), float("nan"))[1]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def conv_rows(T: int, C: int, copy: float, g: torch.Generator) -> list[str]:

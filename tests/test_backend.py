@@ -128,3 +128,20 @@ def test_fresh_sequences_start_from_zero_state_and_others_keep_theirs():
     assert torch.equal(state[[0, 2, 3, 4]], before[[0, 2, 3, 4]])
     _zero_fresh(state, SimpleNamespace(**{**vars(batch), "static_shapes": True}), range(5))
     assert torch.equal(state[2], before[2])
+
+
+def test_fla_bounded_gate_path_only_for_gates_in_its_safe_range():
+    """fla_backend.safe_gate: fla's safe_gate path (tensor-core intra-chunk blocks) needs every
+    log decay in [lower_bound, 0) with -5 <= lower_bound < 0 (fla raises outside it); Kimi-Linear's
+    unbounded gate (no lower bound) must never take it, and SAFE_GATE turns it off."""
+    from k3serve.ops import fla_backend
+
+    assert fla_backend.safe_gate(-5.0) and fla_backend.safe_gate(-0.5)
+    assert not fla_backend.safe_gate(None)
+    assert not fla_backend.safe_gate(-5.5) and not fla_backend.safe_gate(0.0)
+    saved = fla_backend.SAFE_GATE
+    try:
+        fla_backend.SAFE_GATE = False
+        assert not fla_backend.safe_gate(-5.0)
+    finally:
+        fla_backend.SAFE_GATE = saved

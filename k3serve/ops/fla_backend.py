@@ -5,8 +5,10 @@ API facts this relies on (fla-core 0.6.0, checked on an H200, see the model-core
   and returns the final states as a new tensor (so: gather slots, run, scatter back).
 - the public ``fused_recurrent_kda`` ignores ``ssm_state_indices``; ``fused_recurrent_kda_fwd``
   with ``inplace_final_state=True`` updates the slot pool in place.
-- plain mode takes ``g`` as the activated per-channel log decay, which is safe for any g <= 0
-  (the "safe_gate" speed path needs g >= -5 and is left off so one call serves both gate forms).
+- plain mode takes ``g`` as the activated per-channel log decay, which is safe for any g <= 0.
+  ``safe_gate=True`` (tensor-core matmuls for the intra-chunk sub-blocks) needs the gate bounded
+  in [lower_bound, 0) with -5 <= lower_bound < 0: exactly K3's bounded form (model-spec: -5 <= λ < 0),
+  so it is taken there (``SAFE_GATE``) and never for Kimi-Linear's unbounded gate.
 - ``use_gate_in_kernel=True`` with ``A_log`` [H], ``dt_bias`` [H*K] and ``lower_bound`` computes
   the decay from the raw pre-activation inside the chunk cumsum: -exp(A_log) * softplus(f + dt_bias)
   without a lower bound (Kimi-Linear), lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) with one
@@ -60,6 +62,9 @@ def _zero_fresh(state: torch.Tensor, batch: ForwardBatch, seqs: range) -> None:
 # under cProfile, kernels unchanged.
 DIRECT_FORWARD = True
 
+# fla's bounded-gate intra-chunk path (``safe_gate``) for gates with a lower bound (K3's form).
+SAFE_GATE = True
+
 
 @functools.lru_cache(maxsize=1)
 def _direct_forward():
@@ -103,6 +108,12 @@ def _chunk_kda(q, k, v, g, beta, scale: float, initial_state, batch: ForwardBatc
     return o.type_as(q), ht
 
 
+def safe_gate(lower_bound: float | None) -> bool:
+    """Whether fla may take its bounded-gate path: only for a gate computed in its kernel with a
+    lower bound in fla's safe range (outside it fla raises; without one the gate is unbounded)."""
+    return SAFE_GATE and lower_bound is not None and -5.0 <= lower_bound < 0.0
+
+
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              scale: float, state: torch.Tensor, batch: ForwardBatch, gate: tuple | None = None,
              qk_normalized: bool = False) -> torch.Tensor:
@@ -132,7 +143,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             _zero_fresh(state, batch, range(nd, batch.num_seqs))
         s = nd  # decode tokens come first, one each
         in_kernel = {} if gate is None else dict(use_gate_in_kernel=True, A_log=gate[0], dt_bias=gate[1],
-                                                   lower_bound=gate[2])
+                                                   lower_bound=gate[2], safe_gate=safe_gate(gate[2]))
         if batch.static_shapes:  # a CUDA graph: chunk indices built on the device
             in_kernel.update(use_graph=True, max_num_seqs=batch.prefill_cu_seqlens[0].shape[0] - 1)
         init = None if fresh else state[slots]
