@@ -520,7 +520,8 @@ def main() -> None:
                     "(or @FILE: one variant a line)")
     ap.add_argument("--ab-batches", default="1,16")
     ap.add_argument("--ab-rounds", type=int, default=1,
-                    help="> 1: capture every variant first, then time them in this many alternating rounds")
+                    help="> 1: capture every variant first, then time them in this many alternating rounds "
+                    "(prefill_ab: its alternating rounds, at least 2)")
     ap.add_argument("--ab-charged", type=int, default=0, help="> 0 (with --ab-rounds > 1): also each variant's "
                     "kernels charged on the step's critical path, over this many profiled replays")
     ap.add_argument("--ab-pool-gib", type=float, default=4.0, help="the shared pool of --ab-rounds > 1 "
@@ -625,7 +626,7 @@ def main() -> None:
             for r in tl_["run"]:
                 print(f"| {r['index']} | {r['kernel']} | {r['start_us']} | {r['own_us']} | {r['charged_us']} |")
     if "prefill_ab" in parts:
-        res["prefill_ab"] = prefill_ab(model, rng, args.ab, pool_bytes)
+        res["prefill_ab"] = prefill_ab(model, rng, args.ab, pool_bytes, max(args.ab_rounds, 2))
         print("\n| variant | round | tokens | kernels | kernel ms | step wall ms |\n|---|---|---|---|---|---|")
         for r in res["prefill_ab"]:
             print(f"| {r['variant']} | {r['round']} | {r['tokens']} | {r['kernels']} | {r['kernel_ms']} | {r['wall_ms']} |")

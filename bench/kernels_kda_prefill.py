@@ -19,7 +19,7 @@ import torch
 
 from bench.ceilings import matmul_tflops
 from bench.compare import rel
-from bench.timing import gpu_ms
+from bench.timing import by_kernel, gpu_ms
 
 D, CHUNK = 128, 64
 
@@ -43,20 +43,6 @@ def inputs(prompts: int, length: int, H: int, lower_bound: float | None, g: torc
                 output_final_state=True, cu_seqlens=cu.long(), cu_seqlens_cpu=cu.long().cpu(), chunk_size=CHUNK,
                 use_gate_in_kernel=True, A_log=torch.randn(H, device=dev, generator=g) * 0.5,
                 dt_bias=torch.randn(H * D, device=dev, generator=g) * 0.5, lower_bound=lower_bound)
-
-
-def by_kernel(fn, calls: int = 5) -> list[tuple[str, int, float]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(e.name[:70], []).append(e.device_time_total / 1e3)
-    return sorted(((k, len(v) // calls, sum(v) / calls) for k, v in kernels.items()), key=lambda r: -r[2])
 
 
 def main() -> None:

@@ -11,9 +11,10 @@ reference, so a fast wrong tile cannot win); its winners are the autotuner's can
 a short decode sweep.
 
 Usage: python bench/kernels_moe.py [--no-sweep] [--bf16-decode] [--mxfp4-only] [--decode-only] [--mma-only]
-[--bf16-prefill-only]
+[--bf16-prefill-only] [--grouped-mm]
 (--mma-only: the MMA-layout upcast's rows alone; --bf16-prefill-only: Kimi-Linear's bf16 prefill sweep and
-the model's own call at 8K tokens, nothing else)
+the model's own call at 8K tokens, nothing else; --grouped-mm: the model's bf16 call beside torch's grouped GEMM
+at 8K and 2K tokens, nothing else)
 """
 
 import copy as copy_module
@@ -25,7 +26,7 @@ import triton
 
 from bench.ceilings import copy_tbs, matmul_tflops
 from bench.compare import rel
-from bench.timing import gpu_ms
+from bench.timing import by_kernel, gpu_ms
 
 from k3serve.model.loader import load_model
 from k3serve.ops.moe_ref import experts_ref
@@ -176,11 +177,46 @@ def bf16_prefill(copy, mm):
         print(f"{T} tokens, prefill tiles {on}: picked (BLOCK_N, warps, stages) {tiles} (gate / up, down)")
 
 
+def grouped_mm_rows(mm, tokens=(8192, 2048), rounds: int = 3):
+    """Kimi-Linear's bf16 experts, the model's call (autotuned Triton) beside torch's grouped GEMM
+    (``bench.moe_grouped_mm``): whole calls in alternating rounds, then each call's kernels, and the
+    library's two GEMMs alone on rows sorted beforehand (what its GEMM would cost without the passes
+    around it)."""
+    from bench.moe_grouped_mm import experts_grouped_mm, grouped_mm, stacked_gate_up
+
+    kl = kimi_linear_experts()
+    w13 = stacked_gate_up(kl)
+    print("\nKimi-Linear bf16 experts, ours against torch's grouped GEMM (TFLOP/s on the routed FLOPs):\n"
+          "| tokens | call | round | ms | TFLOP/s | % matmul | rel err |\n|---|---|---|---|---|---|---|")
+    for T, z, w, ids, ref in kimi_linear_cases(kl, tokens):
+        flops = work(kl, ids)[2]
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        offs = torch.searchsorted(ids.reshape(-1)[order], torch.arange(kl.num_experts, device="cuda"),
+                                  right=True).to(torch.int32)
+        xs = z[order // ids.shape[1]]
+        a = torch.randn(xs.shape[0], kl.intermediate, device="cuda").bfloat16()
+        calls = {"ours (experts_triton)": lambda: experts_triton(z, w, ids, kl),
+                 "torch grouped_mm, whole": lambda: experts_grouped_mm(z, w, ids, kl, w13),
+                 "torch grouped_mm, the two GEMMs": lambda: (grouped_mm(xs, w13, offs), grouped_mm(a, kl.w2, offs))}
+        errs = {name: rel(fn(), ref) for name, fn in calls.items() if "two GEMMs" not in name}
+        for r in range(rounds):
+            for name, fn in calls.items():
+                ms = gpu_ms(fn, rep=60)
+                print(f"| {T} | {name} | {r} | {ms:.3f} | {flops / ms / 1e9:.0f} | {100 * flops / ms / 1e9 / mm:.0f} % | "
+                      f"{errs.get(name, float('nan')):.2e} |", flush=True)
+        for name, fn in calls.items():
+            print(f"\n{T} tokens, {name}, by kernel:\n| kernel | launches | ms a call |\n|---|---|---|")
+            for kname, n, kms in by_kernel(fn)[:8]:
+                print(f"| {kname} | {n} | {kms:.4f} |")
+
+
 def main():
     copy, mm = copy_tbs(), matmul_tflops()
     print(f"copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
     if "--bf16-prefill-only" in sys.argv:
         return bf16_prefill(copy, mm)
+    if "--grouped-mm" in sys.argv:
+        return grouped_mm_rows(mm)
     moe_triton.MMA_LAYOUT = False  # the checkpoint layout for dot_scaled / asm; "mma" gets its own copy below
     model = load_model(preset="k3-slice", device="cuda", dtype="bfloat16", seed=0)
     moe = model.model.layers[1].block_sparse_moe

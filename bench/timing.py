@@ -58,3 +58,18 @@ def gpu_ms(fn, rep: int = 100, calls: int = 10, cold: bool = True) -> float:
 
 
 gpu_ms.eager = []
+
+
+def by_kernel(fn, calls: int = 5) -> list[tuple[str, int, float]]:
+    """(kernel name, launches a call, ms a call) of ``fn`` under the profiler, most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name[:70], []).append(e.device_time_total / 1e3)
+    return sorted(((k, len(v) // calls, sum(v) / calls) for k, v in kernels.items()), key=lambda r: -r[2])

@@ -16,8 +16,11 @@ SCRIPT = textwrap.dedent('''
     from k3serve.model.loader import load_model
     from k3serve.ops.moe_ref import experts_ref
     from k3serve.ops.expert_sort import sort_by_expert
+    from k3serve.ops import moe_triton
     from k3serve.ops.moe_triton import experts_triton
     mx = "mxfp4" in sys.argv[1]
+    if len(sys.argv) > 2:  # the weighted expert rows in the activation dtype from this many assignments
+        moe_triton.ROWS_IN_ACTIVATION_DTYPE_FROM = int(sys.argv[2])
     if sys.argv[1].startswith("bundled"):  # latent 96, expert width 64: tiles of 32 along K
         from k3serve.bundled import resolve_model
         model = load_model(resolve_model("tiny-mxfp4" if mx else "tiny"), dtype="float32", device="cpu")
@@ -68,6 +71,14 @@ def test_grouped_gemm_bf16_matches_fp32_reference():
     tl.dot of two bf16 tiles (relative error ~1e10 on a 16x64 @ 64x32 product whose loads read
     back exactly), so that path is checked on the GPU by bench/kernels_moe.py."""
     err = worst_error(SCRIPT, "mxfp4-bf16")
+    assert err < 1.5e-2, err
+
+
+def test_expert_rows_in_the_activation_dtype_sum_like_fp32_rows():
+    """Prefill's weighted expert rows stored in bf16 (``ROWS_IN_ACTIVATION_DTYPE_FROM``: here from 20
+    assignments, so 5 tokens keep fp32 rows and 23 take bf16 ones) and summed in fp32 by the combine:
+    within bf16 rounding of the fp32 reference, as the fp32 rows are."""
+    err = worst_error(SCRIPT, "mxfp4-bf16", "20")
     assert err < 1.5e-2, err
 
 

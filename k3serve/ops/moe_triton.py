@@ -908,6 +908,14 @@ def mma_upcast(block_m: int, gluon_ok: bool) -> str:
     return "gluon" if gluon else "mma"
 
 
+# From this many assignments up (prefill), the down GEMM writes each weighted expert row in the
+# activation dtype, not fp32, and the combine sums them in fp32 (as vLLM's fused_moe keeps its
+# per-expert rows): at 8K kimi-linear tokens y is 604 MB of fp32 written and read back a layer.
+# kimi-linear-48b's eager prefill steps on the H200, kernel ms, three rounds: 16 x 512 125.8-126.8 ->
+# 116.9-124.1, 1 x 8,192 133.4-136.7 -> 124.4-133.1 (RESULTS.md forty-first session).
+ROWS_IN_ACTIVATION_DTYPE_FROM = 4096
+
+
 # A one-token step's joined shared experts computed by their gate / up programs before the PDL
 # wait, i.e. during the routing (``_grouped_gemm_kernel``'s STATIC_TAIL): kimi-linear batch 1 on the
 # H200, grouped GEMMs 962.9 -> 947.6 us a step, the route +6 (RESULTS.md twenty-third session).
@@ -946,7 +954,8 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     w1, s1 = stored("w1")
     w2, s2 = stored("w2")
     h = torch.empty(num_assign, experts.intermediate, dtype=experts.dtype, device=x.device)
-    y = torch.empty(num_assign, experts.out_features, dtype=torch.float32, device=x.device)
+    y_dtype = experts.dtype if num_assign >= ROWS_IN_ACTIVATION_DTYPE_FROM else torch.float32
+    y = torch.empty(num_assign, experts.out_features, dtype=y_dtype, device=x.device)
     row_scale = weights.float().flatten().contiguous()
     # a one-token step's joined shared experts (the last ids) run before its routing is known
     static = experts.num_shared if T == 1 and SHARED_BEFORE_WAIT and not block_sizes and s1 is None else 0
