@@ -74,10 +74,14 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_p
                 ("fla_prenorm", "fla", True, True), ("fla_direct", "fla", True, True)]
     if fla_backend.safe_gate(lower_bound):
         variants.append(("fla_direct_nosafe", "fla", True, True))
-    defaults = fla_backend.DIRECT_FORWARD, fla_backend.SAFE_GATE
+    # flash_kda: the prefill sequences through FlashKDA (fla_backend.FLASH_KDA) where it applies and is installed
+    if D == 128 and fla_backend.safe_gate(lower_bound) and fla_backend._flash_kda() is not None:
+        variants.append(("flash_kda", "fla", True, True))
+    defaults = fla_backend.DIRECT_FORWARD, fla_backend.SAFE_GATE, fla_backend.FLASH_KDA
     for name, backend, in_kernel, pre in variants:
-        fla_backend.DIRECT_FORWARD = name.startswith("fla_direct")
+        fla_backend.DIRECT_FORWARD = name.startswith("fla_direct") or name == "flash_kda"
         fla_backend.SAFE_GATE = name != "fla_direct_nosafe"
+        fla_backend.FLASH_KDA = name == "flash_kda"
         st = pool.clone()
         inp = [x.float() if backend == "torch" else x for x in (q, k, v)]
         if pre:
@@ -88,7 +92,7 @@ def check_kda_core(H: int, D: int, lower_bound: float | None, seed: int, fresh_p
         outs[name] = (o.float(), st)
     o_ref, s_ref = outs["torch"]
     untouched = [i for i in range(12) if i not in slots]
-    fla_backend.DIRECT_FORWARD, fla_backend.SAFE_GATE = defaults
+    fla_backend.DIRECT_FORWARD, fla_backend.SAFE_GATE, fla_backend.FLASH_KDA = defaults
     for name in [v[0] for v in variants[1:]]:
         o_fla, s_fla = outs[name]
         ROWS.append(dict(check=f"kda_core {name} vs torch ref" + (", new prompts only" if fresh_prefill else ""),

@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: flashkda, flashkdacheck, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -26,6 +26,10 @@ mkdir -p "$OUT" /tmp/gpu_work
 T0=${T0:-$(date +%s)}  # export T0 to share one budget across sections of one device call
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/fla_core-*.whl || { echo "fla-core wheel missing under .whl/"; exit 3; }
+if ls .whl/flash_kda-*.whl > /dev/null 2>&1; then  # FlashKDA, where a flashkda section built it (built there)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/flash_kda-*.whl
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 all_triton() { export K3SERVE_BACKEND=triton; }  # every Triton kernel (k3serve/ops/backend.py)
 left() { echo $(( ${1:-570} - ($(date +%s) - T0) )); }
@@ -48,6 +52,27 @@ case "$1" in
   checks1)  # whole models (bundled tiny, its MXFP4 form, kimi-linear at small widths) vs their fp32 references
     step model "$(left 580)" python3 bench/gpu_check_model.py --skip-slice --skip-kda --out /tmp/gpu_work
     tail -c 3000 "$OUT/model.log" ;;
+  flashkda)  # FlashKDA (Moonshot's fused CUTLASS chunked-KDA forward) built from .whl/flash_kda-src.tar.gz
+             # (bench/flash_kda_src.sh) with this machine's nvcc for sm_90a; the wheel (or, without pip's wheel
+             # support, the built extension) comes back under $OUT: copy it into .whl/ (ignored by git) for the
+             # later calls to carry. Forty-first session: nvcc 13.0, built in ~100 s with NVCC_THREADS=16.
+    nvcc --version | tail -2 > "$OUT/flashkda_build.log" 2>&1
+    rm -rf /tmp/fkda && mkdir -p /tmp/fkda && tar -xzf .whl/flash_kda-src.tar.gz -C /tmp/fkda
+    ( cd /tmp/fkda/flash-kda && export FLASH_KDA_CUDA_ARCHS=90a NVCC_THREADS=${NVCC_THREADS:-8} MAX_JOBS=${MAX_JOBS:-4}
+      timeout "$(left "${BUILD_UNTIL:-480}")" python3 -m pip wheel -v --no-build-isolation --no-deps -w "$OUT" . \
+        || timeout "$(left "${BUILD_UNTIL:-480}")" python3 setup.py build_ext --inplace ) >> "$OUT/flashkda_build.log" 2>&1
+    echo "build rc=$? at $(( $(date +%s) - T0 )) s"
+    ls /tmp/fkda/flash-kda/*.so 2>/dev/null && tar -czf "$OUT/flash_kda-built.tgz" -C /tmp/fkda/flash-kda flash_kda \
+      $(cd /tmp/fkda/flash-kda && ls *.so)
+    grep -i "error\|registers\|spill\|elapsed" "$OUT/flashkda_build.log" | tail -20; tail -5 "$OUT/flashkda_build.log"
+    ls -la "$OUT" ;;
+  flashkdacheck)  # FlashKDA (the wheel the flashkda section built, in .whl/) against fla at 96 heads, kda_core with
+                  # it against the torch reference, then k3-slice's eager prefill steps with it on / off
+    step kda_prefill "$(left 200)" python3 -m bench.kernels_kda_prefill --heads 96
+    step kda "$(left 400)" python3 bench/gpu_check_model.py --skip-slice --skip-tiny --skip-linear-small --kda-heads 96
+    step ab "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_ab \
+      --ab "fla:;flashkda:k3serve.ops.fla_backend.FLASH_KDA=True" --out /tmp/gpu_work
+    grep "^|" "$OUT/kda_prefill.log"; grep "kda_core" "$OUT/kda.log" | grep "^|"; grep "^|" "$OUT/ab.log" ;;
   safegate)  # fla's bounded-gate path (fla_backend.SAFE_GATE, K3's gate): its kernels against the plain path at
              # 96 heads, kda_core against the torch reference with it, then k3-slice's eager prefill steps on / off
     step kda_prefill "$(left 250)" python3 -m bench.kernels_kda_prefill --heads 96

@@ -6,7 +6,9 @@ of 512. The whole call is timed (graph-replayed, cold L2) and then profiled: eac
 its share, and the call's TFLOP/s by the chunk algorithm's matmul count (``chunk_flops``) as a
 fraction of the bf16 matmul ceiling measured in the same run. It says which of fla's stages (gate
 cumsum, intra-chunk UT transform, the sequential inter-chunk state pass, the output) a kernel of our
-own would have to beat (anchors.md: FlashKDA ~2x fla at H 96, T 8K).
+own would have to beat (anchors.md: FlashKDA ~2x fla at H 96, T 8K). With K3's bounded gate, also fla's
+``safe_gate`` path and, where the ``flash_kda`` package is installed (``bash bench/gpu_session.sh flashkda``
+builds it), FlashKDA through the adapter the model would call (``fla_backend._flash_kda_prefill``).
 
 Usage: python -m bench.kernels_kda_prefill [--layouts "1 x 8192,16 x 512"] [--heads 32,96]
 """
@@ -49,7 +51,7 @@ def main() -> None:
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from k3serve.ops.fla_backend import safe_gate
+    from k3serve.ops.fla_backend import _flash_kda, _flash_kda_prefill, safe_gate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="1 x 8192,16 x 512")
@@ -67,18 +69,23 @@ def main() -> None:
                 lb = None if H == 32 else -5.0  # kimi-linear's gate, K3's
                 kw = inputs(prompts, length, H, lb, g)
                 kw["chunk_indices"] = prepare_chunk_indices(kw["cu_seqlens"], CHUNK, kw["cu_seqlens_cpu"])
+                calls = {"fla": lambda: chunk_kda_fwd(**kw, safe_gate=False)[0]}
+                if safe_gate(lb):  # K3's bounded gate: fla's safe_gate path, and FlashKDA where installed
+                    calls["fla safe_gate"] = lambda: chunk_kda_fwd(**kw, safe_gate=True)[0]
+                    if _flash_kda() is not None:
+                        fk = (kw["q"][0], kw["k"][0], kw["v"][0], kw["g"][0], kw["beta"][0], kw["scale"], None,
+                              (kw["A_log"], kw["dt_bias"], lb), kw["cu_seqlens"])
+                        calls["FlashKDA (served adapter)"] = lambda: _flash_kda_prefill(*fk)[0]
                 ref = None
-                for safe in (False, True) if safe_gate(lb) else (False,):  # the served call is the last
-                    fn = lambda: chunk_kda_fwd(**kw, safe_gate=safe)  # noqa: E731
-                    o = fn()[0].float()
-                    err = "" if ref is None else f", rel err vs the plain path {rel(o, ref):.1e}"
+                for label, fn in calls.items():
+                    o = fn().float().reshape(-1)
+                    err = "" if ref is None else f", rel err vs fla {rel(o, ref):.1e}"
                     ref = o if ref is None else ref
                     ms = gpu_ms(fn)
                     tf = chunk_flops(prompts * length, H) / (ms / 1e3) / 1e12
                     rows = by_kernel(fn)
                     total = sum(r[2] for r in rows)
-                    head = (f"| {H}{' safe_gate' if safe else ''} | {layout.strip()}{err} | {ms:.3f} | "
-                            f"{tf:.0f} ({100 * tf / mm:.0f} %) ")
+                    head = f"| {H} {label} | {layout.strip()}{err} | {ms:.3f} | {tf:.0f} ({100 * tf / mm:.0f} %) "
                     for i, (name, n, kms) in enumerate(rows):
                         print((head if i == 0 else "| | | | ") + f"| {name} | {n} | {kms:.4f} | {100 * kms / total:.0f} % |")
 

@@ -145,3 +145,76 @@ def test_fla_bounded_gate_path_only_for_gates_in_its_safe_range():
         assert not fla_backend.safe_gate(-5.0)
     finally:
         fla_backend.SAFE_GATE = saved
+
+
+def _flash_kda_contract(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
+                        final_state=None, cu_seqlens=None):
+    """FlashKDA's documented ``flash_kda.fwd`` contract (its README) in plain torch: bf16 [1, T, H, 128]
+    inputs, g the gate's pre-activation, beta bf16 logits, A_log [H] and dt_bias [H, K] fp32, states
+    V-first [N, H, V, K], q and k L2-normalised inside, the bounded gate lower_bound * sigmoid(...)."""
+    from k3serve.ops.kda_ref import kda_gate, kda_recurrent_ref, l2norm
+
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (q, k, v, g, beta, out))
+    assert q.shape[0] == 1 and q.shape[-1] == 128 and beta.shape == q.shape[:3]
+    assert A_log.dtype == dt_bias.dtype == torch.float32 and dt_bias.shape == (q.shape[2], 128)
+    assert cu_seqlens.dtype == torch.int64 and final_state.dtype == torch.float32
+    for n in range(cu_seqlens.numel() - 1):
+        a, b = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        s0 = None if initial_state is None else initial_state[n].transpose(-1, -2)[None]
+        decay = kda_gate(g[0, a:b], A_log, dt_bias.reshape(-1), lower_bound)
+        o, s = kda_recurrent_ref(l2norm(q[0, a:b].float())[None], l2norm(k[0, a:b].float())[None],
+                                 v[0, a:b][None], decay[None], torch.sigmoid(beta[0, a:b].float())[None], scale, s0)
+        out[0, a:b] = o[0].bfloat16()
+        final_state[n] = s[0].transpose(-1, -2)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_flash_kda_adapter_keeps_the_pool_layout_and_post_sigmoid_beta(monkeypatch, with_state):
+    """fla_backend._flash_kda_prefill turns our call (K-first fp32 pool states, beta after its sigmoid,
+    dt_bias [H*K]) into FlashKDA's (V-first states, bf16 beta logits, dt_bias [H, K]) and back: through
+    a torch stand-in of FlashKDA's documented contract, its output and final states equal the
+    reference recurrence run on our own layout (states transposed, beta not, would fail)."""
+    from types import SimpleNamespace
+
+    from k3serve.ops import fla_backend
+    from k3serve.ops.kda_ref import kda_gate, kda_recurrent_ref, l2norm
+
+    monkeypatch.setattr(fla_backend, "_flash_kda", lambda: SimpleNamespace(fwd=_flash_kda_contract))
+    gen = torch.Generator().manual_seed(3)
+    H, D, lens = 2, 128, [5, 11]
+    T = sum(lens)
+    q, k, v = (torch.randn(T, H, D, generator=gen).bfloat16() for _ in range(3))
+    f = torch.randn(T, H, D, generator=gen).bfloat16()
+    beta = torch.sigmoid(torch.randn(T, H, generator=gen).bfloat16().float())
+    beta[0, 0] = 1.0  # a saturated sigmoid: its logit is inf
+    gate = (torch.rand(H, generator=gen), torch.randn(H * D, generator=gen) * 0.1, -5.0)
+    init = torch.randn(len(lens), H, D, D, generator=gen) * 0.1 if with_state else None
+    cu = torch.tensor([0, lens[0], T])
+    o, ht = fla_backend._flash_kda_prefill(q, k, v, f, beta, D ** -0.5, init, gate, cu)
+    assert o.shape == (T, H, D) and ht.shape == (len(lens), H, D, D) and ht.dtype == torch.float32
+    for n, (a, b) in enumerate(((0, lens[0]), (lens[0], T))):
+        s0 = None if init is None else init[n][None]
+        ref_o, ref_s = kda_recurrent_ref(l2norm(q[a:b].float())[None], l2norm(k[a:b].float())[None], v[a:b][None],
+                                         kda_gate(f[a:b], *gate)[None], beta[a:b][None], D ** -0.5, s0)
+        assert ((o[a:b].float() - ref_o[0]).norm() / ref_o.norm()).item() < 1e-2
+        assert ((ht[n] - ref_s[0]).norm() / ref_s.norm()).item() < 1e-2
+
+
+def test_flash_kda_only_for_bounded_gates_of_128_wide_heads_in_eager_steps(monkeypatch):
+    from types import SimpleNamespace
+
+    from k3serve.ops import fla_backend
+
+    monkeypatch.setattr(fla_backend, "_flash_kda", lambda: SimpleNamespace(fwd=None))
+    bounded, unbounded = (None, None, -5.0), (None, None, None)
+    monkeypatch.setattr(fla_backend, "FLASH_KDA", True)
+    assert fla_backend.flash_kda_applies(bounded, 128, static_shapes=False)
+    assert not fla_backend.flash_kda_applies(unbounded, 128, False)  # Kimi-Linear's gate
+    assert not fla_backend.flash_kda_applies(None, 128, False)  # the decay passed in, not computed
+    assert not fla_backend.flash_kda_applies(bounded, 64, False)
+    assert not fla_backend.flash_kda_applies(bounded, 128, static_shapes=True)
+    monkeypatch.setattr(fla_backend, "_flash_kda", lambda: None)  # not installed
+    assert not fla_backend.flash_kda_applies(bounded, 128, False)
+    monkeypatch.setattr(fla_backend, "_flash_kda", lambda: SimpleNamespace(fwd=None))
+    monkeypatch.setattr(fla_backend, "FLASH_KDA", False)
+    assert not fla_backend.flash_kda_applies(bounded, 128, False)

@@ -108,6 +108,49 @@ def _chunk_kda(q, k, v, g, beta, scale: float, initial_state, batch: ForwardBatc
     return o.type_as(q), ht
 
 
+# FlashKDA (Moonshot AI's fused CUTLASS forward, package ``flash_kda``: two kernels, chunks of 16, the
+# running state in bf16 on chip) for the prefill sequences of eager steps where it applies: K3's
+# bounded gate (it computes lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) only), D = 128. Off
+# until timed against fla on the H200 (``bench.kernels_kda_prefill``; published: ~2x fla's chunk_kda
+# at 96 heads, 8K tokens) and checked against the torch reference (``gpu_check_model.py``).
+FLASH_KDA = False
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_kda():
+    try:
+        import flash_kda
+    except Exception:  # (not installed, or built for another torch / CUDA)
+        return None
+    return flash_kda
+
+
+def flash_kda_applies(gate: tuple | None, head_dim: int, static_shapes: bool) -> bool:
+    """Whether a prefill's KDA core goes through FlashKDA: switched on, a bounded gate in its range,
+    128-wide heads, an eager step (graph steps pad their sequence offsets with empty sequences, which
+    FlashKDA has not been checked on), and the package importable."""
+    return (FLASH_KDA and gate is not None and safe_gate(gate[2]) and head_dim == 128 and not static_shapes
+            and _flash_kda() is not None)
+
+
+def _flash_kda_prefill(q, k, v, f, beta, scale: float, initial_state, gate: tuple, cu_seqlens: torch.Tensor):
+    """FlashKDA on a flat varlen batch ([T, H, D] inputs; f the gate's pre-activation): (o [T, H, D]
+    bf16, final states [N, H, K, V] fp32). It normalises q and k itself (idempotent on normalised
+    ones), takes beta as bf16 logits (from the sigmoid's output: exact enough, as the logits came from
+    a bf16 projection, and 1.0 maps to inf, whose sigmoid is 1 again) and keeps states V-first."""
+    T, H, D = q.shape
+    N = cu_seqlens.numel() - 1
+    A_log, dt_bias, lower_bound = gate
+    out = torch.empty(1, T, H, D, dtype=torch.bfloat16, device=q.device)
+    final = torch.empty(N, H, D, D, dtype=torch.float32, device=q.device)
+    init = initial_state.transpose(-1, -2).contiguous() if initial_state is not None else None
+    bf16 = lambda x: x.to(torch.bfloat16).contiguous()[None]  # noqa: E731
+    _flash_kda().fwd(bf16(q), bf16(k), bf16(v), bf16(f), bf16(torch.logit(beta.float())), scale, out,
+                     A_log.float().contiguous(), dt_bias.float().reshape(H, D).contiguous(), float(lower_bound),
+                     initial_state=init, final_state=final, cu_seqlens=cu_seqlens.long())
+    return out[0], final.transpose(-1, -2)
+
+
 def safe_gate(lower_bound: float | None) -> bool:
     """Whether fla may take its bounded-gate path: only for a gate computed in its kernel with a
     lower bound in fla's safe range (outside it fla raises; without one the gate is unbounded)."""
@@ -149,10 +192,16 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         init = None if fresh else state[slots]
         if init is not None and batch.static_shapes:  # (no host zeroing there: new prompts' rows zeroed here)
             init = torch.where(batch.has_context[nd:, None, None, None] > 0, init, 0.0)
-        o, ht = _chunk_kda(q[None, s:], k[None, s:], v[None, s:], g[None, s:] if gate is not None else g[None, s:].float(),
-                           beta[None, s:].float(), scale, init, batch, qk_normalized, **in_kernel)
+        if flash_kda_applies(gate, K, batch.static_shapes):
+            o, ht = _flash_kda_prefill(q[s:], k[s:], v[s:], g[s:], beta[s:], scale, init, gate,
+                                       batch.prefill_cu_seqlens[0])
+            o = o[None]
+        else:
+            o, ht = _chunk_kda(q[None, s:], k[None, s:], v[None, s:],
+                               g[None, s:] if gate is not None else g[None, s:].float(), beta[None, s:].float(),
+                               scale, init, batch, qk_normalized, **in_kernel)
         state[slots] = ht
-        if nd == 0 and o.dtype == out.dtype:  # a prefill-only step: fla's output is the whole output
+        if nd == 0 and o.dtype == out.dtype:  # a prefill-only step: the kernel's output is the whole output
             return o[0]
         out[s:] = o[0]
     return out
