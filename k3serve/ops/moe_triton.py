@@ -1030,7 +1030,8 @@ COMBINE_NORM_WARPS: int | None = None
 
 def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | None = None,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Per token: the sum of its ``top_k`` weighted expert rows of y [T * top_k, D] (fp32), then
+    """Per token: the sum (in fp32) of its ``top_k`` weighted expert rows of y [T * top_k, D] (fp32, or
+    the activation dtype at prefill sizes: ``ROWS_IN_ACTIVATION_DTYPE_FROM``), then
     ``norm`` (an RMSNorm module: K3's latent norm) and / or ``+ add`` (the shared experts' output),
     rounded once to ``out_dtype`` (None: fp32). One launch instead of torch's sum, norm, cast and
     add (4-8 launches a MoE layer)."""
