@@ -328,17 +328,19 @@ def test_mxfp4_dot_scaled_matches_exact_dequantisation(seed):
 
 
 COMBINE_SCRIPT = textwrap.dedent('''
-    import os, sys, torch
+    import itertools, os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
     from k3serve.model.layers import RMSNorm
     from k3serve.ops.moe_triton import combine_experts
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
-    for T, top_k, D, use_norm, use_add, dtype in [(5, 2, 48, False, False, None), (3, 4, 100, True, False, torch.float32),
-                                                  (4, 8, 64, False, True, torch.float32), (2, 3, 96, True, True, torch.bfloat16),
-                                                  (2, 2, 1100, False, True, torch.float32), (2, 2, 1100, True, False, None),
-                                                  (3, 16, 3584, True, True, torch.bfloat16)]:  # K3's latent: 14 blocks a row
-        y = torch.randn(T * top_k, D, generator=gen)
+    cases = [(5, 2, 48, False, False, None), (3, 4, 100, True, False, torch.float32),
+             (4, 8, 64, False, True, torch.float32), (2, 3, 96, True, True, torch.bfloat16),
+             (2, 2, 1100, False, True, torch.float32), (2, 2, 1100, True, False, None),
+             (3, 16, 3584, True, True, torch.bfloat16)]  # K3's latent: 14 blocks a row
+    # the rows in fp32, and in bf16 as prefill's down GEMM writes them (ROWS_IN_ACTIVATION_DTYPE_FROM)
+    for (T, top_k, D, use_norm, use_add, dtype), y_dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
+        y = torch.randn(T * top_k, D, generator=gen).to(y_dtype)
         norm = None
         if use_norm:
             norm = RMSNorm(D, 1e-6, torch.float32)
@@ -346,7 +348,7 @@ COMBINE_SCRIPT = textwrap.dedent('''
         wide = torch.randn(T, D + 4, generator=gen).to(dtype or torch.float32)
         add = wide[:, 1:1 + D] if use_add else None  # strided rows
         out = combine_experts(y, top_k, norm, add, dtype)
-        exact = y.view(T, top_k, D).sum(1)
+        exact = y.float().view(T, top_k, D).sum(1)
         if norm is not None:
             exact = norm(exact, out_dtype=torch.float32)
         if add is not None:
@@ -360,8 +362,8 @@ COMBINE_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_combine_sums_norms_adds_and_casts_once(seed):
-    """The top-k sum of the weighted expert rows, K3's latent norm, the shared experts' add and the
-    cast in one kernel, against the same steps in torch (fp32)."""
+    """The top-k sum of the weighted expert rows (fp32, or bf16 as prefill writes them), K3's latent
+    norm, the shared experts' add and the cast in one kernel, against the same steps in torch (fp32)."""
     assert worst_error(COMBINE_SCRIPT, str(seed)) < 1.0
 
 
