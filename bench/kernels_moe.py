@@ -182,7 +182,7 @@ def grouped_mm_rows(mm, tokens=(8192, 2048), rounds: int = 3):
     (``bench.moe_grouped_mm``): whole calls in alternating rounds, then each call's kernels, and the
     library's two GEMMs alone on rows sorted beforehand (what its GEMM would cost without the passes
     around it)."""
-    from bench.moe_grouped_mm import experts_grouped_mm, grouped_mm, stacked_gate_up
+    from bench.moe_grouped_mm import expert_order, experts_grouped_mm, grouped_mm, stacked_gate_up
 
     kl = kimi_linear_experts()
     w13 = stacked_gate_up(kl)
@@ -190,9 +190,7 @@ def grouped_mm_rows(mm, tokens=(8192, 2048), rounds: int = 3):
           "| tokens | call | round | ms | TFLOP/s | % matmul | rel err |\n|---|---|---|---|---|---|---|")
     for T, z, w, ids, ref in kimi_linear_cases(kl, tokens):
         flops = work(kl, ids)[2]
-        order = torch.argsort(ids.reshape(-1), stable=True)
-        offs = torch.searchsorted(ids.reshape(-1)[order], torch.arange(kl.num_experts, device="cuda"),
-                                  right=True).to(torch.int32)
+        order, offs = expert_order(ids, kl.num_experts)
         xs = z[order // ids.shape[1]]
         a = torch.randn(xs.shape[0], kl.intermediate, device="cuda").bfloat16()
         calls = {"ours (experts_triton)": lambda: experts_triton(z, w, ids, kl),

@@ -23,6 +23,15 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return fn(a, b.transpose(-2, -1), offs=offs)
 
 
+def expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(assignments in expert order, int32 end offset of each expert's rows among them), with no
+    host sync (``bincount`` would sync)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts = torch.arange(num_experts, device=ids.device, dtype=flat.dtype)
+    return order, torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+
+
 def stacked_gate_up(experts) -> torch.Tensor:
     return torch.cat([experts.stack("w1")[0], experts.stack("w3")[0]], dim=1).contiguous()
 
@@ -34,10 +43,7 @@ def experts_grouped_mm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         raise ValueError("torch's grouped GEMM takes bf16 experts only")
     T, top_k = ids.shape
     E = experts.num_experts + experts.num_shared
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # assignments in expert order
-    experts_ids = torch.arange(E, device=ids.device, dtype=flat.dtype)
-    offs = torch.searchsorted(flat[order], experts_ids, right=True).to(torch.int32)  # (bincount would sync)
+    order, offs = expert_order(ids, E)
     token = order // top_k
     w13 = stacked_gate_up(experts) if gate_up is None else gate_up
     h = grouped_mm(x.to(w13.dtype)[token], w13, offs)  # [T * top_k, 2I]
