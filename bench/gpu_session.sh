@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: flashkda, flashkdacheck, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: flashkda, flashkdacheck, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -71,8 +71,16 @@ case "$1" in
     step kda_prefill "$(left 200)" python3 -m bench.kernels_kda_prefill --heads 96
     step kda "$(left 400)" python3 bench/gpu_check_model.py --skip-slice --skip-tiny --skip-linear-small --kda-heads 96
     step ab "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_ab \
-      --ab "fla:;flashkda:k3serve.ops.fla_backend.FLASH_KDA=True" --out /tmp/gpu_work
+      --ab "fla:k3serve.ops.fla_backend.FLASH_KDA=False;flashkda:" --out /tmp/gpu_work
     grep "^|" "$OUT/kda_prefill.log"; grep "kda_core" "$OUT/kda.log" | grep "^|"; grep "^|" "$OUT/ab.log" ;;
+  flashkdagraphs)  # k3-slice's prefill graphs (new prompts, then prompts on cached context) with FlashKDA (default):
+                   # replay vs static eager vs flat eager and timed; then the same with fla (FLASH_KDA off)
+    all_triton
+    step pg "$(left 330)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_graphs,prefill_graphs_context \
+      --iters 10 --out /tmp/gpu_work
+    step pg_fla "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_graphs,prefill_graphs_context \
+      --iters 10 --set k3serve.ops.fla_backend.FLASH_KDA=False --out /tmp/gpu_work/fla
+    grep -A14 "^| prompts" "$OUT/pg.log" "$OUT/pg_fla.log"; grep -i "error\|Traceback" "$OUT/pg.log" | head -5 ;;
   safegate)  # fla's bounded-gate path (fla_backend.SAFE_GATE, K3's gate): its kernels against the plain path at
              # 96 heads, kda_core against the torch reference with it, then k3-slice's eager prefill steps on / off
     step kda_prefill "$(left 250)" python3 -m bench.kernels_kda_prefill --heads 96

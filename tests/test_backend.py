@@ -200,7 +200,7 @@ def test_flash_kda_adapter_keeps_the_pool_layout_and_post_sigmoid_beta(monkeypat
         assert ((ht[n] - ref_s[0]).norm() / ref_s.norm()).item() < 1e-2
 
 
-def test_flash_kda_only_for_bounded_gates_of_128_wide_heads_in_eager_steps(monkeypatch):
+def test_flash_kda_only_for_bounded_gates_of_128_wide_heads(monkeypatch):
     from types import SimpleNamespace
 
     from k3serve.ops import fla_backend
@@ -208,13 +208,12 @@ def test_flash_kda_only_for_bounded_gates_of_128_wide_heads_in_eager_steps(monke
     monkeypatch.setattr(fla_backend, "_flash_kda", lambda: SimpleNamespace(fwd=None))
     bounded, unbounded = (None, None, -5.0), (None, None, None)
     monkeypatch.setattr(fla_backend, "FLASH_KDA", True)
-    assert fla_backend.flash_kda_applies(bounded, 128, static_shapes=False)
-    assert not fla_backend.flash_kda_applies(unbounded, 128, False)  # Kimi-Linear's gate
-    assert not fla_backend.flash_kda_applies(None, 128, False)  # the decay passed in, not computed
-    assert not fla_backend.flash_kda_applies(bounded, 64, False)
-    assert not fla_backend.flash_kda_applies(bounded, 128, static_shapes=True)
+    assert fla_backend.flash_kda_applies(bounded, 128)
+    assert not fla_backend.flash_kda_applies(unbounded, 128)  # Kimi-Linear's gate
+    assert not fla_backend.flash_kda_applies(None, 128)  # the decay passed in, not computed
+    assert not fla_backend.flash_kda_applies(bounded, 64)
     monkeypatch.setattr(fla_backend, "_flash_kda", lambda: None)  # not installed
-    assert not fla_backend.flash_kda_applies(bounded, 128, False)
+    assert not fla_backend.flash_kda_applies(bounded, 128)
     monkeypatch.setattr(fla_backend, "_flash_kda", lambda: SimpleNamespace(fwd=None))
     monkeypatch.setattr(fla_backend, "FLASH_KDA", False)
-    assert not fla_backend.flash_kda_applies(bounded, 128, False)
+    assert not fla_backend.flash_kda_applies(bounded, 128)

@@ -110,10 +110,14 @@ def _chunk_kda(q, k, v, g, beta, scale: float, initial_state, batch: ForwardBatc
 
 # FlashKDA (Moonshot AI's fused CUTLASS forward, package ``flash_kda``: two kernels, chunks of 16, the
 # running state in bf16 on chip) for the prefill sequences of eager steps where it applies: K3's
-# bounded gate (it computes lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) only), D = 128. Off
-# until timed against fla on the H200 (``bench.kernels_kda_prefill``; published: ~2x fla's chunk_kda
-# at 96 heads, 8K tokens) and checked against the torch reference (``gpu_check_model.py``).
-FLASH_KDA = False
+# bounded gate (it computes lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) only), D = 128, in
+# eager and captured steps alike (no host sync; its grid is sized from the token count, the tiles
+# from the device offsets). H200, 96 heads (``bench.kernels_kda_prefill``, RESULTS.md forty-second
+# session): 0.124 vs fla safe_gate's 0.194 ms at 1 x 512, 1.43 vs 2.44 at 1 x 8192, 5.56 vs 9.60 at
+# 1 x 32768, 1.32 vs 2.57 at 64 x 128; against the fp32 torch reference (``gpu_check_model.py``) out /
+# state rel err 5.9e-3 / 3.5e-3 (fla 4.2e-3 / 2.2e-3: FlashKDA carries the state in bf16 on chip).
+# Only where the package is installed (``bash bench/gpu_session.sh flashkda`` builds it); else fla.
+FLASH_KDA = True
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,12 +129,10 @@ def _flash_kda():
     return flash_kda
 
 
-def flash_kda_applies(gate: tuple | None, head_dim: int, static_shapes: bool) -> bool:
+def flash_kda_applies(gate: tuple | None, head_dim: int) -> bool:
     """Whether a prefill's KDA core goes through FlashKDA: switched on, a bounded gate in its range,
-    128-wide heads, an eager step (graph steps pad their sequence offsets with empty sequences, which
-    FlashKDA has not been checked on), and the package importable."""
-    return (FLASH_KDA and gate is not None and safe_gate(gate[2]) and head_dim == 128 and not static_shapes
-            and _flash_kda() is not None)
+    128-wide heads, and the package importable."""
+    return FLASH_KDA and gate is not None and safe_gate(gate[2]) and head_dim == 128 and _flash_kda() is not None
 
 
 def _flash_kda_prefill(q, k, v, f, beta, scale: float, initial_state, gate: tuple, cu_seqlens: torch.Tensor):
@@ -192,7 +194,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         init = None if fresh else state[slots]
         if init is not None and batch.static_shapes:  # (no host zeroing there: new prompts' rows zeroed here)
             init = torch.where(batch.has_context[nd:, None, None, None] > 0, init, 0.0)
-        if flash_kda_applies(gate, K, batch.static_shapes):
+        if flash_kda_applies(gate, K):
             o, ht = _flash_kda_prefill(q[s:], k[s:], v[s:], g[s:], beta[s:], scale, init, gate,
                                        batch.prefill_cu_seqlens[0])
             o = o[None]
