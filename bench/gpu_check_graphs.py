@@ -416,10 +416,13 @@ def op_sources(model, rng, batch: int, new_tokens: int, pool_bytes: int, top: in
     return rows[:top]
 
 
-def prefill_ab(model, rng, variants: str, pool_bytes: int, rounds: int = 2) -> list[dict]:
+def prefill_ab(model, seed: int, variants: str, pool_bytes: int, rounds: int = 2) -> list[dict]:
     """Eager prefill steps (1 x 512, 16 x 512 and 1 x 8,192 tokens) under variants of module
     constants (as ``ab_timing``'s ``variants``), in alternating rounds: kernels launched, kernel
-    time and the step's wall time (host-bound steps show their launches' host cost there)."""
+    time and the step's wall time (host-bound steps show their launches' host cost there). Every
+    variant and round gets the same prompts of a shape (from ``seed``): a MoE's time follows its
+    routing, which the prompts decide (until the forty-second session each run drew new prompts, so a
+    variant's difference mixed with its prompts': RESULTS.md, that session's 1 x 512 step)."""
     from bench.overrides import restore, set_constants
 
     rows = []
@@ -428,7 +431,7 @@ def prefill_ab(model, rng, variants: str, pool_bytes: int, rounds: int = 2) -> l
             name, _, assigns = spec.partition(":")
             saved = set_constants(assigns)
             for b, n in ((1, 512), (16, 512), (1, 8192)):
-                prof = kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
+                prof = kernel_profile(model, random.Random(seed + n * b), b, 0, pool_bytes, new_tokens=n)
                 rows.append({"variant": name.strip(), "round": r, "tokens": f"{b} x {n}", "kernels": prof["kernels"],
                              "kernel_ms": prof["kernel_ms"], "wall_ms": prof["wall_ms"]})
                 print(rows[-1], flush=True)
@@ -626,7 +629,7 @@ def main() -> None:
             for r in tl_["run"]:
                 print(f"| {r['index']} | {r['kernel']} | {r['start_us']} | {r['own_us']} | {r['charged_us']} |")
     if "prefill_ab" in parts:
-        res["prefill_ab"] = prefill_ab(model, rng, args.ab, pool_bytes, max(args.ab_rounds, 2))
+        res["prefill_ab"] = prefill_ab(model, 0, args.ab, pool_bytes, max(args.ab_rounds, 2))
         print("\n| variant | round | tokens | kernels | kernel ms | step wall ms |\n|---|---|---|---|---|---|")
         for r in res["prefill_ab"]:
             print(f"| {r['variant']} | {r['round']} | {r['tokens']} | {r['kernels']} | {r['kernel_ms']} | {r['wall_ms']} |")
