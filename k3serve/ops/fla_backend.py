@@ -109,7 +109,7 @@ def _chunk_kda(q, k, v, g, beta, scale: float, initial_state, batch: ForwardBatc
 
 
 # FlashKDA (Moonshot AI's fused CUTLASS forward, package ``flash_kda``: two kernels, chunks of 16, the
-# running state in bf16 on chip) for the prefill sequences of eager steps where it applies: K3's
+# running state in bf16 on chip) for a step's prefill sequences where it applies: K3's
 # bounded gate (it computes lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) only), D = 128, in
 # eager and captured steps alike (no host sync; its grid is sized from the token count, the tiles
 # from the device offsets). H200, 96 heads (``bench.kernels_kda_prefill``, RESULTS.md forty-second
