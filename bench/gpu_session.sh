@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: flashkda, flashkdacheck, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -73,6 +73,12 @@ case "$1" in
     step ab "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts prefill_ab \
       --ab "fla:k3serve.ops.fla_backend.FLASH_KDA=False;flashkda:" --out /tmp/gpu_work
     grep "^|" "$OUT/kda_prefill.log"; grep "kda_core" "$OUT/kda.log" | grep "^|"; grep "^|" "$OUT/ab.log" ;;
+  variantprobe)  # two variants of module constants on one eager prefill step, the same prompt (PROBE_A / PROBE_B,
+                 # default fla against FlashKDA on k3-slice): each KDA layer on the other's inputs, each MoE's
+                 # routing and its time on either variant's hidden states, the step alternating
+    step probe "$(left 580)" python3 bench/variant_step_probe.py --preset "${PROBE_PRESET:-k3-slice}" \
+      --tokens "${PROBE_TOKENS:-512,8192}" --a "${PROBE_A:-fla:k3serve.ops.fla_backend.FLASH_KDA=False}" --b "${PROBE_B:-flashkda:}"
+    grep -v "^{" "$OUT/probe.log" | tail -60 ;;
   flashkdagraphs)  # k3-slice's prefill graphs (new prompts, then prompts on cached context) with FlashKDA (default):
                    # replay vs static eager vs flat eager and timed; then the same with fla (FLASH_KDA off)
     all_triton
