@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: table, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -129,6 +129,10 @@ case "$1" in
     step attnres_trace "$(left 420)" python3 bench/attn_res_trace.py 9 1
     step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work
     tail -3 "$OUT/attnres_check.log"; grep "^|" "$OUT/attnres.log"; tail -8 "$OUT/attnres_trace.log"; grep "kernels, \|_attn_res_kernel" "$OUT/profile_slice.log" ;;
+  table)  # python -m bench.kernels --no-sweep: every kernel script's checks and tables, then the one table
+           # (cut by the bound, it prints the scripts that finished)
+    step kernels "$(left 575)" python3 -m bench.kernels --no-sweep
+    sed -n '/^## one table/,$p' "$OUT/kernels.log"; grep "failed\|cut short" "$OUT/kernels.log" | head ;;
   kernels)  # then where a K3 decode step's time goes, by kernel family (AttnRes share: target < 2 %)
     step kernels 450 python3 -m bench.kernels
     step profile_slice "$(left 580)" python3 bench/gpu_check_graphs.py --preset k3-slice --parts profile --out /tmp/gpu_work

@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench.ceilings import copy_tbs
+from bench.summary import Row
 from bench.timing import gpu_ms
 
 from k3serve.ops.kda_decode_triton import kda_decode, kda_decode_fused
@@ -160,11 +161,16 @@ def state_probes(ceil: float) -> None:
                 print(f"| {N} | {pattern} | {bv} | {nw} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |", flush=True)
 
 
-def main():
+def main() -> list[Row]:
+    """The tables above; returns the core step and the fused mixer at N 1 / 64 / 256 (state bytes,
+    fla's fused recurrent kernel beside them) for ``bench.kernels``' one table."""
     ceil = copy_tbs()
     print(f"copy ceiling {ceil:.2f} TB/s")
+    errs = []
     for shape in ((4, 2, 32, -5.0), (64, 96, 128, -5.0), (3, 32, 128, None)):
-        print("check", shape, "rel err out/state: %.2e / %.2e" % check(*shape))
+        errs.append(check(*shape))
+        print("check", shape, "rel err out/state: %.2e / %.2e" % errs[-1])
+    checked = "out / state rel err <= %.1e / %.1e (3 shapes)" % tuple(max(e[i] for e in errs) for i in (0, 1))
     print("| N | H | D | ours ms | ours TB/s | % copy | fused mixer ms | % copy | all its bytes, % copy | fla ms "
           "| fla TB/s | % copy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -178,13 +184,22 @@ def main():
               f"{r['fused_ms']:.3f} | {100 * tb(r['fused_ms']) / ceil:.0f} % | "
               f"{100 * (r['bytes'] + r['mixer_bytes']) / (r['fused_ms'] * 1e-3) / 1e12 / ceil:.0f} % | {fla} |")
         rows.append((N, r))
+    fused_err = fused_check(64, 96, 128, -5.0)
+    summary = []
+    for N, r in rows:
+        fla = ("fla fused_recurrent_kda", r["fla_ms"]) if "fla_ms" in r else ("", float("nan"))
+        summary += [Row("KDA decode core step (Triton)", f"N {N}, H 96, D 128, state bytes", r["ours_ms"], r["bytes"],
+                        "copy", *fla, checked),
+                    Row("KDA fused decode mixer (Triton)", f"N {N}, H 96, D 128, state bytes", r["fused_ms"],
+                        r["bytes"], "copy", *fla, f"variants vs default {fused_err:.1e}")]
     print("\nfused mixer variants (value block, warps, programs a head), variants vs default rel err "
-          f"{fused_check(64, 96, 128, -5.0):.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
+          f"{fused_err:.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
     for N, r in rows:
         for var, ms in r["fused_variants"].items():
             tbs = r["bytes"] / (ms * 1e-3) / 1e12
             print(f"| {N} | {var} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |")
     state_probes(ceil)
+    return summary
 
 
 if __name__ == "__main__":

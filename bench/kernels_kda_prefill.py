@@ -21,6 +21,7 @@ import torch
 
 from bench.ceilings import matmul_tflops
 from bench.compare import rel
+from bench.summary import Row
 from bench.timing import by_kernel, gpu_ms
 
 D, CHUNK = 128, 64
@@ -47,7 +48,9 @@ def inputs(prompts: int, length: int, H: int, lower_bound: float | None, g: torc
                 dt_bias=torch.randn(H * D, device=dev, generator=g) * 0.5, lower_bound=lower_bound)
 
 
-def main() -> None:
+def main() -> list[Row]:
+    """The table above; returns, a layout each, the chunked forward the model serves (FlashKDA where
+    it applies and is installed, else fla's) with fla's plain chunk_kda beside it, for ``bench.kernels``."""
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
     from fla.ops.utils.index import prepare_chunk_indices
 
@@ -56,12 +59,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="1 x 8192,16 x 512")
     ap.add_argument("--heads", default="32,96")
-    args = ap.parse_args()
+    args = ap.parse_known_args()[0]  # (bench.kernels' own arguments pass through)
     mm = matmul_tflops()
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: bf16 matmul {mm:.0f} TFLOP/s\n", flush=True)
     print("| heads | layout | call ms | TFLOP/s (% matmul) | kernel | launches | ms a call | share |\n"
           "|---|---|---|---|---|---|---|---|")
+    summary = []
     with torch.inference_mode():
         for H in (int(h) for h in args.heads.split(",")):
             for layout in args.layouts.split(","):
@@ -76,18 +80,25 @@ def main() -> None:
                         fk = (kw["q"][0], kw["k"][0], kw["v"][0], kw["g"][0], kw["beta"][0], kw["scale"], None,
                               (kw["A_log"], kw["dt_bias"], lb), kw["cu_seqlens"])
                         calls["FlashKDA (served adapter)"] = lambda: _flash_kda_prefill(*fk)[0]
-                ref = None
+                ref, times, errs = None, {}, {}
                 for label, fn in calls.items():
                     o = fn().float().reshape(-1)
-                    err = "" if ref is None else f", rel err vs fla {rel(o, ref):.1e}"
+                    errs[label] = f"rel err vs fla {rel(o, ref):.1e}" if ref is not None else ""
+                    err = f", {errs[label]}" if ref is not None else ""
                     ref = o if ref is None else ref
-                    ms = gpu_ms(fn)
+                    ms = times[label] = gpu_ms(fn)
                     tf = chunk_flops(prompts * length, H) / (ms / 1e3) / 1e12
                     rows = by_kernel(fn)
                     total = sum(r[2] for r in rows)
                     head = f"| {H} {label} | {layout.strip()}{err} | {ms:.3f} | {tf:.0f} ({100 * tf / mm:.0f} %) "
                     for i, (name, n, kms) in enumerate(rows):
                         print((head if i == 0 else "| | | | ") + f"| {name} | {n} | {kms:.4f} | {100 * kms / total:.0f} % |")
+                served = list(calls)[-1]  # (the model's order of preference: FlashKDA, safe_gate, plain)
+                summary.append(Row(f"KDA chunked prefill, {served}", f"{layout.strip()}, H {H}, D 128",
+                                   times[served], chunk_flops(prompts * length, H), "matmul",
+                                   *(("fla chunk_kda", times["fla"]) if served != "fla" else ("", float("nan"))),
+                                   errs[served] or "fla's (kda_core vs torch: gpu_check_model.py)"))
+    return summary
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import triton
 import sys
 
 from bench.ceilings import copy_tbs, matmul_tflops
+from bench.summary import Row
 from bench.timing import gpu_ms
 
 from k3serve.ops.mla_decode_triton import _mla_decode_tuned, default_num_splits, mla_decode
@@ -44,7 +45,7 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None
         row["rel_err"] = ((out - ref).norm() / ref.norm()).item()
     ms = gpu_ms(run, rep=200)
     nbytes = B * ctx * (rkv + dr) * 2
-    row.update(ms=ms, tbs=nbytes / (ms * 1e-3) / 1e12, tflops=2 * B * H * ctx * (2 * rkv + dr) / (ms * 1e-3) / 1e12)
+    row.update(ms=ms, bytes=nbytes, tbs=nbytes / (ms * 1e-3) / 1e12, tflops=2 * B * H * ctx * (2 * rkv + dr) / (ms * 1e-3) / 1e12)
     c = getattr(_mla_decode_tuned, "best_config", None)
     if tiles is None and c is not None:
         row["config"] = f"{c.kwargs['BLOCK_H']},{c.kwargs['BLOCK_N']},{c.num_warps},{c.num_stages}"
@@ -62,7 +63,9 @@ MEM_SWEEP = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (1
 MEM_SWEEP_96 = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (32, 64, 8, 2), (64, 128, 8, 1)]
 
 
-def main():
+def main() -> list[Row] | None:
+    """The tables above; returns the autotuned rows (as the model calls the kernel) for
+    ``bench.kernels``' one table (None after ``--gluon`` / ``--mem``, which only sweep)."""
     ceil, mm = copy_tbs(), matmul_tflops()
     print(f"copy ceiling {ceil:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
     head = ("| B | heads | context | splits | tiles (BLOCK_H, BLOCK_N, warps, stages) | time ms | latent TB/s | % of copy "
@@ -127,6 +130,9 @@ def main():
     print(head)
     for r in rows:
         show(r)
+    return [Row("MLA decode, split-KV (Triton)", f"B {r['B']}, {r['H']} heads, context {r['ctx']}, latent bytes", r["ms"],
+                r["bytes"], "copy", check=f"rel err {r['rel_err']:.1e}" if "rel_err" in r else "")
+            for r in rows]
 
 
 if __name__ == "__main__":

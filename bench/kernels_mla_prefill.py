@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from bench.ceilings import matmul_tflops
 from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from bench.overrides import constants
+from bench.summary import Row
 from bench.timing import gpu_ms
 from k3serve.ops import mla_prefill_triton, mla_ref
 
@@ -122,14 +123,16 @@ def torch_varlen(q, lat, w, layout, heads: int):
     return run
 
 
-def main() -> None:
+def main() -> list[Row]:
+    """The table above; returns the served call (expansion included) a case, the fastest torch
+    drop-in beside it, for ``bench.kernels``' one table."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--against", help="another mla_prefill_triton.py to time beside the served one")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shrink", type=int, default=1, help="divide every length by this (a CPU smoke: 64)")
     ap.add_argument("--heads", default="32,96")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="of: " + ", ".join(LAYOUTS))
-    args = ap.parse_args()
+    args = ap.parse_known_args()[0]  # (bench.kernels' own arguments pass through)
     mm = matmul_tflops() if DEV == "cuda" else 1.0
     mods = {"served": mla_prefill_triton} | ({"other": load(args.against)} if args.against else {})
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -137,6 +140,7 @@ def main() -> None:
     print("| heads | layout | kernel | rel err | round ms | expansion ms | attention TFLOP/s | % matmul |\n"
           "|---|---|---|---|---|---|---|---|")
     scale = (DN + DR) ** -0.5
+    summary = []
     for heads in map(int, args.heads.split(",")):
         for name in args.layouts.split(","):
             layout = LAYOUTS[name]
@@ -164,7 +168,14 @@ def main() -> None:
                 attn = max(min(ts) - expand, 1e-6)
                 print(f"| {heads} | {name} | {label} | {errs[label]:.1e} | {' / '.join(f'{t:.3f}' for t in ts)} "
                       f"| {expand:.3f} | {flops / attn / 1e9:.0f} | {100 * flops / attn / 1e9 / mm:.0f} % |", flush=True)
+            if "served" in times:
+                torch_runs = {k: min(v) for k, v in times.items() if k.startswith("torch")}
+                best = min(torch_runs, key=torch_runs.get, default="")
+                summary.append(Row("MLA prefill, flash-style (Triton; key expansion included)", f"{heads} heads, {name}",
+                                   min(times["served"]), flops, "matmul", best, torch_runs.get(best, float("nan")),
+                                   f"rel err {errs['served']:.1e} (last 1K queries)"))
             del w, q, lat
+    return summary
 
 
 if __name__ == "__main__":

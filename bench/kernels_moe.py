@@ -26,6 +26,7 @@ import triton
 
 from bench.ceilings import copy_tbs, matmul_tflops
 from bench.compare import rel
+from bench.summary import Row
 from bench.timing import by_kernel, gpu_ms
 
 from k3serve.model.loader import load_model
@@ -208,7 +209,10 @@ def grouped_mm_rows(mm, tokens=(8192, 2048), rounds: int = 3):
                 print(f"| {kname} | {n} | {kms:.4f} |")
 
 
-def main():
+def main() -> list[Row] | None:
+    """The tables above; returns K3's MXFP4 experts as the model calls them (decode sizes on their
+    bytes, 8K tokens on their FLOPs; the torch reference loop beside them up to 64 tokens) for
+    ``bench.kernels``' one table (None after ``--bf16-prefill-only`` / ``--grouped-mm``)."""
     copy, mm = copy_tbs(), matmul_tflops()
     print(f"copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
     if "--bf16-prefill-only" in sys.argv:
@@ -250,6 +254,8 @@ def main():
     print("\nautotuned tiles (experts_triton as the model calls it), each MXFP4 upcast:")
     print("| upcast | tokens | experts hit | ours ms | ref ms | rel err | expert GB read | TB/s | % copy | TFLOP/s | % matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    served = "gluon" if ex_mma is not None else "dot_scaled"  # (the MMA layout: the model's own choice of upcast)
+    ref_ms, summary = {}, []
     for up, (T, z, w, ids, ref) in [(up, c) for up in ("dot_scaled", "asm", "mma", "gluon") for c in cases.values()
                                     if up != "asm" or c[0] <= 256]:  # (asm serves decode only)
         mma = up in ("mma", "gluon")
@@ -259,14 +265,20 @@ def main():
         ours = lambda: experts_triton(z, w, ids, ex_mma if mma else ex, mx_upcast=None if up == "gluon" else up)  # noqa: E731
         err = rel(ours(), ref)
         t_ours = gpu_ms(ours, rep=100)
-        t_ref = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20,
-                                        return_mode="median") if T <= 64 and up == "dot_scaled" else float("nan")
+        if T <= 64 and T not in ref_ms:  # (the reference loop: host-bound, plain launches)
+            ref_ms[T] = triton.testing.do_bench(lambda: ref_of(z, w, ids), warmup=3, rep=20, return_mode="median")
+        t_ref = ref_ms.get(T, float("nan"))
         hit, gbytes, flops = work(ex, ids)
+        if up == served:
+            summary.append(Row(f"routed experts, K3 MXFP4 ({up} upcast)", f"{T} tokens, {hit} of 896 experts",
+                               t_ours, gbytes * 1e9 if T <= 256 else flops, "copy" if T <= 256 else "matmul",
+                               "torch reference loop" if T <= 64 else "", t_ref, f"rel err {err:.1e}"))
         print(f"| {up} | {T} | {hit} | {t_ours:.3f} | {t_ref:.3f} | {err:.2e} | {gbytes:.2f} | {gbytes / t_ours:.2f} | "
               f"{100 * gbytes / t_ours / copy:.0f} % | {flops / t_ours / 1e9:.0f} | "
               f"{100 * flops / t_ours / 1e9 / mm:.0f} % |", flush=True)
     for key, c in _grouped_gemm_tuned.cache.items():  # what the autotuner picked per shape
         print(f"tuned {key}: {c.kwargs} warps {c.num_warps} stages {c.num_stages}")
+    return summary
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 import torch
 
 from bench.ceilings import copy_tbs
+from bench.summary import Row
 from bench.timing import gpu_ms
 from k3serve.model.layers import RMSNorm, glu_activation, rms_norm
 from k3serve.ops.glu_triton import glu_triton
@@ -41,8 +42,11 @@ def alignment_check(ids, rows, blocks, ref_blocks) -> str:
     return f"each assignment once: {once}, in a block of its expert: {own}, block experts as torch: {torch.equal(blocks, ref_blocks)}"
 
 
-def main() -> None:
+def main() -> list[Row]:
+    """The norms, GLU, routing and alignment, then the AttnRes mixer (``attn_res``), each beside its
+    torch form; returns their rows for ``bench.kernels``' one table."""
     copy = copy_tbs()
+    rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"copy {copy:.2f} TB/s\n")
     print("| op | shape | ours us | torch us | check |\n|---|---|---|---|---|")
@@ -60,11 +64,15 @@ def main() -> None:
             gb = 2 * x.numel() * 2 / 1e9
             print(f"| rms_norm | {T}x{D} | {t_ours:.1f} ({gb / t_ours * 1e6 / 1e3 / copy * 100:.0f} % copy) | "
                   f"{t_ref:.1f} | rel err {err:.1e} |")
+            rows.append(Row("RMSNorm (Triton)", f"{T} x {D}", t_ours / 1e3, gb * 1e9, "copy", "torch", t_ref / 1e3,
+                            f"rel err {err:.1e}"))
             h_out, y = add_rms_norm_triton(x, d, norm.weight, 1e-5)
             same = torch.equal(h_out, x + d)
             t_ours = _us(lambda: add_rms_norm_triton(x, d, norm.weight, 1e-5))
             t_ref = _us(lambda: norm(x + d))
             print(f"| add + rms_norm | {T}x{D} | {t_ours:.1f} | {t_ref:.1f} | residual bit-equal: {same} |")
+            rows.append(Row("residual add + RMSNorm (Triton)", f"{T} x {D}", t_ours / 1e3, 2 * gb * 1e9, "copy", "torch",
+                            t_ref / 1e3, f"residual bit-equal: {same}"))
     # GLU of the shared experts / dense MLPs: Kimi-Linear SiLU (1024 wide), K3 SiTU (2 x 3072 shared, 33792 dense)
     for T, n, act, beta, lb in ((1, 1024, "silu", 1.0, None), (1, 6144, "situ", 4.0, 25.0),
                                 (1, 33792, "situ", 4.0, 25.0), (64, 6144, "situ", 4.0, 25.0),
@@ -76,6 +84,8 @@ def main() -> None:
         t_ours = _us(lambda: glu_triton(gate, up, act, beta, lb))
         t_ref = _us(lambda: glu_activation(gate, up, act, beta, lb))
         print(f"| {act}-GLU | {T}x{n} | {t_ours:.1f} | {t_ref:.1f} | rel err {err:.1e} |")
+        rows.append(Row(f"{act}-GLU (Triton)", f"{T} x {n}", t_ours / 1e3, 3 * T * n * 2, "copy", "torch", t_ref / 1e3,
+                        f"rel err {err:.1e}"))
     for T, E, K, scaling in ((1, 256, 8, 2.446), (64, 256, 8, 2.446), (512, 256, 8, 2.446), (8192, 256, 8, 2.446),
                              (1, 896, 16, 2.5), (256, 896, 16, 2.5)):
         logits = torch.randn(T, E, device="cuda", generator=g) * 2
@@ -86,13 +96,17 @@ def main() -> None:
         t_ours = _us(lambda: route_triton(logits, bias, K, True, scaling))
         t_ref = _us(lambda: route(logits, bias, K, 1, 1, True, scaling))
         print(f"| route | {T} tokens, {E} experts, top-{K} | {t_ours:.1f} | {t_ref:.1f} | same experts + weights: {ok} |")
+        rows.append(Row("route (Triton)", f"{T} tokens, top-{K} of {E}", t_ours / 1e3, ref="torch", ref_ms=t_ref / 1e3,
+                        check=f"same experts + weights: {ok}"))
         rows, blocks = sort_by_expert(ids, E, 16)
         check = alignment_check(ids, rows, blocks, sort_by_expert_torch(ids, E, 16)[1])
         t_ours = _us(lambda: sort_by_expert(ids, E, 16))
         t_ref = _us(lambda: sort_by_expert_torch(ids, E, 16))
         print(f"| expert alignment | {T * K} assignments, {E} experts | {t_ours:.1f} | {t_ref:.1f} | {check} |")
+        rows.append(Row("expert alignment (Triton)", f"{T * K} assignments, {E} experts", t_ours / 1e3, ref="torch",
+                        ref_ms=t_ref / 1e3, check=check))
     print()
-    attn_res(None)
+    return rows + attn_res(None)
 
 
 def route_warps() -> None:
@@ -130,13 +144,14 @@ def mixer_source_counts(num_layers: int, block_size: int) -> list[int]:
     return counts + [len(res.final_sources(out))]
 
 
-def attn_res(old_file: str | None) -> None:
+def attn_res(old_file: str | None) -> list[Row]:
     """The fused AttnRes mixer at K3's width (7,168) over 2 / 5 / 9 / 16 sources (K3's mixers read 1
     to 9) next to the torch form (mixer + RMSNorm) and, given a file, another version of the kernel
     module; bytes: every source row read once, the bf16 output written. Then the sum over K3's 187
     mixers, each at its own source count, a step and a layer: each mixer over its sources, and as
     served (a block summary at each block start from SUMMARY_MIN_BLOCKS blocks, where the tokens
-    allow one, then the block's mixers over their summary row and the partial)."""
+    allow one, then the block's mixers over their summary row and the partial). Returns the first
+    table's rows."""
     import importlib.util
 
     from k3serve.model.attn_res import SUMMARY_MIN_BLOCKS, AttnResMixer
@@ -150,6 +165,7 @@ def attn_res(old_file: str | None) -> None:
     copy = copy_tbs()
     g = torch.Generator(device="cuda").manual_seed(0)
     D = 7168
+    rows = []
     print(f"copy {copy:.2f} TB/s\n\n| AttnRes mix | sources x tokens x D | ours us (% copy) | torch us | other file us "
           f"| rel err vs fp32 | other file rel err |\n|---|---|---|---|---|---|---|")
     for M, T in ((2, 1), (5, 1), (6, 1), (9, 1), (16, 1), (9, 2), (9, 4), (9, 16), (9, 64), (9, 256), (9, 4096)):
@@ -175,6 +191,8 @@ def attn_res(old_file: str | None) -> None:
             gb = (M + 1) * T * D * 2 / 1e9
             print(f"| {M} x {T} x {D} | {t_ours:.1f} ({gb / t_ours * 1e3 / copy * 100:.0f} %) | {t_ref:.1f} | {t_old} "
                   f"| {err(ours()):.1e} | {e_old} |", flush=True)
+            rows.append(Row("AttnRes mixer + RMSNorm (Triton)", f"{M} sources x {T} x {D}", t_ours / 1e3, gb * 1e9,
+                            "copy", "torch", t_ref / 1e3, f"rel err vs fp32 {err(ours()):.1e}"))
     # the whole K3 (93 layers, blocks of 12): every mixer at its own source count
     counts = mixer_source_counts(93, 12)
     q, out_w = torch.randn(D, device="cuda", generator=g), torch.rand(D, device="cuda", generator=g).bfloat16() + 0.5
@@ -208,6 +226,7 @@ def attn_res(old_file: str | None) -> None:
             cells += [f"{sum(per_mixer):.0f}", f"{sum(per_mixer) / 93:.1f}",
                       f"{sum(per_mixer[:96]) / 48:.1f} / {sum(per_mixer[96:-1]) / 45:.1f}"]
         print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
