@@ -46,7 +46,7 @@ def main() -> list[Row]:
     """The norms, GLU, routing and alignment, then the AttnRes mixer (``attn_res``), each beside its
     torch form; returns their rows for ``bench.kernels``' one table."""
     copy = copy_tbs()
-    rows = []
+    summary = []
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"copy {copy:.2f} TB/s\n")
     print("| op | shape | ours us | torch us | check |\n|---|---|---|---|---|")
@@ -64,14 +64,14 @@ def main() -> list[Row]:
             gb = 2 * x.numel() * 2 / 1e9
             print(f"| rms_norm | {T}x{D} | {t_ours:.1f} ({gb / t_ours * 1e6 / 1e3 / copy * 100:.0f} % copy) | "
                   f"{t_ref:.1f} | rel err {err:.1e} |")
-            rows.append(Row("RMSNorm (Triton)", f"{T} x {D}", t_ours / 1e3, gb * 1e9, "copy", "torch", t_ref / 1e3,
+            summary.append(Row("RMSNorm (Triton)", f"{T} x {D}", t_ours / 1e3, gb * 1e9, "copy", "torch", t_ref / 1e3,
                             f"rel err {err:.1e}"))
             h_out, y = add_rms_norm_triton(x, d, norm.weight, 1e-5)
             same = torch.equal(h_out, x + d)
             t_ours = _us(lambda: add_rms_norm_triton(x, d, norm.weight, 1e-5))
             t_ref = _us(lambda: norm(x + d))
             print(f"| add + rms_norm | {T}x{D} | {t_ours:.1f} | {t_ref:.1f} | residual bit-equal: {same} |")
-            rows.append(Row("residual add + RMSNorm (Triton)", f"{T} x {D}", t_ours / 1e3, 2 * gb * 1e9, "copy", "torch",
+            summary.append(Row("residual add + RMSNorm (Triton)", f"{T} x {D}", t_ours / 1e3, 2 * gb * 1e9, "copy", "torch",
                             t_ref / 1e3, f"residual bit-equal: {same}"))
     # GLU of the shared experts / dense MLPs: Kimi-Linear SiLU (1024 wide), K3 SiTU (2 x 3072 shared, 33792 dense)
     for T, n, act, beta, lb in ((1, 1024, "silu", 1.0, None), (1, 6144, "situ", 4.0, 25.0),
@@ -84,7 +84,7 @@ def main() -> list[Row]:
         t_ours = _us(lambda: glu_triton(gate, up, act, beta, lb))
         t_ref = _us(lambda: glu_activation(gate, up, act, beta, lb))
         print(f"| {act}-GLU | {T}x{n} | {t_ours:.1f} | {t_ref:.1f} | rel err {err:.1e} |")
-        rows.append(Row(f"{act}-GLU (Triton)", f"{T} x {n}", t_ours / 1e3, 3 * T * n * 2, "copy", "torch", t_ref / 1e3,
+        summary.append(Row(f"{act}-GLU (Triton)", f"{T} x {n}", t_ours / 1e3, 3 * T * n * 2, "copy", "torch", t_ref / 1e3,
                         f"rel err {err:.1e}"))
     for T, E, K, scaling in ((1, 256, 8, 2.446), (64, 256, 8, 2.446), (512, 256, 8, 2.446), (8192, 256, 8, 2.446),
                              (1, 896, 16, 2.5), (256, 896, 16, 2.5)):
@@ -96,17 +96,17 @@ def main() -> list[Row]:
         t_ours = _us(lambda: route_triton(logits, bias, K, True, scaling))
         t_ref = _us(lambda: route(logits, bias, K, 1, 1, True, scaling))
         print(f"| route | {T} tokens, {E} experts, top-{K} | {t_ours:.1f} | {t_ref:.1f} | same experts + weights: {ok} |")
-        rows.append(Row("route (Triton)", f"{T} tokens, top-{K} of {E}", t_ours / 1e3, ref="torch", ref_ms=t_ref / 1e3,
+        summary.append(Row("route (Triton)", f"{T} tokens, top-{K} of {E}", t_ours / 1e3, ref="torch", ref_ms=t_ref / 1e3,
                         check=f"same experts + weights: {ok}"))
         rows, blocks = sort_by_expert(ids, E, 16)
         check = alignment_check(ids, rows, blocks, sort_by_expert_torch(ids, E, 16)[1])
         t_ours = _us(lambda: sort_by_expert(ids, E, 16))
         t_ref = _us(lambda: sort_by_expert_torch(ids, E, 16))
         print(f"| expert alignment | {T * K} assignments, {E} experts | {t_ours:.1f} | {t_ref:.1f} | {check} |")
-        rows.append(Row("expert alignment (Triton)", f"{T * K} assignments, {E} experts", t_ours / 1e3, ref="torch",
+        summary.append(Row("expert alignment (Triton)", f"{T * K} assignments, {E} experts", t_ours / 1e3, ref="torch",
                         ref_ms=t_ref / 1e3, check=check))
     print()
-    return rows + attn_res(None)
+    return summary + attn_res(None)
 
 
 def route_warps() -> None:
@@ -165,7 +165,7 @@ def attn_res(old_file: str | None) -> list[Row]:
     copy = copy_tbs()
     g = torch.Generator(device="cuda").manual_seed(0)
     D = 7168
-    rows = []
+    summary = []
     print(f"copy {copy:.2f} TB/s\n\n| AttnRes mix | sources x tokens x D | ours us (% copy) | torch us | other file us "
           f"| rel err vs fp32 | other file rel err |\n|---|---|---|---|---|---|---|")
     for M, T in ((2, 1), (5, 1), (6, 1), (9, 1), (16, 1), (9, 2), (9, 4), (9, 16), (9, 64), (9, 256), (9, 4096)):
@@ -191,7 +191,7 @@ def attn_res(old_file: str | None) -> list[Row]:
             gb = (M + 1) * T * D * 2 / 1e9
             print(f"| {M} x {T} x {D} | {t_ours:.1f} ({gb / t_ours * 1e3 / copy * 100:.0f} %) | {t_ref:.1f} | {t_old} "
                   f"| {err(ours()):.1e} | {e_old} |", flush=True)
-            rows.append(Row("AttnRes mixer + RMSNorm (Triton)", f"{M} sources x {T} x {D}", t_ours / 1e3, gb * 1e9,
+            summary.append(Row("AttnRes mixer + RMSNorm (Triton)", f"{M} sources x {T} x {D}", t_ours / 1e3, gb * 1e9,
                             "copy", "torch", t_ref / 1e3, f"rel err vs fp32 {err(ours()):.1e}"))
     # the whole K3 (93 layers, blocks of 12): every mixer at its own source count
     counts = mixer_source_counts(93, 12)
@@ -226,7 +226,7 @@ def attn_res(old_file: str | None) -> list[Row]:
             cells += [f"{sum(per_mixer):.0f}", f"{sum(per_mixer) / 93:.1f}",
                       f"{sum(per_mixer[:96]) / 48:.1f} / {sum(per_mixer[96:-1]) / 45:.1f}"]
         print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
-    return rows
+    return summary
 
 
 if __name__ == "__main__":
