@@ -24,25 +24,11 @@ import statistics
 
 import torch
 
-from bench.gpu_check_graphs import eager_step, step_inputs
+from bench.gpu_check_graphs import eager_step, step_inputs, timed
 from bench.overrides import restore, set_constants
 from k3serve.model.kda import KDAMixer
 from k3serve.model.loader import load_model
 from k3serve.model.moe import RoutedExperts
-
-
-def events_ms(fn, iters: int) -> float:
-    """Median CUDA-event time of ``fn`` over ``iters`` calls (one warm call first)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def capture(model, pool, chunks, swap_inputs: list | None = None) -> dict:
@@ -114,8 +100,8 @@ def main() -> None:
             ta, tb = [], []
             with torch.inference_mode():
                 for _ in range(args.rounds):
-                    ta.append(events_ms(lambda: mod(*args_a, **kw_a), args.iters))
-                    tb.append(events_ms(lambda: mod(*args_b, **kw_b), args.iters))
+                    ta.append(timed(lambda: mod(*args_a, **kw_a), args.iters))
+                    tb.append(timed(lambda: mod(*args_b, **kw_b), args.iters))
             eq = float((args_a[2] == args_b[2]).float().mean())
             print(f"| {j} | {routing(args_a[2], ne)} | {routing(args_b[2], ne)} | {eq:.3f} | "
                   f"{statistics.median(ta):.4f} | {statistics.median(tb):.4f} |")
@@ -123,7 +109,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, assigns in ((na, sa), (nb, sb)):
                 saved = set_constants(assigns)
-                steps[name].append(events_ms(lambda: eager_step(model, pool, chunks), args.iters))
+                steps[name].append(timed(lambda: eager_step(model, pool, chunks), args.iters))
                 restore(saved)
         print(f"\neager step ms by round: {na} {[round(t, 3) for t in steps[na]]}, {nb} {[round(t, 3) for t in steps[nb]]}")
         del pool
