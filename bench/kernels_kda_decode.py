@@ -162,7 +162,7 @@ def state_probes(ceil: float) -> None:
 
 
 def main() -> list[Row]:
-    """The tables above; returns the core step and the fused mixer at N 1 / 64 / 256 (state bytes,
+    """Prints its tables; returns the core step and the fused mixer at N 1 / 64 / 256 (state bytes,
     fla's fused recurrent kernel beside them) for ``bench.kernels``' one table."""
     ceil = copy_tbs()
     print(f"copy ceiling {ceil:.2f} TB/s")

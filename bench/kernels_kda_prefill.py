@@ -49,7 +49,7 @@ def inputs(prompts: int, length: int, H: int, lower_bound: float | None, g: torc
 
 
 def main() -> list[Row]:
-    """The table above; returns, a layout each, the chunked forward the model serves (FlashKDA where
+    """Prints its table; returns, a layout each, the chunked forward the model serves (FlashKDA where
     it applies and is installed, else fla's) with fla's plain chunk_kda beside it, for ``bench.kernels``."""
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
     from fla.ops.utils.index import prepare_chunk_indices

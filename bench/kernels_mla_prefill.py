@@ -124,7 +124,7 @@ def torch_varlen(q, lat, w, layout, heads: int):
 
 
 def main() -> list[Row]:
-    """The table above; returns the served call (expansion included) a case, the fastest torch
+    """Prints its table; returns the served call (expansion included) a case, the fastest torch
     drop-in beside it, for ``bench.kernels``' one table."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--against", help="another mla_prefill_triton.py to time beside the served one")

@@ -210,7 +210,7 @@ def grouped_mm_rows(mm, tokens=(8192, 2048), rounds: int = 3):
 
 
 def main() -> list[Row] | None:
-    """The tables above; returns K3's MXFP4 experts as the model calls them (decode sizes on their
+    """Prints its tables; returns K3's MXFP4 experts as the model calls them (decode sizes on their
     bytes, 8K tokens on their FLOPs; the torch reference loop beside them up to 64 tokens) for
     ``bench.kernels``' one table (None after ``--bf16-prefill-only`` / ``--grouped-mm``)."""
     copy, mm = copy_tbs(), matmul_tflops()
