@@ -66,8 +66,8 @@ MEM_SWEEP_96 = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), 
 
 
 def main() -> list[Row] | None:
-    """Prints its tables; returns the autotuned rows (as the model calls the kernel) for
-    ``bench.kernels``' one table (None after ``--gluon`` / ``--mem``, which only sweep)."""
+    """Prints its tables; returns the rows as the model calls the kernel (the Gluon split step where
+    ``GLUON_SPLIT``) for ``bench.kernels``' one table (None after ``--gluon`` / ``--mem``, which only sweep)."""
     ceil, mm = copy_tbs(), matmul_tflops()
     print(f"copy ceiling {ceil:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
     head = ("| B | heads | context | splits | tiles (BLOCK_H, BLOCK_N, warps, stages) | time ms | latent TB/s | % of copy "
