@@ -118,7 +118,8 @@ _mla_decode_tuned = autotuned(
 
 # The split step through mla_decode_gluon (keys-major wgmma, the head block as its N). H200, 32K
 # context (RESULTS.md fourteenth session), % of copy on latent bytes at batch 16 / 64: 16 heads
-# 84 / 97 %, 32 heads 80 / 94 % (this kernel at 32 heads: 61-71 %), 96 heads 0.44 ms against 0.78.
+# 84 / 97 %, 32 heads 80 / 94 % (this kernel at 32 heads: 61-71 %), 96 heads 0.44 ms against 0.78 (the
+# forty-third session's bench.kernels run: 0.57 against 0.60 at batch 16, 1.76 against 2.21 at batch 64).
 # False: the Triton split kernel.
 GLUON_SPLIT = True
 
