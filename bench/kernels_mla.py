@@ -21,7 +21,7 @@ from bench.ceilings import copy_tbs, matmul_tflops
 from bench.summary import Row
 from bench.timing import gpu_ms
 
-from k3serve.ops.mla_decode_triton import GLUON_SPLIT, _mla_decode_tuned, default_num_splits, mla_decode
+from k3serve.ops.mla_decode_triton import _mla_decode_tuned, default_num_splits, gluon_split_applies, mla_decode
 from k3serve.ops.mla_ref import mla_absorbed_ref
 
 
@@ -45,9 +45,10 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None
         row["rel_err"] = ((out - ref).norm() / ref.norm()).item()
     ms = gpu_ms(run, rep=200)
     nbytes = B * ctx * (rkv + dr) * 2
-    row.update(ms=ms, bytes=nbytes, tbs=nbytes / (ms * 1e-3) / 1e12, tflops=2 * B * H * ctx * (2 * rkv + dr) / (ms * 1e-3) / 1e12)
+    row.update(ms=ms, bytes=nbytes, tbs=nbytes / (ms * 1e-3) / 1e12,
+               tflops=2 * B * H * ctx * (2 * rkv + dr) / (ms * 1e-3) / 1e12)
     c = getattr(_mla_decode_tuned, "best_config", None)
-    if (GLUON_SPLIT if gluon is None else gluon) and page % 64 == 0:  # (mla_decode's test, at these widths)
+    if gluon_split_applies(latent, rkv, dr, gluon):
         row["config"] = "Gluon split step"
     elif tiles is None and c is not None:
         row["config"] = f"{c.kwargs['BLOCK_H']},{c.kwargs['BLOCK_N']},{c.num_warps},{c.num_stages}"
@@ -125,21 +126,23 @@ def main() -> list[Row] | None:
     print(head)
     for splits in (4, 8, 16, 32, 64):
         show(case(1, 32, 4096, splits=splits, check=splits == 8))
-    served = dict(gluon=None)  # (the model's choice: mla_decode_triton.GLUON_SPLIT)
-    rows = [case(2, 16, 300, check=True, **served), case(3, 96, 1000, check=True, **served),
-            case(16, 96, 4096, check=True, **served)]
-    rows += [case(B, 96, 32768, check=False, **served) for B in (16, 32, 64)]
-    rows += [case(B, H, 32768, check=False, **served) for H in (16, 32) for B in (16, 64)]  # a K3 TP shard, kimi-linear
+    rows = [case(2, 16, 300, check=True, gluon=None), case(3, 96, 1000, check=True, gluon=None),
+            case(16, 96, 4096, check=True, gluon=None)]
+    rows += [case(B, 96, 32768, check=False, gluon=None) for B in (16, 32, 64)]
+    # a K3 TP shard's 16 heads, kimi-linear's 32
+    rows += [case(B, H, 32768, check=False, gluon=None) for H in (16, 32) for B in (16, 64)]
     print("\nas the model calls it (the Gluon split step where mla_decode_triton.GLUON_SPLIT, else autotuned tiles):")
     print(head)
     for r in rows:
         show(r)
+
     def bound(r):  # (latent bytes, or FLOPs where those are the nearer ceiling: 96 heads absorbed, ~363 flop/byte)
         flops = r["tflops"] * r["ms"] * 1e9
         return (r["bytes"], "copy") if r["tbs"] / ceil >= r["tflops"] / mm else (flops, "matmul")
 
-    return [Row(f"MLA decode, split-KV ({'Gluon' if r.get('config', '').startswith('Gluon') else 'Triton'})", f"B {r['B']}, {r['H']} heads, context {r['ctx']}",
-                r["ms"], *bound(r), check=f"rel err {r['rel_err']:.1e}" if "rel_err" in r else "")
+    return [Row(f"MLA decode, split-KV ({'Gluon' if r.get('config') == 'Gluon split step' else 'Triton'})",
+                f"B {r['B']}, {r['H']} heads, context {r['ctx']}", r["ms"], *bound(r),
+                check=f"rel err {r['rel_err']:.1e}" if "rel_err" in r else "")
             for r in rows]
 
 

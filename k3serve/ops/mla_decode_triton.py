@@ -141,6 +141,13 @@ def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) 
     return 1 << (n.bit_length() - 1)
 
 
+def gluon_split_applies(latent_pages: torch.Tensor, kv_lora_rank: int, d_pe: int, gluon: bool | None = None) -> bool:
+    """Whether ``mla_decode``'s split step goes through ``mla_decode_gluon``: asked for (None:
+    ``GLUON_SPLIT``), on CUDA, at K3's widths (512 + 64), bf16 pages of a multiple of 64 tokens."""
+    return bool((GLUON_SPLIT if gluon is None else gluon) and latent_pages.is_cuda and (kv_lora_rank, d_pe) == (512, 64)
+                and latent_pages.dtype == torch.bfloat16 and latent_pages.shape[1] % 64 == 0)
+
+
 def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                kv_lora_rank: int, scale: float, num_splits: int | None = None, tiles: dict | None = None,
                q_pe: torch.Tensor | None = None, gluon: bool | None = None) -> torch.Tensor:
@@ -165,8 +172,7 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
         num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], sm_count(q_abs.device))
     partial = torch.empty(B, H, num_splits, kv_lora_rank, dtype=torch.float32, device=q_abs.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_abs.device)
-    if (GLUON_SPLIT if gluon is None else gluon) and q_abs.is_cuda and (kv_lora_rank, d_pe) == (512, 64) \
-            and latent_pages.dtype == torch.bfloat16 and latent_pages.shape[1] % 64 == 0:
+    if gluon_split_applies(latent_pages, kv_lora_rank, d_pe, gluon):
         from .mla_decode_gluon import mla_decode_split_gluon
 
         mla_decode_split_gluon(q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse, scale)
