@@ -1,0 +1,107 @@
+"""How fast can the KDA decode's state traffic go at all? ([gpu-kernels] item 1's 90 % target.)
+
+The fused decode mixer moves each sequence's [H, D, D] fp32 state once in and once out, in place at
+its pool slot. Earlier probes (``bench.kernels_kda_decode.state_probes``: a program a tile, one
+load, one store) reached 91-93 % of the copy ceiling and the mixer 79-83 %; ncu showed throughput
+following the bytes an SM holds in flight, which registers cap. This probe asks whether a
+pipelined stream lifts that ceiling: persistent programs walking the (sequence, head, value block)
+tiles with ``num_stages`` loads in flight (TMA descriptors or pointers), in place or out to a
+second pool, beside torch's own copy and in-place scale of the same bytes. Not a model kernel:
+each variant scales the state by 0.999 and is checked against that before it is timed.
+
+Usage: python -m bench.state_stream_probe [--quick]
+"""
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from bench.ceilings import copy_tbs
+from bench.timing import gpu_ms
+
+
+@triton.jit
+def _stream_kernel(SRC, DST, SRC_PTR, DST_PTR, SLOTS, n_tiles, stride_slot, H, D: tl.constexpr,
+                   BV: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
+    """Program p scales tiles p, p + P, ... (tile = sequence, head, value block) from SRC's slot to
+    DST's slot (the same pool when in place)."""
+    NVB: tl.constexpr = D // BV
+    dk = tl.arange(0, D)
+    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        vb = t % NVB
+        h = (t // NVB) % H
+        slot = tl.load(SLOTS + t // (NVB * H))
+        if TMA:
+            s = SRC.load([slot, h, 0, vb * BV])
+            DST.store([slot, h, 0, vb * BV], s * 0.999)
+        else:
+            off = slot.to(tl.int64) * stride_slot + h * D * D + dk[:, None] * D + vb * BV + tl.arange(0, BV)[None, :]
+            s = tl.load(SRC_PTR + off)
+            tl.store(DST_PTR + off, s * 0.999)
+
+
+def _variants(quick: bool):
+    """(label, TMA, in place, BV, warps, stages, programs an SM)."""
+    out = []
+    for tma in (True, False):
+        for bv in (32, 64):
+            for stages in ((2, 3, 4) if tma else (1, 2, 3)):
+                for per_sm in (1, 2, 4):
+                    for warps in (4, 8):
+                        if quick and (warps == 8 or per_sm == 4):
+                            continue
+                        out.append((tma, True, bv, warps, stages, per_sm))
+    out += [(True, False, 64, 4, s, p) for s in (2, 3) for p in (1, 2)]  # out to a second pool
+    return out
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    ceil = copy_tbs()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"copy ceiling {ceil:.2f} TB/s, {sms} SMs")
+    H, D = 96, 128
+    print("| N | variant | ms | TB/s | % copy |\n|---|---|---|---|---|")
+    for N in (64, 256):
+        nbytes = N * H * D * D * 8
+        pool = torch.randn(N + 8, H, D, D, device="cuda")
+        second = torch.zeros_like(pool)
+        slots = torch.randperm(N + 8, device="cuda")[:N].to(torch.int32)
+        dense = pool[:N].clone()
+        dense_out = torch.empty_like(dense)
+
+        def report(label, ms):
+            tbs = nbytes / (ms * 1e-3) / 1e12
+            print(f"| {N} | {label} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.1f} % |", flush=True)
+
+        report("torch copy_ of the same bytes (dense)", gpu_ms(lambda: dense_out.copy_(dense), rep=200))
+        report("torch mul_ in place (dense)", gpu_ms(lambda: dense.mul_(1.0), rep=200))
+        for tma, in_place, bv, warps, stages, per_sm in _variants(quick):
+            dst = pool if in_place else second
+            block = [1, 1, D, bv]
+            src_d = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), block)
+            dst_d = TensorDescriptor(dst, list(dst.shape), list(dst.stride()), block)
+            n_tiles = N * H * (D // bv)
+            run = lambda: _stream_kernel[(min(n_tiles, per_sm * sms),)](  # noqa: E731
+                src_d, dst_d, pool, dst, slots, n_tiles, pool.stride(0), H, D=D, BV=bv, STAGES=stages, TMA=tma,
+                num_warps=warps)
+            label = (f"{'TMA' if tma else 'pointers'}, {'in place' if in_place else 'out'}, BV {bv}, "
+                     f"{warps} warps, {stages} stages, {per_sm}/SM")
+            try:
+                before = pool[slots.long()].clone()
+                run()
+                torch.cuda.synchronize()
+                ok = torch.allclose(dst[slots.long()], before * 0.999, rtol=1e-6, atol=0)
+                if not ok:
+                    print(f"| {N} | {label} | WRONG | | |", flush=True)
+                    continue
+                report(label, gpu_ms(run, rep=200))
+            except Exception as exc:  # a variant that does not compile (shared memory): say so, go on
+                print(f"| {N} | {label} | failed: {repr(exc)[:90]} | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
