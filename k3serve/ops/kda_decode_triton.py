@@ -42,6 +42,19 @@ STREAM_CONFIG = (True, 8, 3, 1)
 
 
 @triton.jit
+def _decay_beta(F_ROW, BETA_AT, A_LOG, DT_BIAS, h, lower_bound, D: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """A head's per-key-channel decay exp(g) and its beta, from their pre-activations (``kda_ref.kda_gate``)."""
+    dk = tl.arange(0, D)
+    f = tl.load(F_ROW + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
+    a = tl.exp(tl.load(A_LOG + h))
+    if USE_LOWER_BOUND:
+        g = lower_bound * tl.sigmoid(a * f)
+    else:
+        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
+    return tl.exp(g), tl.sigmoid(tl.load(BETA_AT).to(tl.float32))
+
+
+@triton.jit
 def _kda_decode_kernel(
     Q, K, V, F, BETA, A_LOG, DT_BIAS, STATE, SLOTS, O,
     stride_state_slot, scale, lower_bound, H,
@@ -58,20 +71,14 @@ def _kda_decode_kernel(
     q = tl.load(Q + base + dk).to(tl.float32)
     k = tl.load(K + base + dk).to(tl.float32)
     v = tl.load(V + base + dv).to(tl.float32)
-    f = tl.load(F + base + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
-    a = tl.exp(tl.load(A_LOG + h))
-    if USE_LOWER_BOUND:
-        g = lower_bound * tl.sigmoid(a * f)
-    else:
-        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
-    beta = tl.sigmoid(tl.load(BETA + n * H + h).to(tl.float32))
+    decay, beta = _decay_beta(F + base, BETA + n * H + h, A_LOG, DT_BIAS, h, lower_bound, D, USE_LOWER_BOUND)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
 
     slot = tl.load(SLOTS + n).to(tl.int64)
     s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
     s = tl.load(s_ptr)  # [D, BV] fp32, rows = key channels
-    s = s * tl.exp(g)[:, None]
+    s = s * decay[:, None]
     r = v - tl.sum(s * k[:, None], 0)
     s = s + beta * k[:, None] * r[None, :]
     o = tl.sum(s * q[:, None], 0)
@@ -130,14 +137,9 @@ def _head_gates(X, CONV_W, CONV_STATE, F, BETA, A_LOG, DT_BIAS, n, h, slot, has,
     k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W, SHIFT)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-    f = tl.load(F + n * stride_f + h * D + dk).to(tl.float32) + tl.load(DT_BIAS + h * D + dk)
-    a = tl.exp(tl.load(A_LOG + h))
-    if USE_LOWER_BOUND:
-        g = lower_bound * tl.sigmoid(a * f)
-    else:
-        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
-    beta = tl.sigmoid(tl.load(BETA + n * stride_b + h).to(tl.float32))
-    return q, k, tl.exp(g), beta
+    decay, beta = _decay_beta(F + n * stride_f + h * D, BETA + n * stride_b + h, A_LOG, DT_BIAS, h, lower_bound, D,
+                              USE_LOWER_BOUND)
+    return q, k, decay, beta
 
 
 @triton.jit
