@@ -44,16 +44,13 @@ def check(N, H, D, lb):
     return (((o - o_ref[:, 0]).norm() / o_ref.norm()).item(), ((state[slots] - s_ref).norm() / s_ref.norm()).item())
 
 
-# (value block, warps, programs a head, Gluon, stream); the default: 64-wide blocks, 4 warps, programs
-# by ``kda_decode_fused``'s rule (one a value block while heads alone leave SMs idle, else one a head).
+# (value block, warps, programs a head, Gluon); the default: 64-wide blocks, 4 warps, programs by
+# ``kda_decode_fused``'s rule (one a value block while heads alone leave SMs idle, else one a head).
 # Gluon: kda_decode_gluon's program a head (state copied to shared memory during the convs).
-# Stream: the persistent TMA-pipelined kernel, (half tiles, warps, stages, programs an SM).
 # (8 and 16 warps a head, whose rows the reductions then cross warps for: 35-58 % of copy, RESULTS.md
 # fourteenth session.)
-FUSED_VARIANTS = [(64, 4, 1, False, False), (64, 4, 2, False, False), (32, 4, 1, False, False),
-                  (32, 4, 4, False, False), (128, 8, 1, False, False), (64, 4, 1, True, False)] + [
-    (64, 4, 1, False, cfg) for cfg in ((True, 8, 3, 1), (True, 4, 3, 1), (True, 8, 2, 1), (True, 8, 2, 2),
-                                       (True, 4, 2, 2), (False, 8, 2, 1), (False, 8, 3, 1))]
+FUSED_VARIANTS = [(64, 4, 1, False), (64, 4, 2, False), (32, 4, 1, False), (32, 4, 4, False), (128, 8, 1, False),
+                  (64, 4, 1, True)]
 
 
 def mixer_inputs(N, H, D, num_slots, seed):
@@ -72,11 +69,11 @@ def fused_check(N, H, D, lb):
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
     x, conv_w, conv0, gate, has = mixer_inputs(N, H, D, state0.shape[0], 5)
     outs = []
-    for bv, nw, parts, gluon, stream in [(64, 4, None, False, False)] + FUSED_VARIANTS:
+    for bv, nw, parts, gluon in [(64, 4, None, False)] + FUSED_VARIANTS:
         st, cs = state0.clone(), conv0.clone()
         y = kda_decode_fused(x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
                              torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H, block_v=bv,
-                             num_warps=nw, parts=parts, gluon=gluon, stream=stream)
+                             num_warps=nw, parts=parts, gluon=gluon)
         outs.append((y, st, cs.float()))
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return max(rel(got, want) for out in outs[1:] for got, want in zip(out, outs[0]))
@@ -94,14 +91,11 @@ def timing(N, H, D, lb=-5.0):
     row["fused_ms"] = gpu_ms(fused, rep=200)
     # fused-kernel variants: (value block width, warps, programs a head, Gluon)
     row["fused_variants"] = {}
-    for bv, nw, parts, gluon, stream in FUSED_VARIANTS:
+    for bv, nw, parts, gluon in FUSED_VARIANTS:
         run = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                        torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H, block_v=bv,
-                                       num_warps=nw, parts=parts, gluon=gluon, stream=stream)
-        try:
-            row["fused_variants"][(bv, nw, parts, gluon, stream)] = gpu_ms(run, rep=200)
-        except Exception as exc:  # a stream config over the shared memory an SM has: say so, go on
-            row["fused_variants"][(bv, nw, parts, gluon, stream)] = repr(exc)[:80]
+                                       num_warps=nw, parts=parts, gluon=gluon)
+        row["fused_variants"][(bv, nw, parts, gluon)] = gpu_ms(run, rep=200)
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -124,16 +118,20 @@ def timing(N, H, D, lb=-5.0):
 
 @triton.jit
 def _state_probe_kernel(STATE, DESC, SLOTS, OUT, stride_slot, H, D: tl.constexpr, BV: tl.constexpr,
-                        IN_PLACE: tl.constexpr, TMA: tl.constexpr):
+                        IN_PLACE: tl.constexpr, TMA: tl.constexpr, V_FIRST: tl.constexpr = False):
     """The decode kernels' state traffic alone: each (sequence, head, value block) program reads
     its [D, BV] fp32 tile at the sequence's slot, scales it, and writes it back in place (or to a
-    dense output, as a copy does), by per-thread loads or TMA. What this access pattern can reach
+    dense output, as a copy does), by per-thread loads or TMA; V_FIRST: the tile of a head stored
+    value rows first ([V, K], fla's ``state_v_first``), [BV, D], one contiguous run. What this access pattern can reach
     bounds what the KDA decode kernels can reach."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dk = tl.arange(0, D)
     dv = vb * BV + tl.arange(0, BV)
     slot = tl.load(SLOTS + n).to(tl.int64)
-    tile = dk[:, None] * D + dv[None, :]
+    if V_FIRST:
+        tile = dv[:, None] * D + dk[None, :]
+    else:
+        tile = dk[:, None] * D + dv[None, :]
     if TMA:  # (in place only)
         s = DESC.load([slot.to(tl.int32), h, 0, vb * BV])
         DESC.store([slot.to(tl.int32), h, 0, vb * BV], s * 0.999)
@@ -156,12 +154,12 @@ def state_probes(ceil: float) -> None:
         state = torch.randn(N + 8, H, D, D, device="cuda")
         slots = torch.randperm(N + 8, device="cuda")[:N]
         out = torch.empty(N, H, D, D, device="cuda")
-        for pattern in ("in place", "copy out", "in place, TMA"):
-            for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)):
+        for pattern in ("in place", "copy out", "in place, TMA", "in place, V first"):
+            for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)) + (((16, 2), (32, 2)) if "V first" in pattern else ()):
                 desc = TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, D, bv])
                 run = lambda: _state_probe_kernel[(N, H, D // bv)](  # noqa: E731
                     state, desc, slots, out, state.stride(0), H, D=D, BV=bv, IN_PLACE=pattern != "copy out",
-                    TMA="TMA" in pattern, num_warps=nw)
+                    TMA="TMA" in pattern, V_FIRST="V first" in pattern, num_warps=nw)
                 ms = gpu_ms(run, rep=200)
                 tbs = N * H * D * D * 8 / (ms * 1e-3) / 1e12
                 print(f"| {N} | {pattern} | {bv} | {nw} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |", flush=True)
@@ -202,9 +200,6 @@ def main() -> list[Row]:
           f"{fused_err:.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
     for N, r in rows:
         for var, ms in r["fused_variants"].items():
-            if isinstance(ms, str):
-                print(f"| {N} | {var} | {ms} | | |")
-                continue
             tbs = r["bytes"] / (ms * 1e-3) / 1e12
             print(f"| {N} | {var} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |")
     state_probes(ceil)

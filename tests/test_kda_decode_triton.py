@@ -51,7 +51,6 @@ FUSED = textwrap.dedent('''
     from k3serve.model.batch import ForwardBatch, SeqChunk
     from k3serve.model.layers import rms_norm
     from k3serve.ops.kda import kda_core
-    from k3serve.ops import autotune, kda_decode_triton as kdt
     from k3serve.ops.kda_decode_triton import kda_decode_fused
     from k3serve.ops.kda_ref import kda_gate
     from k3serve.ops.short_conv import short_conv_ref
@@ -84,16 +83,11 @@ FUSED = textwrap.dedent('''
         assert not xs.is_contiguous() and torch.equal(gs, gate)
         # (value block, programs a head): one program looping over 1 or 4 blocks; 2 or 4 programs of
         # one block, 2 of two (the last of a head normalises it and shifts the q/k conv state); the
-        # default rule. Each call must leave the per-head tickets at zero for the next. Then the
-        # streaming kernel (persistent programs, TMA tiles): two half tiles a head or one, one program
-        # walking every head, three walking them in turn, or a program a head (on a 1-SM "device").
-        for bv, parts, stream in ((D, 1, False), (D // 4, 1, False), (D // 2, 2, False), (D // 4, 4, False),
-                                  (D // 4, 2, False), (D // 2, None, False), (D // 2, 2, False),
-                                  (D, 1, (True, 4, 2, 1)), (D, 1, (False, 4, 3, 3)), (D, 1, (True, 4, 3, 100))):
-            kdt.sm_count = (lambda device: 1) if stream else autotune.sm_count
+        # default rule. Each call must leave the per-head tickets at zero for the next.
+        for bv, parts in ((D, 1), (D // 4, 1), (D // 2, 2), (D // 4, 4), (D // 4, 2), (D // 2, None), (D // 2, 2)):
             conv_t, state_t = conv0.clone(), state0.clone()
             y = kda_decode_fused(xs, conv_w, conv_t, torch.tensor(ctx) > 0, fs, bs, A_log, dt_bias, gs, onw, 1e-5, lb,
-                                 state_t, slots, H, block_v=bv, parts=parts, stream=stream)
+                                 state_t, slots, H, block_v=bv, parts=parts)
             worst = max(worst, ((y - y_ref).norm() / y_ref.norm()).item(),
                         ((state_t - state_r).norm() / state_r.norm()).item(),
                         ((conv_t - conv_r).norm() / conv_r.norm()).item())

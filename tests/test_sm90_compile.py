@@ -215,31 +215,6 @@ def test_kda_fused_decode_compiles_for_sm90(block_v, blocks):
     assert "ld.global" not in ptx[:wait] and "st.global" not in ptx[:wait]
 
 
-@pytest.mark.parametrize("halves, stages", [(True, 3), (False, 2)])
-def test_kda_stream_decode_pipelines_tma_state_tiles(halves, stages):
-    """The streaming fused mixer: the software pipeline keeps later heads' state tiles in flight
-    (bulk tensor copies on mbarriers, one a tile per stage in the prologue and steady state), the
-    updated tiles leave by bulk tensor stores, and nothing touches memory before the PDL wait."""
-    f32, bf16 = "*fp32", "*bf16"
-    bv = 64 if halves else 128
-    ptrs = {"X": bf16, "CONV_W": f32, "CONV_STATE": bf16, "HAS_CTX": "*i32", "F": bf16, "BETA": bf16, "A_LOG": f32,
-            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "SLOTS": "*i64", "Y": bf16}
-    sig = {**ptrs, "STATE": f"tensordesc<fp32[1, 1, 128, {bv}]>"}
-    scalars = {n: "i32" for n in ("stride_conv_slot", "stride_x", "stride_f", "stride_b", "stride_g", "H", "n_heads")}
-    scalars.update(scale="fp32", lower_bound="fp32", eps="fp32")
-    consts = dict(D=128, W=4, HALVES=halves, USE_LOWER_BOUND=True, STAGES=stages, USE_PDL=True)
-    kernel = _compile(kda_decode_triton._kda_decode_stream_kernel, sig, scalars, consts, tuple(ptrs), num_warps=8)
-    ptx = kernel.asm["ptx"]
-    tiles = 2 if halves else 1
-    loads = re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global\.mbarrier", ptx)
-    assert len(loads) == tiles * stages  # (stages - 1) ahead in the prologue, one in the loop
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared::cta", ptx)) == tiles
-    assert "mbarrier.try_wait.parity" in ptx
-    wait = ptx.find("griddepcontrol.wait")
-    assert 0 <= wait < min(ptx.find(op) for op in ("ld.global", "cp.async", "st.global") if op in ptx)
-    assert kernel.metadata.shared <= 227 * 1024  # what an H100 / H200 SM gives one block
-
-
 def test_mla_split_merge_compiles_for_sm90():
     from k3serve.ops import mla_decode_triton
 

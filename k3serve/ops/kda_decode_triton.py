@@ -10,8 +10,6 @@ pre-activation without dt_bias, ``b`` the beta logits.
 ``kda_decode`` is that core step alone (a bandwidth probe for bench/); ``kda_decode_fused`` is
 the whole mixer step the model runs: short-conv update + SiLU, gates, norms, the delta rule and
 the gated RMSNorm, one program per (sequence, head) so the conv state it rewrites is its own.
-``_kda_decode_stream_kernel`` is the same mixer as persistent programs walking the heads with
-TMA state tiles in a software pipeline (``STREAM_FUSED``, opt-in until it wins on the H200).
 
 Reference: ``kda_ref.kda_recurrent_ref`` + ``kda_ref.kda_gate`` (and the mixer's torch path).
 Checked on CPU under ``TRITON_INTERPRET=1`` (tests/test_kda_decode_triton.py); timed on the H200
@@ -34,11 +32,6 @@ from .tickets import last_arrival, tickets
 # gates and norms run): checked, but 75 / 79 % of copy at N = 64 / 256 against this kernel's
 # 80 / 83 % (RESULTS.md fourteenth session), so off.
 GLUON_FUSED = False
-# Persistent programs streaming whole heads with TMA state tiles (``_kda_decode_stream_kernel``),
-# once heads fill the GPU: off until timed. STREAM_CONFIG: (two half-width tiles a head, warps,
-# pipeline stages, programs an SM).
-STREAM_FUSED = False
-STREAM_CONFIG = (True, 8, 3, 1)
 
 
 @triton.jit
@@ -52,6 +45,16 @@ def _decay_beta(F_ROW, BETA_AT, A_LOG, DT_BIAS, h, lower_bound, D: tl.constexpr,
     else:
         g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(f)))
     return tl.exp(g), tl.sigmoid(tl.load(BETA_AT).to(tl.float32))
+
+
+@triton.jit
+def _delta_rule(s, has, q, k, decay, beta, v):
+    """One token through a [K, BV] block of a head's state: S <- decay * S + beta k (v - k^T decay
+    S)^T, o = S^T q. Returns (S, o). ``has`` 0: a fresh sequence, whose slot may hold anything."""
+    s = tl.where(has > 0, s, 0.0) * decay[:, None]
+    r = v - tl.sum(s * k[:, None], 0)
+    s = s + beta * k[:, None] * r[None, :]
+    return s, tl.sum(s * q[:, None], 0)
 
 
 @triton.jit
@@ -77,11 +80,7 @@ def _kda_decode_kernel(
 
     slot = tl.load(SLOTS + n).to(tl.int64)
     s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
-    s = tl.load(s_ptr)  # [D, BV] fp32, rows = key channels
-    s = s * decay[:, None]
-    r = v - tl.sum(s * k[:, None], 0)
-    s = s + beta * k[:, None] * r[None, :]
-    o = tl.sum(s * q[:, None], 0)
+    s, o = _delta_rule(tl.load(s_ptr), 1.0, q, k, decay, beta, v)  # [D, BV] fp32, rows = key channels
     tl.store(s_ptr, s)
     tl.store(O + base + dv, o)
 
@@ -181,10 +180,7 @@ def _kda_decode_fused_kernel(
         s_ptr = STATE + slot * stride_state_slot + h * D * D + dk[:, None] * D + dv[None, :]
         s = tl.load(s_ptr)
         v = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, 2 * P + h * D + dv, stride_conv_slot, stride_x, W)
-        s = tl.where(has > 0, s, 0.0) * decay[:, None]  # a fresh sequence starts from zeros, whatever its slot holds
-        r = v - tl.sum(s * k[:, None], 0)
-        s = s + beta * k[:, None] * r[None, :]
-        o = tl.sum(s * q[:, None], 0)
+        s, o = _delta_rule(s, has, q, k, decay, beta, v)
         tl.store(s_ptr, s)
         tl.store(O_SCRATCH + head * D + dv, o)
         sumsq += tl.sum(o * o)
@@ -216,70 +212,12 @@ def _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, ep
     tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
 
 
-@triton.jit
-def _stream_tile(STATE, X, CONV_W, CONV_STATE, n, slot, h, has, q, k, decay, beta, c0, stride_conv_slot, stride_x, P,
-                 D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr):
-    """Value columns c0 .. c0 + BV of a head: its [D, BV] state tile in and out by TMA, v's conv,
-    the delta rule. Returns the output columns."""
-    s = STATE.load([slot, h, 0, c0]).reshape([D, BV])
-    v = _conv_silu(X, CONV_W, CONV_STATE, n, slot.to(tl.int64), has, 2 * P + h * D + c0 + tl.arange(0, BV),
-                   stride_conv_slot, stride_x, W)
-    s = tl.where(has > 0, s, 0.0) * decay[:, None]  # a fresh sequence starts from zeros, whatever its slot holds
-    r = v - tl.sum(s * k[:, None], 0)
-    s = s + beta * k[:, None] * r[None, :]
-    STATE.store([slot, h, 0, c0], s.reshape([1, 1, D, BV]))
-    return tl.sum(s * q[:, None], 0)
-
-
-@triton.jit
-def _stream_out(o, dv, inv_rms, GATE, ONORM_W, Y, n, h, stride_g, P, D: tl.constexpr):
-    """y = o / rms * w * sigmoid(gate) for a head's value columns ``dv``."""
-    y = o * inv_rms * tl.load(ONORM_W + dv) * tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dv).to(tl.float32))
-    tl.store(Y + n * P + h * D + dv, y.to(Y.dtype.element_ty))
-
-
-@triton.jit
-def _kda_decode_stream_kernel(
-    X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, Y,
-    stride_conv_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H, n_heads,
-    D: tl.constexpr, W: tl.constexpr, HALVES: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    """The fused mixer as a stream: persistent programs walk the (sequence, head) items, a whole
-    head each (its conv, gates, norms, delta rule and gated RMSNorm; no scratch, no tickets), the
-    state tiles by TMA through a ``STAGES``-deep software pipeline, so the bytes in flight stop
-    riding on registers (ncu, fourteenth session: the per-head kernel's throughput follows the
-    programs an SM holds). HALVES: a head's value columns as two [D, D/2] tiles, else one."""
-    pdl_start(USE_PDL)
-    P = H * D
-    BV: tl.constexpr = D // 2 if HALVES else D
-    for item in tl.range(tl.program_id(0), n_heads, tl.num_programs(0), num_stages=STAGES):
-        n = item // H
-        h = item % H
-        slot = tl.load(SLOTS + n).to(tl.int32)  # (TMA coordinates are 32-bit)
-        has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-        q, k, decay, beta = _head_gates(X, CONV_W, CONV_STATE, F, BETA, A_LOG, DT_BIAS, n, h, slot.to(tl.int64), has,
-                                        stride_conv_slot, stride_x, stride_f, stride_b, scale, lower_bound, P, D, W,
-                                        USE_LOWER_BOUND, True)
-        o0 = _stream_tile(STATE, X, CONV_W, CONV_STATE, n, slot, h, has, q, k, decay, beta, 0, stride_conv_slot,
-                          stride_x, P, D, BV, W)
-        if HALVES:
-            o1 = _stream_tile(STATE, X, CONV_W, CONV_STATE, n, slot, h, has, q, k, decay, beta, BV, stride_conv_slot,
-                              stride_x, P, D, BV, W)
-            inv_rms = 1.0 / tl.sqrt((tl.sum(o0 * o0) + tl.sum(o1 * o1)) / D + eps)
-            _stream_out(o1, BV + tl.arange(0, BV), inv_rms, GATE, ONORM_W, Y, n, h, stride_g, P, D)
-        else:
-            inv_rms = 1.0 / tl.sqrt(tl.sum(o0 * o0) / D + eps)
-        _stream_out(o0, tl.arange(0, BV), inv_rms, GATE, ONORM_W, Y, n, h, stride_g, P, D)
-
-
 def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, has_ctx: torch.Tensor,
                      f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 64,
                      out_dtype: torch.dtype = torch.float32, num_warps: int = 4,
-                     parts: int | None = None, gluon: bool | None = None,
-                     stream: tuple | bool | None = None) -> torch.Tensor:
+                     parts: int | None = None, gluon: bool | None = None) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
@@ -290,9 +228,7 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
     the next value block inside one program, TMA state tiles, evict-first loads with streaming
     stores; RESULTS.md seventh and eighth sessions.) ``gluon`` (None: ``GLUON_FUSED``): a head's
-    program in ``kda_decode_gluon`` instead, where one program a head serves and D = 128.
-    ``stream`` (None: ``STREAM_FUSED``; True: ``STREAM_CONFIG``; or a config tuple): persistent
-    programs through ``_kda_decode_stream_kernel`` where one program a head serves."""
+    program in ``kda_decode_gluon`` instead, where one program a head serves and D = 128."""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -311,10 +247,6 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
 
         return kda_decode_fused_gluon(x_qkv, conv_w, conv_state, has_ctx, f, beta_logits, A_log, dt_bias, gate,
                                       o_norm_w, eps, lower_bound, state, slots, H, out_dtype)
-    stream = STREAM_FUSED if stream is None else stream
-    if stream and parts == 1 and _tma_ready(state):
-        return _fused_stream(x_qkv, conv_w, conv_state, has_ctx, f, beta_logits, A_log, dt_bias, gate, o_norm_w, eps,
-                             lower_bound, state, slots, H, out_dtype, STREAM_CONFIG if stream is True else stream)
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
     sumsq = torch.empty(N, H, parts, dtype=torch.float32, device=x_qkv.device)
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
@@ -332,28 +264,3 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     )
     return y
 
-
-def _tma_ready(state: torch.Tensor) -> bool:
-    """A tensor descriptor needs a 16-byte aligned base and 16-byte multiples for its outer strides."""
-    return state.data_ptr() % 16 == 0 and all(st * state.element_size() % 16 == 0 for st in state.stride()[:-1])
-
-
-def _fused_stream(x_qkv, conv_w, conv_state, has_ctx, f, beta_logits, A_log, dt_bias, gate, o_norm_w, eps, lower_bound,
-                  state, slots, H, out_dtype, config) -> torch.Tensor:
-    """``kda_decode_fused`` through the streaming kernel (same arguments, checked by the caller)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    halves, warps, stages, per_sm = config
-    N, D, W = x_qkv.shape[0], state.shape[-1], conv_w.shape[-1]
-    desc = TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, D, D // 2 if halves else D])
-    y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
-    x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-    _kda_decode_stream_kernel[(min(N * H, per_sm * sm_count(x_qkv.device)),)](
-        x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
-        f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(), gate, o_norm_w.float().contiguous(),
-        desc, slots, y, conv_state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
-        D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0, eps, H, N * H,
-        D=D, W=W, HALVES=halves, USE_LOWER_BOUND=lower_bound is not None, STAGES=stages, num_warps=warps,
-        **pdl.launch(y.device),
-    )
-    return y
