@@ -155,7 +155,8 @@ def state_probes(ceil: float) -> None:
         slots = torch.randperm(N + 8, device="cuda")[:N]
         out = torch.empty(N, H, D, D, device="cuda")
         for pattern in ("in place", "copy out", "in place, TMA", "in place, V first"):
-            for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)) + (((16, 2), (32, 2)) if "V first" in pattern else ()):
+            for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)) + (((16, 2), (32, 2), (8, 8), (8, 4), (4, 4), (16, 8))
+                                                                   if "V first" in pattern else ()):
                 desc = TensorDescriptor(state, list(state.shape), list(state.stride()), [1, 1, D, bv])
                 run = lambda: _state_probe_kernel[(N, H, D // bv)](  # noqa: E731
                     state, desc, slots, out, state.stride(0), H, D=D, BV=bv, IN_PLACE=pattern != "copy out",

@@ -9,7 +9,7 @@ tiles with ``num_stages`` loads in flight (TMA descriptors or pointers), in plac
 second pool, beside torch's own copy and in-place scale of the same bytes. Not a model kernel:
 each variant scales the state by 0.999 and is checked against that before it is timed.
 
-Usage: python -m bench.state_stream_probe [--quick]
+Usage: python -m bench.state_stream_probe [--quick | --flat]  (--flat: the dense rows alone)
 """
 
 import sys
@@ -41,6 +41,13 @@ def _stream_kernel(SRC, DST, SRC_PTR, DST_PTR, SLOTS, n_tiles, stride_slot, H, D
             off = slot.to(tl.int64) * stride_slot + h * D * D + dk[:, None] * D + vb * BV + tl.arange(0, BV)[None, :]
             s = tl.load(SRC_PTR + off)
             tl.store(DST_PTR + off, s * 0.999)
+
+
+@triton.jit
+def _flat_kernel(X, BLOCK: tl.constexpr):
+    """The same bytes as torch's in-place scale sees them: one contiguous run a program."""
+    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(X + off, tl.load(X + off) * 0.999)
 
 
 def _variants(quick: bool):
@@ -79,6 +86,13 @@ def main() -> None:
 
         report("torch copy_ of the same bytes (dense)", gpu_ms(lambda: dense_out.copy_(dense), rep=200))
         report("torch mul_ in place (dense)", gpu_ms(lambda: dense.mul_(1.0), rep=200))
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8):
+                report(f"Triton flat in place (dense), {block} a program, {warps} warps",
+                       gpu_ms(lambda: _flat_kernel[(dense.numel() // block,)](dense, BLOCK=block, num_warps=warps),
+                              rep=200))
+        if "--flat" in sys.argv:
+            continue
         for tma, in_place, bv, warps, stages, per_sm in _variants(quick):
             dst = pool if in_place else second
             block = [1, 1, D, bv]
