@@ -122,8 +122,8 @@ def _state_probe_kernel(STATE, DESC, SLOTS, OUT, stride_slot, H, D: tl.constexpr
     """The decode kernels' state traffic alone: each (sequence, head, value block) program reads
     its [D, BV] fp32 tile at the sequence's slot, scales it, and writes it back in place (or to a
     dense output, as a copy does), by per-thread loads or TMA; V_FIRST: the tile of a head stored
-    value rows first ([V, K], fla's ``state_v_first``), [BV, D], one contiguous run. What this access pattern can reach
-    bounds what the KDA decode kernels can reach."""
+    value rows first ([V, K], fla's ``state_v_first``), [BV, D], one contiguous run. What this
+    access pattern can reach bounds what the KDA decode kernels can reach."""
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dk = tl.arange(0, D)
     dv = vb * BV + tl.arange(0, BV)

@@ -6,8 +6,9 @@ load, one store) reached 91-93 % of the copy ceiling and the mixer 79-83 %; ncu 
 following the bytes an SM holds in flight, which registers cap. This probe asks whether a
 pipelined stream lifts that ceiling: persistent programs walking the (sequence, head, value block)
 tiles with ``num_stages`` loads in flight (TMA descriptors or pointers), in place or out to a
-second pool, beside torch's own copy and in-place scale of the same bytes. Not a model kernel:
-each variant scales the state by 0.999 and is checked against that before it is timed.
+second pool, beside torch's own copy and in-place multiply and a flat Triton stream of the same
+bytes. Not a model kernel: each Triton variant scales the state by 0.999 and is checked against
+that before it is timed.
 
 Usage: python -m bench.state_stream_probe [--quick | --flat]  (--flat: the dense rows alone)
 """
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from bench.ceilings import copy_tbs
+from bench.ceilings import copy_bench_setup
 from bench.timing import gpu_ms
 
 
@@ -51,7 +52,7 @@ def _flat_kernel(X, BLOCK: tl.constexpr):
 
 
 def _variants(quick: bool):
-    """(label, TMA, in place, BV, warps, stages, programs an SM)."""
+    """(TMA, in place, BV, warps, stages, programs an SM)."""
     out = []
     for tma in (True, False):
         for bv in (32, 64):
@@ -67,9 +68,7 @@ def _variants(quick: bool):
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    ceil = copy_tbs()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"copy ceiling {ceil:.2f} TB/s, {sms} SMs")
+    ceil, sms, _ = copy_bench_setup()
     H, D = 96, 128
     print("| N | variant | ms | TB/s | % copy |\n|---|---|---|---|---|")
     for N in (64, 256):
@@ -88,9 +87,12 @@ def main() -> None:
         report("torch mul_ in place (dense)", gpu_ms(lambda: dense.mul_(1.0), rep=200))
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8):
-                report(f"Triton flat in place (dense), {block} a program, {warps} warps",
-                       gpu_ms(lambda: _flat_kernel[(dense.numel() // block,)](dense, BLOCK=block, num_warps=warps),
-                              rep=200))
+                run = lambda: _flat_kernel[(dense.numel() // block,)](dense, BLOCK=block, num_warps=warps)  # noqa: E731
+                before = dense.clone()
+                run()
+                if not torch.allclose(dense, before * 0.999, rtol=1e-6, atol=0):
+                    raise AssertionError(f"flat stream, {block} a program, {warps} warps: wrong")
+                report(f"Triton flat in place (dense), {block} a program, {warps} warps", gpu_ms(run, rep=200))
         if "--flat" in sys.argv:
             continue
         for tma, in_place, bv, warps, stages, per_sm in _variants(quick):

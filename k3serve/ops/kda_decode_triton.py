@@ -228,8 +228,9 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
     the next value block inside one program, TMA state tiles, evict-first loads with streaming
     stores, RESULTS.md seventh and eighth sessions; persistent programs streaming heads through a
-    TMA pipeline, value-first [V, K] states, 4-32-row tiles, forty-fourth session.) ``gluon`` (None: ``GLUON_FUSED``): a head's
-    program in ``kda_decode_gluon`` instead, where one program a head serves and D = 128."""
+    TMA pipeline, value-first [V, K] states, 4-32-row tiles, forty-fourth session.) ``gluon``
+    (None: ``GLUON_FUSED``): a head's program in ``kda_decode_gluon`` instead, where one program a
+    head serves and D = 128."""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
