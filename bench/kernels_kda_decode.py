@@ -19,6 +19,7 @@ from bench.ceilings import copy_tbs
 from bench.summary import Row
 from bench.timing import gpu_ms
 
+from k3serve.ops import kda_decode_triton as kdt
 from k3serve.ops.kda_decode_triton import kda_decode, kda_decode_fused
 from k3serve.ops.kda_ref import kda_gate, kda_recurrent_ref, l2norm
 
@@ -69,12 +70,15 @@ def fused_check(N, H, D, lb):
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
     x, conv_w, conv0, gate, has = mixer_inputs(N, H, D, state0.shape[0], 5)
     outs = []
-    for bv, nw, parts, gluon in [(64, 4, None, False)] + FUSED_VARIANTS:
+    default = (64, 4, None, False, False)  # (value block, warps, parts, Gluon, heads fastest)
+    for bv, nw, parts, gluon, heads_fastest in [default] + [v + (False,) for v in FUSED_VARIANTS] + [default[:4] + (True,)]:
+        kdt.HEADS_FASTEST = heads_fastest
         st, cs = state0.clone(), conv0.clone()
         y = kda_decode_fused(x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
                              torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H, block_v=bv,
                              num_warps=nw, parts=parts, gluon=gluon)
         outs.append((y, st, cs.float()))
+    kdt.HEADS_FASTEST = False
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return max(rel(got, want) for out in outs[1:] for got, want in zip(out, outs[0]))
 
@@ -96,6 +100,9 @@ def timing(N, H, D, lb=-5.0):
                                        torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H, block_v=bv,
                                        num_warps=nw, parts=parts, gluon=gluon)
         row["fused_variants"][(bv, nw, parts, gluon)] = gpu_ms(run, rep=200)
+    kdt.HEADS_FASTEST = True  # the default's grid launched heads fastest
+    row["fused_variants"]["heads fastest"] = gpu_ms(fused, rep=200)
+    kdt.HEADS_FASTEST = False
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 

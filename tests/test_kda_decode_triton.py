@@ -51,6 +51,7 @@ FUSED = textwrap.dedent('''
     from k3serve.model.batch import ForwardBatch, SeqChunk
     from k3serve.model.layers import rms_norm
     from k3serve.ops.kda import kda_core
+    from k3serve.ops import kda_decode_triton
     from k3serve.ops.kda_decode_triton import kda_decode_fused
     from k3serve.ops.kda_ref import kda_gate
     from k3serve.ops.short_conv import short_conv_ref
@@ -83,8 +84,11 @@ FUSED = textwrap.dedent('''
         assert not xs.is_contiguous() and torch.equal(gs, gate)
         # (value block, programs a head): one program looping over 1 or 4 blocks; 2 or 4 programs of
         # one block, 2 of two (the last of a head normalises it and shifts the q/k conv state); the
-        # default rule. Each call must leave the per-head tickets at zero for the next.
-        for bv, parts in ((D, 1), (D // 4, 1), (D // 2, 2), (D // 4, 4), (D // 4, 2), (D // 2, None), (D // 2, 2)):
+        # default rule. Each call must leave the per-head tickets at zero for the next. Then two
+        # launched heads fastest.
+        for bv, parts, heads_fastest in ((D, 1, 0), (D // 4, 1, 0), (D // 2, 2, 0), (D // 4, 4, 0), (D // 4, 2, 0),
+                                         (D // 2, None, 0), (D // 2, 2, 0), (D // 2, 1, 1), (D // 4, 2, 1)):
+            kda_decode_triton.HEADS_FASTEST = bool(heads_fastest)
             conv_t, state_t = conv0.clone(), state0.clone()
             y = kda_decode_fused(xs, conv_w, conv_t, torch.tensor(ctx) > 0, fs, bs, A_log, dt_bias, gs, onw, 1e-5, lb,
                                  state_t, slots, H, block_v=bv, parts=parts)

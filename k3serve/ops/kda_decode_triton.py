@@ -32,6 +32,9 @@ from .tickets import last_arrival, tickets
 # gates and norms run): checked, but 75 / 79 % of copy at N = 64 / 256 against this kernel's
 # 80 / 83 % (RESULTS.md fourteenth session), so off.
 GLUON_FUSED = False
+# The fused grid's launch order: sequences fastest (grid (N, H, parts)), or heads fastest ((H, N,
+# parts): consecutive programs on neighbouring state blocks of one slot).
+HEADS_FASTEST = False
 
 
 @triton.jit
@@ -146,7 +149,7 @@ def _kda_decode_fused_kernel(
     X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, SUMSQ, TICKETS, Y,
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
     D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, BLOCKS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    HEADS_FASTEST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """Program (sequence, head, part): the head's q/k conv, SiLU, gates and L2 norms, then BLOCKS
     value blocks of BV columns: v's conv and the state update. A head is D // (BV * BLOCKS)
@@ -157,8 +160,12 @@ def _kda_decode_fused_kernel(
     0.120 vs 0.168 ms on kimi-linear), one wins once heads fill the GPU (N >= 64: 79-82 % of
     copy vs 70-74 %; RESULTS.md eighth session)."""
     pdl_start(USE_PDL)
-    n = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_FASTEST:
+        n = tl.program_id(1)
+        h = tl.program_id(0)
+    else:
+        n = tl.program_id(0)
+        h = tl.program_id(1)
     part = tl.program_id(2)
     PARTS: tl.constexpr = D // (BV * BLOCKS)
     P = H * D
@@ -254,14 +261,14 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-    _kda_decode_fused_kernel[(N, H, parts)](
+    _kda_decode_fused_kernel[(H, N, parts) if HEADS_FASTEST else (N, H, parts)](
         x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
         gate, o_norm_w.float().contiguous(), state, slots, o_scratch, sumsq, tickets(x_qkv.device, N * H), y,
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
         eps, H, D=D, W=W, BV=bv, BLOCKS=D // (bv * parts), USE_LOWER_BOUND=lower_bound is not None,
-        num_warps=num_warps,
+        HEADS_FASTEST=HEADS_FASTEST, num_warps=num_warps,
         **pdl.launch(y.device),
     )
     return y
