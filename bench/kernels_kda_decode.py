@@ -50,8 +50,23 @@ def check(N, H, D, lb):
 # Gluon: kda_decode_gluon's program a head (state copied to shared memory during the convs).
 # (8 and 16 warps a head, whose rows the reductions then cross warps for: 35-58 % of copy, RESULTS.md
 # fourteenth session.)
-FUSED_VARIANTS = [(64, 4, 1, False), (64, 4, 2, False), (32, 4, 1, False), (32, 4, 4, False), (128, 8, 1, False),
-                  (64, 4, 1, True)]
+# (value block, warps, programs a head, Gluon, launch order, register cap)
+DEFAULT_FUSED = (64, 4, None, False, kdt.LAUNCH_ORDER, None)
+FUSED_VARIANTS = [(64, 4, 1, False, "sequences", None), (64, 4, 2, False, "sequences", None),
+                  (32, 4, 4, False, "sequences", None), (64, 4, 1, True, "sequences", None),
+                  (64, 4, 2, False, "memory", None), (32, 4, 4, False, "memory", None),
+                  (64, 4, 1, False, "heads", 128), (64, 4, 1, False, "heads", 112), (32, 4, 1, False, "heads", None),
+                  (32, 4, 1, False, "heads", 96), (32, 2, 1, False, "heads", None), (16, 2, 1, False, "heads", None)]
+
+
+def fused_variant(variant, *args):
+    """kda_decode_fused(*args) as ``variant`` (FUSED_VARIANTS' form) runs it."""
+    bv, nw, parts, gluon, order, maxnreg = variant
+    kdt.LAUNCH_ORDER = order
+    try:
+        return kda_decode_fused(*args, block_v=bv, num_warps=nw, parts=parts, gluon=gluon, maxnreg=maxnreg)
+    finally:
+        kdt.LAUNCH_ORDER = DEFAULT_FUSED[4]
 
 
 def mixer_inputs(N, H, D, num_slots, seed):
@@ -70,15 +85,11 @@ def fused_check(N, H, D, lb):
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
     x, conv_w, conv0, gate, has = mixer_inputs(N, H, D, state0.shape[0], 5)
     outs = []
-    default = (64, 4, None, False, False)  # (value block, warps, parts, Gluon, heads fastest)
-    for bv, nw, parts, gluon, heads_fastest in [default] + [v + (False,) for v in FUSED_VARIANTS] + [default[:4] + (True,)]:
-        kdt.HEADS_FASTEST = heads_fastest
+    for variant in [DEFAULT_FUSED] + FUSED_VARIANTS:
         st, cs = state0.clone(), conv0.clone()
-        y = kda_decode_fused(x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
-                             torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H, block_v=bv,
-                             num_warps=nw, parts=parts, gluon=gluon)
+        y = fused_variant(variant, x, conv_w, cs, has, f.view(N, H * D), b, A_log, dt_bias, gate,
+                          torch.ones(D, device="cuda"), 1e-5, lb, st, slots, H)
         outs.append((y, st, cs.float()))
-    kdt.HEADS_FASTEST = False
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return max(rel(got, want) for out in outs[1:] for got, want in zip(out, outs[0]))
 
@@ -93,16 +104,12 @@ def timing(N, H, D, lb=-5.0):
     fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
                                      torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
     row["fused_ms"] = gpu_ms(fused, rep=200)
-    # fused-kernel variants: (value block width, warps, programs a head, Gluon)
+    # fused-kernel variants: (value block width, warps, programs a head, Gluon, launch order, register cap)
     row["fused_variants"] = {}
-    for bv, nw, parts, gluon in FUSED_VARIANTS:
-        run = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
-                                       torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H, block_v=bv,
-                                       num_warps=nw, parts=parts, gluon=gluon)
-        row["fused_variants"][(bv, nw, parts, gluon)] = gpu_ms(run, rep=200)
-    kdt.HEADS_FASTEST = True  # the default's grid launched heads fastest
-    row["fused_variants"]["heads fastest"] = gpu_ms(fused, rep=200)
-    kdt.HEADS_FASTEST = False
+    for variant in FUSED_VARIANTS:
+        run = lambda: fused_variant(variant, x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias,  # noqa: E731
+                                    gate, torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
+        row["fused_variants"][variant] = gpu_ms(run, rep=200)
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -204,7 +211,7 @@ def main() -> list[Row]:
                         "copy", *fla, checked),
                     Row("KDA fused decode mixer (Triton)", f"N {N}, H 96, D 128, state bytes", r["fused_ms"],
                         r["bytes"], "copy", *fla, f"variants vs default {fused_err:.1e}")]
-    print("\nfused mixer variants (value block, warps, programs a head), variants vs default rel err "
+    print("\nfused mixer variants (value block, warps, programs a head, Gluon, launch order, register cap), variants vs default rel err "
           f"{fused_err:.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
     for N, r in rows:
         for var, ms in r["fused_variants"].items():

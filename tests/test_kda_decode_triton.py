@@ -84,11 +84,13 @@ FUSED = textwrap.dedent('''
         assert not xs.is_contiguous() and torch.equal(gs, gate)
         # (value block, programs a head): one program looping over 1 or 4 blocks; 2 or 4 programs of
         # one block, 2 of two (the last of a head normalises it and shifts the q/k conv state); the
-        # default rule. Each call must leave the per-head tickets at zero for the next. Then two
-        # launched heads fastest.
-        for bv, parts, heads_fastest in ((D, 1, 0), (D // 4, 1, 0), (D // 2, 2, 0), (D // 4, 4, 0), (D // 4, 2, 0),
-                                         (D // 2, None, 0), (D // 2, 2, 0), (D // 2, 1, 1), (D // 4, 2, 1)):
-            kda_decode_triton.HEADS_FASTEST = bool(heads_fastest)
+        # default rule. Each call must leave the per-head tickets at zero for the next. Then the
+        # other launch orders.
+        for bv, parts, order in ((D, 1, "sequences"), (D // 4, 1, "sequences"), (D // 2, 2, "sequences"),
+                                 (D // 4, 4, "sequences"), (D // 4, 2, "sequences"), (D // 2, None, "sequences"),
+                                 (D // 2, 2, "sequences"), (D // 2, 1, "heads"), (D // 4, 2, "heads"),
+                                 (D // 2, 2, "memory"), (D // 4, 4, "memory")):
+            kda_decode_triton.LAUNCH_ORDER = order
             conv_t, state_t = conv0.clone(), state0.clone()
             y = kda_decode_fused(xs, conv_w, conv_t, torch.tensor(ctx) > 0, fs, bs, A_log, dt_bias, gs, onw, 1e-5, lb,
                                  state_t, slots, H, block_v=bv, parts=parts)

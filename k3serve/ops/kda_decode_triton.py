@@ -32,9 +32,11 @@ from .tickets import last_arrival, tickets
 # gates and norms run): checked, but 75 / 79 % of copy at N = 64 / 256 against this kernel's
 # 80 / 83 % (RESULTS.md fourteenth session), so off.
 GLUON_FUSED = False
-# The fused grid's launch order: sequences fastest (grid (N, H, parts)), or heads fastest ((H, N,
-# parts): consecutive programs on neighbouring state blocks of one slot).
-HEADS_FASTEST = False
+# The fused grid's launch order, fastest first: "sequences" (grid (N, H, parts)), "heads" ((H, N,
+# parts): consecutive programs on neighbouring state blocks of one slot) or "memory" ((parts, H,
+# N): a head's programs side by side, then its neighbours).
+LAUNCH_ORDER = "heads"
+_ORDERS = {"sequences": 0, "heads": 1, "memory": 2}
 
 
 @triton.jit
@@ -68,9 +70,9 @@ def _kda_decode_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     pdl_start(USE_PDL)
-    n = tl.program_id(0)
+    vb = tl.program_id(0)  # (memory order: a head's value blocks side by side, then its neighbours)
     h = tl.program_id(1)
-    vb = tl.program_id(2)
+    n = tl.program_id(2)
     dk = tl.arange(0, D)
     dv = vb * BV + tl.arange(0, BV)
     base = (n * H + h) * D
@@ -100,7 +102,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     q, k, v, f = (x.contiguous() for x in (q, k, v, f))
     o = torch.empty(N, H, D, dtype=torch.float32, device=q.device)
     bv = min(block_v, D)
-    _kda_decode_kernel[(N, H, D // bv)](
+    _kda_decode_kernel[(D // bv, H, N)](
         q, k, v, f, beta_logits.contiguous(), A_log.float().contiguous(), dt_bias.float().contiguous(), state,
         slots, o, state.stride(0), scale, float(lower_bound) if lower_bound is not None else 0.0, H,
         D=D, BV=bv, USE_LOWER_BOUND=lower_bound is not None, **pdl.launch(o.device),
@@ -149,7 +151,7 @@ def _kda_decode_fused_kernel(
     X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, O_SCRATCH, SUMSQ, TICKETS, Y,
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
     D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, BLOCKS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    ORDER: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """Program (sequence, head, part): the head's q/k conv, SiLU, gates and L2 norms, then BLOCKS
     value blocks of BV columns: v's conv and the state update. A head is D // (BV * BLOCKS)
@@ -160,13 +162,18 @@ def _kda_decode_fused_kernel(
     0.120 vs 0.168 ms on kimi-linear), one wins once heads fill the GPU (N >= 64: 79-82 % of
     copy vs 70-74 %; RESULTS.md eighth session)."""
     pdl_start(USE_PDL)
-    if HEADS_FASTEST:
-        n = tl.program_id(1)
-        h = tl.program_id(0)
-    else:
+    if ORDER == 0:
         n = tl.program_id(0)
         h = tl.program_id(1)
-    part = tl.program_id(2)
+        part = tl.program_id(2)
+    elif ORDER == 1:
+        n = tl.program_id(1)
+        h = tl.program_id(0)
+        part = tl.program_id(2)
+    else:
+        n = tl.program_id(2)
+        h = tl.program_id(1)
+        part = tl.program_id(0)
     PARTS: tl.constexpr = D // (BV * BLOCKS)
     P = H * D
     dk = tl.arange(0, D)
@@ -224,12 +231,13 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
                      gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, lower_bound: float | None,
                      state: torch.Tensor, slots: torch.Tensor, num_heads: int, block_v: int = 64,
                      out_dtype: torch.dtype = torch.float32, num_warps: int = 4,
-                     parts: int | None = None, gluon: bool | None = None) -> torch.Tensor:
+                     parts: int | None = None, gluon: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """The whole KDA token mixer between the input projections and o_proj, for one decode token
     per sequence. x_qkv [N, 3P] pre-conv q|k|v projections; conv_w [3P, W]; conv_state
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
     context start from zeros; ``has_ctx`` [N], bool or int32); f, gate [N, P]; beta_logits [N, H].
-    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``parts``:
+    Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``maxnreg``: a
+    register cap a thread (more programs an SM). ``parts``:
     programs per head (each D / parts value columns), None: one per value block while heads alone
     would not fill two waves of SMs, else one. ``block_v``, ``num_warps``, ``parts``: the variants
     bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
@@ -261,14 +269,15 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-    _kda_decode_fused_kernel[(H, N, parts) if HEADS_FASTEST else (N, H, parts)](
+    order = _ORDERS[LAUNCH_ORDER]
+    _kda_decode_fused_kernel[((N, H, parts), (H, N, parts), (parts, H, N))[order]](
         x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
         gate, o_norm_w.float().contiguous(), state, slots, o_scratch, sumsq, tickets(x_qkv.device, N * H), y,
         conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0),
         D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0,
         eps, H, D=D, W=W, BV=bv, BLOCKS=D // (bv * parts), USE_LOWER_BOUND=lower_bound is not None,
-        HEADS_FASTEST=HEADS_FASTEST, num_warps=num_warps,
+        ORDER=order, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
         **pdl.launch(y.device),
     )
     return y
