@@ -204,7 +204,7 @@ def test_kda_fused_decode_compiles_for_sm90(block_v, blocks):
     scalars = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b",
                                   "stride_g")}
     scalars.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
-    consts = dict(D=128, W=4, BV=block_v, BLOCKS=blocks, USE_LOWER_BOUND=True, USE_PDL=True)
+    consts = dict(D=128, W=4, BV=block_v, BLOCKS=blocks, USE_LOWER_BOUND=True, ORDER=1, USE_PDL=True)
     ptx = _compile(kda_decode_triton._kda_decode_fused_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
     assert "griddepcontrol.wait" in ptx
     if block_v * blocks < 128:
