@@ -271,7 +271,7 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     # Rows may be strided (column slices of one fused projection GEMM): only the last dim must be dense.
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-    order = _ORDERS[LAUNCH_ORDER]
+    order = _ORDERS[LAUNCH_ORDER] if N < 65536 else 0  # (a grid's y and z dims stop at 65,535)
     _kda_decode_fused_kernel[((N, H, parts), (H, N, parts), (parts, H, N))[order]](
         x_qkv, conv_w.float().contiguous(), conv_state, has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32),
         f, beta_logits, A_log.float().contiguous(), dt_bias.float().contiguous(),
