@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from k3serve.cache.prefix import Checkpoint, PrefixIndex
@@ -180,8 +180,32 @@ def dense_model():
     return net.eval()
 
 
+def assert_same_or_parted_at_a_tie(plain, prompt, got, want, tol=1e-5):
+    """Greedy tokens equal to the no-cache run's, or equal up to a step where the no-cache model's two
+    best tokens tie within fp32 rounding: there which one wins depends on the batch's BLAS kernel,
+    not on the cache (hypothesis found seed 194: logprobs -4.8612947 for both, prefill and decode of
+    the same context picking different ones), and the continuations legitimately part. A
+    corrupted cache diverges where one token clearly leads."""
+    if got == want:
+        return
+    pos = next((j for j in range(min(len(got), len(want))) if got[j] != want[j]), None)
+    assert pos is not None, (got, want)
+    rid = plain.add_request(prompt + want[:pos], SamplingParams(max_tokens=1, temperature=0.0, logprobs=2,
+                                                                ignore_eos=True))
+    final = None
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            if out.finished and out.request_id == rid:
+                final = out.outputs[0]
+    top = dict(final.logprobs[0][2])
+    assert got[pos] in top and want[pos] in top and abs(top[got[pos]] - top[want[pos]]) < tol, (
+        f"cached run parts from the plain one at step {pos} ({got[pos]} vs {want[pos]}) where the plain model's "
+        f"two best are {top}: not a tie")
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(0, 10 ** 6))
+@example(194)  # (a greedy near-tie: see assert_same_or_parted_at_a_tie)
 def test_memory_pressure_interleavings(dense_model, seed):
     """Small pool, several conversations, random aborts: no corruption (completed outputs equal
     the no-cache run), no leak (dropping the cache empties the pool)."""
@@ -205,7 +229,7 @@ def test_memory_pressure_interleavings(dense_model, seed):
                     done[ids[out.request_id]] = out.outputs[0].token_ids
             eng.scheduler.owners.check()
         for i, toks in done.items():
-            assert toks == run(plain, [convs[i]])[0]
+            assert_same_or_parted_at_a_tie(plain, convs[i], toks, run(plain, [convs[i]])[0])
             convs[i] = convs[i] + toks + [rng.randrange(1700) for _ in range(rng.randrange(1, 15))]
     eng.prefix.clear()
     eng.scheduler.owners.check()
