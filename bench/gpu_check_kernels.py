@@ -27,7 +27,7 @@ from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from bench.overrides import constants
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
-from k3serve.ops import attn_res_triton, kda_decode_triton, mla_ref
+from k3serve.ops import attn_res_triton, mla_ref
 from k3serve.ops.attn_res_triton import attn_res_mix, attn_res_summary
 from k3serve.ops.gemv_triton import GEMV_CONFIGS, gemv
 from k3serve.ops.kda import kda_core
@@ -430,12 +430,9 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
                                                (32, 4, "memory"))
     for bv, parts, order in forms:
         conv_t, state_t = conv0.clone(), state0.clone()
-        kda_decode_triton.LAUNCH_ORDER = order
-        try:
+        with constants(f"k3serve.ops.kda_decode_triton.LAUNCH_ORDER={order!r}"):
             y = kda_decode_fused(x, conv_w, conv_t, has, f, b, A_log, dt_bias, gate, onw, 1e-5, lb, state_t, slots, H,
                                  block_v=bv, parts=parts, gluon=gluon)
-        finally:
-            kda_decode_triton.LAUNCH_ORDER = "heads"
         err = max(rel(y, y_ref), rel(state_t, state_r), rel(conv_t, conv_r))
         record("KDA fused decode mixer" + (", Gluon" if gluon else ""),
                f"N={N} H={H} D={D}" + (f" block {bv}, parts {parts}, {order} fastest" if not gluon else ""), err, 1e-4)

@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench.ceilings import copy_tbs
+from bench.overrides import constants
 from bench.summary import Row
 from bench.timing import gpu_ms
 
@@ -62,11 +63,8 @@ FUSED_VARIANTS = [(64, 4, 1, False, "sequences", None), (64, 4, 2, False, "seque
 def fused_variant(variant, *args):
     """kda_decode_fused(*args) as ``variant`` (FUSED_VARIANTS' form) runs it."""
     bv, nw, parts, gluon, order, maxnreg = variant
-    kdt.LAUNCH_ORDER = order
-    try:
+    with constants(f"k3serve.ops.kda_decode_triton.LAUNCH_ORDER={order!r}"):
         return kda_decode_fused(*args, block_v=bv, num_warps=nw, parts=parts, gluon=gluon, maxnreg=maxnreg)
-    finally:
-        kdt.LAUNCH_ORDER = DEFAULT_FUSED[4]
 
 
 def mixer_inputs(N, H, D, num_slots, seed):
@@ -211,8 +209,8 @@ def main() -> list[Row]:
                         "copy", *fla, checked),
                     Row("KDA fused decode mixer (Triton)", f"N {N}, H 96, D 128, state bytes", r["fused_ms"],
                         r["bytes"], "copy", *fla, f"variants vs default {fused_err:.1e}")]
-    print("\nfused mixer variants (value block, warps, programs a head, Gluon, launch order, register cap), variants vs default rel err "
-          f"{fused_err:.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
+    print("\nfused mixer variants (value block, warps, programs a head, Gluon, launch order, register cap), "
+          f"variants vs default rel err {fused_err:.1e}:\n| N | variant | ms | state TB/s | % copy |\n|---|---|---|---|---|")
     for N, r in rows:
         for var, ms in r["fused_variants"].items():
             tbs = r["bytes"] / (ms * 1e-3) / 1e12

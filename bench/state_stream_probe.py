@@ -104,7 +104,8 @@ def tiles(N: int, pool: torch.Tensor, slots: torch.Tensor, report) -> None:
                         del before
                         label = (f"tiles, {'random slots' if indirect else 'dense'}, "
                                  f"{'memory order' if mem_order else 'sequences fastest'}, "
-                                 f"{'[BV, D]' if v_first else '[D, BV]'}, BV {bv} ({D * bv * 4 // 1024} KB), {warps} warps")
+                                 f"{'[BV, D]' if v_first else '[D, BV]'}, BV {bv} ({D * bv * 4 // 1024} KB), "
+                                 f"{warps} warps")
                         report(label, gpu_ms(run, rep=200))
 
 
