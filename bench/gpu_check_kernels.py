@@ -425,7 +425,7 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
                  backend="torch")
     y_ref = (rms_norm(o, onw, 1e-5, torch.float32) * torch.sigmoid(gate.view(N, H, D))).reshape(N, P)
     has = torch.tensor(ctx, device=DEV) > 0
-    forms = ((64, 1, "heads"),) if gluon else ((64, 1, "heads"), (64, 2, "heads"), (32, 4, "heads"),
+    forms = ((64, 1, "heads"), (64, 1, "sequences")) if gluon else ((64, 1, "heads"), (64, 2, "heads"), (32, 4, "heads"),
                                                (64, None, "heads"), (64, 1, "sequences"), (64, 2, "memory"),
                                                (32, 4, "memory"))
     for bv, parts, order in forms:
@@ -435,7 +435,8 @@ def check_kda_fused(N: int, H: int, D: int, lb: float | None, gen: torch.Generat
                                  block_v=bv, parts=parts, gluon=gluon)
         err = max(rel(y, y_ref), rel(state_t, state_r), rel(conv_t, conv_r))
         record("KDA fused decode mixer" + (", Gluon" if gluon else ""),
-               f"N={N} H={H} D={D}" + (f" block {bv}, parts {parts}, {order} fastest" if not gluon else ""), err, 1e-4)
+               f"N={N} H={H} D={D}" + (f" {order} fastest" if gluon else f" block {bv}, parts {parts}, {order} fastest"),
+               err, 1e-4)
 
 
 def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator, upcast: str = "mma",

@@ -57,7 +57,8 @@ FUSED_VARIANTS = [(64, 4, 1, False, "sequences", None), (64, 4, 2, False, "seque
                   (32, 4, 4, False, "sequences", None), (64, 4, 1, True, "sequences", None),
                   (64, 4, 2, False, "memory", None), (32, 4, 4, False, "memory", None),
                   (64, 4, 1, False, "heads", 128), (64, 4, 1, False, "heads", 112), (32, 4, 1, False, "heads", None),
-                  (32, 4, 1, False, "heads", 96), (32, 2, 1, False, "heads", None), (16, 2, 1, False, "heads", None)]
+                  (32, 4, 1, False, "heads", 96), (32, 2, 1, False, "heads", None), (16, 2, 1, False, "heads", None),
+                  (64, 4, 1, True, "heads", None)]
 
 
 def fused_variant(variant, *args):

@@ -157,7 +157,7 @@ def kda_fused_rows() -> None:
     print("\n| KDA fused decode (D 128) | registers | instructions / thread | top opcodes |"
           "\n|---|---|---|---|")
     for bv, blocks, nw in ((64, 1, 4), (64, 2, 4), (32, 4, 4), (128, 1, 8)):
-        consts = dict(D=128, W=4, BV=bv, BLOCKS=blocks, USE_LOWER_BOUND=True, USE_PDL=False)
+        consts = dict(D=128, W=4, BV=bv, BLOCKS=blocks, USE_LOWER_BOUND=True, ORDER=1, USE_PDL=False)
         kernel = compile_sm90(kda_decode_triton._kda_decode_fused_kernel, {**ptrs, **ints}, consts, divisible,
                               num_warps=nw)
         total, ops = whole_mix(kernel)

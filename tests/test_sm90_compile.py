@@ -133,7 +133,7 @@ def test_gluon_kda_decode_compiles_with_warp_local_reductions():
     scalars.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
 
     def sass(pass_cols: int) -> str:
-        consts = dict(D=128, W=4, USE_LOWER_BOUND=True, PASS=pass_cols, NUM_WARPS=4)
+        consts = dict(D=128, W=4, USE_LOWER_BOUND=True, PASS=pass_cols, HEADS_FASTEST=True, NUM_WARPS=4)
         sig = {**ptrs, **scalars, **{k: "constexpr" for k in consts}}
         names = list(sig)
         divisible = tuple(ptrs) + ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_g")

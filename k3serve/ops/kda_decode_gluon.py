@@ -2,7 +2,8 @@
 so that the head's recurrent state streams in while the program does everything else.
 
 STATUS: checked on the H200 (bench/gpu_check_kernels.py), but **slower** than the Triton kernel:
-75 / 79 % of copy at N = 64 / 256 against 80 / 83 % (RESULTS.md fourteenth session), so opt-in
+78 / 84 % of copy at N = 64 / 256 launched heads fastest (75 / 79 % sequences fastest) against
+81 / 85 % (RESULTS.md fourteenth and forty-sixth sessions), so opt-in
 (``kda_decode_triton.GLUON_FUSED``, ``kda_decode_fused(..., gluon=True)``). A persistent version
 (programs over items, the next one or two items' state tiles copied into a shared-memory ring
 during this one's prologue; one program an SM) checked correct but ran at 52-56 % (69-74 % with
@@ -60,7 +61,7 @@ def _kda_decode_fused_kernel(
     X, CONV_W, CONV_STATE, HAS_CTX, F, BETA, A_LOG, DT_BIAS, GATE, ONORM_W, STATE, SLOTS, Y,
     stride_conv_slot, stride_state_slot, stride_x, stride_f, stride_b, stride_g, scale, lower_bound, eps, H,
     D: gl.constexpr, W: gl.constexpr, USE_LOWER_BOUND: gl.constexpr, PASS: gl.constexpr,
-    NUM_WARPS: gl.constexpr = 4,
+    HEADS_FASTEST: gl.constexpr = False, NUM_WARPS: gl.constexpr = 4,
 ):
     """Program (sequence, head), 4 warps (NUM_WARPS: the layouts cover D = 128 channels with them
     exactly, so no thread duplicates another's conv-state read and rewrite): the state tile's copy
@@ -78,8 +79,12 @@ def _kda_decode_fused_kernel(
     state_s: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, tile_l)  # key-indexed vectors (q, k, decay)
     cols_l: gl.constexpr = gl.SliceLayout(0, tile_l)  # value-indexed vectors (v, r, o)
-    n = gl.program_id(0)
-    h = gl.program_id(1)
+    if HEADS_FASTEST:  # grid (H, N): neighbouring programs on neighbouring heads of one slot
+        h = gl.program_id(0)
+        n = gl.program_id(1)
+    else:
+        n = gl.program_id(0)
+        h = gl.program_id(1)
     P = H * D
     slot = gl.load(SLOTS + n).to(gl.int64)
     base = STATE + slot * stride_state_slot + h * D * D
@@ -141,11 +146,14 @@ def kda_decode_fused_gluon(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state
                            has_ctx: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, A_log: torch.Tensor,
                            dt_bias: torch.Tensor, gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float,
                            lower_bound: float | None, state: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                           out_dtype: torch.dtype = torch.float32, pass_cols: int = PASS) -> torch.Tensor:
+                           out_dtype: torch.dtype = torch.float32, pass_cols: int = PASS,
+                           heads_fastest: bool = True) -> torch.Tensor:
     """``kda_decode_triton.kda_decode_fused``'s contract with one program a head (its ``parts``
     = 1), for head width ``D_HEAD`` and power-of-two conv widths; the caller has checked the
     slot layouts (contiguous [3P, W-1] conv slots, [H, D, D] fp32 recurrent slots). ``pass_cols``:
-    value columns a pass over the tile (32 or 64: whole swizzle rows of the shared tile)."""
+    value columns a pass over the tile (32 or 64: whole swizzle rows of the shared tile).
+    ``heads_fastest``: grid (H, N) rather than (N, H) (kda_decode_triton's LAUNCH_ORDER; sequences
+    fastest past 65,535 of them, the grid's y limit)."""
     N, P3 = x_qkv.shape
     H = num_heads
     D = P3 // (3 * H)
@@ -157,11 +165,13 @@ def kda_decode_fused_gluon(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state
         raise ValueError("the Gluon KDA decode copies the state in 16-byte pieces: slots must be 16-byte aligned")
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
     x_qkv, f, beta_logits, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x_qkv, f, beta_logits, gate))
-    _kda_decode_fused_kernel[(N, H)](
+    heads_fastest = heads_fastest and N < 65536
+    _kda_decode_fused_kernel[(H, N) if heads_fastest else (N, H)](
         x_qkv, conv_w.float().contiguous(), conv_state,
         has_ctx if has_ctx.dtype == torch.int32 else has_ctx.to(torch.int32), f, beta_logits,
         A_log.float().contiguous(), dt_bias.float().contiguous(), gate, o_norm_w.float().contiguous(), state, slots,
         y, conv_state.stride(0), state.stride(0), x_qkv.stride(0), f.stride(0), beta_logits.stride(0),
         gate.stride(0), D ** -0.5, float(lower_bound) if lower_bound is not None else 0.0, eps, H,
-        D=D, W=W, USE_LOWER_BOUND=lower_bound is not None, PASS=pass_cols, num_warps=4)
+        D=D, W=W, USE_LOWER_BOUND=lower_bound is not None, PASS=pass_cols, HEADS_FASTEST=heads_fastest,
+        num_warps=4)
     return y

@@ -29,8 +29,8 @@ from .tickets import last_arrival, tickets
 
 
 # One program a head through kda_decode_gluon (the state copied to shared memory while the convs,
-# gates and norms run): checked, but 75 / 79 % of copy at N = 64 / 256 against this kernel's
-# 80 / 83 % (RESULTS.md fourteenth session), so off.
+# gates and norms run): checked, but 78 / 84 % of copy at N = 64 / 256 against this kernel's
+# 81 / 85 %, both heads fastest (RESULTS.md forty-sixth session), so off.
 GLUON_FUSED = False
 # The fused grid's launch order, fastest first: "sequences" (grid (N, H, parts)), "heads" ((H, N,
 # parts): consecutive programs on neighbouring state blocks of one slot) or "memory" ((parts, H,
@@ -245,7 +245,8 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
     the next value block inside one program, TMA state tiles, evict-first loads with streaming
     stores, RESULTS.md seventh and eighth sessions; persistent programs streaming heads through a
-    TMA pipeline, value-first [V, K] states, 4-32-row tiles, forty-fourth session.) ``gluon``
+    TMA pipeline, value-first [V, K] states, 4-32-row tiles, forty-fourth session; blocks as
+    [BV / r, D, r] tiles of r-column runs, fewer registers a thread, 67-73 %, forty-sixth session.) ``gluon``
     (None: ``GLUON_FUSED``): a head's program in ``kda_decode_gluon`` instead, where one program a
     head serves and D = 128."""
     N, P3 = x_qkv.shape
@@ -265,7 +266,8 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         from .kda_decode_gluon import kda_decode_fused_gluon
 
         return kda_decode_fused_gluon(x_qkv, conv_w, conv_state, has_ctx, f, beta_logits, A_log, dt_bias, gate,
-                                      o_norm_w, eps, lower_bound, state, slots, H, out_dtype)
+                                      o_norm_w, eps, lower_bound, state, slots, H, out_dtype,
+                                      heads_fastest=LAUNCH_ORDER != "sequences")
     o_scratch = torch.empty(N, H, D, dtype=torch.float32, device=x_qkv.device)
     sumsq = torch.empty(N, H, parts, dtype=torch.float32, device=x_qkv.device)
     y = torch.empty(N, H * D, dtype=out_dtype, device=x_qkv.device)
