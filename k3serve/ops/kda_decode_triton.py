@@ -113,23 +113,43 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
 
 
 @triton.jit
-def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W: tl.constexpr,
-               SHIFT: tl.constexpr = True):
-    """Causal depthwise conv of channels ``ch`` over [conv state ; new input], SiLU, and (SHIFT)
-    the conv state shifted by one: only the program that owns these channels may shift them, and
-    only once every program that reads them has read."""
+def _conv_window(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W: tl.constexpr):
+    """Loads only, for channels ``ch``: the conv window [conv state ; new input] (oldest first)
+    times the conv weights, and the state shifted by one (what ``_conv_shift`` writes back).
+    Returns (weighted window, shifted, ptr)."""
     wi = tl.arange(0, W)
-    col = wi[None, :] + 0 * ch[:, None]  # [D, W] column index (masks must match the pointer shape)
+    w = tl.load(CONV_W + ch[:, None] * W + wi[None, :])
+    col = wi[None, :] + 0 * ch[:, None]  # [C, W] column index (masks must match the pointer shape)
     x_new = tl.load(X + n * stride_x + ch).to(tl.float32)
     cs_ptr = CONV_STATE + slot * stride_conv_slot + ch[:, None] * (W - 1) + wi[None, :]
     old = tl.where(has > 0, tl.load(cs_ptr, mask=col < W - 1, other=0.0).to(tl.float32), 0.0)  # fresh: zeros
-    window = tl.where(col == W - 1, x_new[:, None], old)  # oldest ... newest
-    u = tl.sum(window * tl.load(CONV_W + ch[:, None] * W + wi[None, :]), 1)
-    if SHIFT:
-        shifted = tl.where(has > 0, tl.load(cs_ptr + 1, mask=col < W - 2, other=0.0).to(tl.float32), 0.0)
-        new_state = tl.where(col == W - 2, x_new[:, None], shifted)
-        tl.store(cs_ptr, new_state.to(CONV_STATE.dtype.element_ty), mask=col < W - 1)
+    shifted = tl.where(has > 0, tl.load(cs_ptr + 1, mask=col < W - 2, other=0.0).to(tl.float32), 0.0)
+    return tl.where(col == W - 1, x_new[:, None], old) * w, tl.where(col == W - 2, x_new[:, None], shifted), cs_ptr
+
+
+@triton.jit
+def _conv_shift(cs_ptr, shifted, W: tl.constexpr):
+    """Writes the conv state shifted by one: only the program that owns these channels may, and
+    only once every program that reads them has read."""
+    col = tl.arange(0, W)[None, :] + tl.zeros(shifted.shape, tl.int32)
+    tl.store(cs_ptr, shifted.to(cs_ptr.dtype.element_ty), mask=col < W - 1)
+
+
+@triton.jit
+def _silu_conv(weighted):
+    """SiLU of the causal depthwise conv, from the weighted window."""
+    u = tl.sum(weighted, 1)
     return u / (1.0 + tl.exp(-u))
+
+
+@triton.jit
+def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W: tl.constexpr,
+               SHIFT: tl.constexpr = True):
+    """Causal depthwise conv of channels ``ch`` with state, SiLU, and (SHIFT) the state shifted."""
+    weighted, shifted, cs_ptr = _conv_window(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W)
+    if SHIFT:
+        _conv_shift(cs_ptr, shifted, W)
+    return _silu_conv(weighted)
 
 
 @triton.jit
@@ -137,15 +157,24 @@ def _head_gates(X, CONV_W, CONV_STATE, F, BETA, A_LOG, DT_BIAS, n, h, slot, has,
                 stride_b, scale, lower_bound, P, D: tl.constexpr, W: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                 SHIFT: tl.constexpr):
     """A head's short causal conv (with state) of its q and k channels, their L2 norms, the decay
-    and beta: everything its value blocks share. ``slot``: int64."""
+    and beta: everything its value blocks share. ``slot``: int64. Every load is issued before the
+    first conv-state store: a store waits for its data, so a load written after it would wait a
+    round trip for the loads before it (q's conv, then k's, then the gates: 1 point of copy at N 64
+    / 256, RESULTS.md forty-sixth session). Returns the shifted q / k conv rows too (unwritten
+    unless SHIFT), for a head's last program to write."""
     dk = tl.arange(0, D)
-    q = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W, SHIFT)
-    k = _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W, SHIFT)
-    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
-    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    wq, sq, pq = _conv_window(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W)
+    wk, sk, pk = _conv_window(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W)
     decay, beta = _decay_beta(F + n * stride_f + h * D, BETA + n * stride_b + h, A_LOG, DT_BIAS, h, lower_bound, D,
                               USE_LOWER_BOUND)
-    return q, k, decay, beta
+    q = _silu_conv(wq)
+    k = _silu_conv(wk)
+    if SHIFT:
+        _conv_shift(pq, sq, W)
+        _conv_shift(pk, sk, W)
+    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    return q, k, decay, beta, sq, pq, sk, pk
 
 
 @triton.jit
@@ -182,9 +211,9 @@ def _kda_decode_fused_kernel(
     head = n * H + h
     slot = tl.load(SLOTS + n).to(tl.int64)
     has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
-    q, k, decay, beta = _head_gates(X, CONV_W, CONV_STATE, F, BETA, A_LOG, DT_BIAS, n, h, slot, has, stride_conv_slot,
-                                    stride_x, stride_f, stride_b, scale, lower_bound, P, D, W, USE_LOWER_BOUND,
-                                    PARTS == 1)
+    q, k, decay, beta, sq, pq, sk, pk = _head_gates(X, CONV_W, CONV_STATE, F, BETA, A_LOG, DT_BIAS, n, h, slot, has,
+                                                    stride_conv_slot, stride_x, stride_f, stride_b, scale, lower_bound,
+                                                    P, D, W, USE_LOWER_BOUND, PARTS == 1)
     # ---- delta rule over this program's value blocks ------------------------------------------
     sumsq = 0.0
     for j in tl.static_range(BLOCKS):
@@ -207,8 +236,8 @@ def _kda_decode_fused_kernel(
     else:
         tl.store(SUMSQ + head * PARTS + part, sumsq)
         if last_arrival(TICKETS, head, PARTS):  # the head's other programs are done: outputs and conv reads
-            _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, h * D + dk, stride_conv_slot, stride_x, W)
-            _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, P + h * D + dk, stride_conv_slot, stride_x, W)
+            _conv_shift(pq, sq, W)  # (read before the ticket: this program's own loads)
+            _conv_shift(pk, sk, W)
             sumsq = tl.sum(tl.load(SUMSQ + head * PARTS + tl.arange(0, PARTS), cache_modifier=".cg"))
             _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, P, D, True)
 
