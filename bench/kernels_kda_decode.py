@@ -156,6 +156,21 @@ def _state_probe_kernel(STATE, DESC, SLOTS, OUT, stride_slot, H, D: tl.constexpr
             tl.store(OUT + (n * H + h).to(tl.int64) * D * D + tile, s * 0.999)
 
 
+def compiled_registers() -> None:
+    """Registers and spills of every fused-mixer kernel this run compiled (Triton's JIT caches)."""
+    print("\nfused mixer kernels compiled (constexprs: registers, spills):")
+    try:
+        for kernel_cache, *_ in kdt._kda_decode_fused_kernel.device_caches.values():
+            for k in kernel_cache.values():
+                names = k.src.fn.arg_names  # constexprs keyed by name or by (argument index,)
+                consts = {key if isinstance(key, str) else names[key[0]]: v for key, v in k.src.constants.items()}
+                shown = {n: consts[n] for n in ("BV", "BLOCKS", "ORDER") if n in consts}
+                print(f"  {shown} warps {k.metadata.num_warps}, cap {getattr(k.metadata, 'maxnreg', None)}: "
+                      f"{k.n_regs} registers, {k.n_spills} spills")
+    except Exception as exc:  # Triton's cache layout moved: report, not fail
+        print("  (not readable:", repr(exc)[:120], ")")
+
+
 def state_probes(ceil: float) -> None:
     """In-place read-modify-write of slot-indexed state tiles vs the same tiles copied out, by
     value-block width and warps: the attainable fraction of the copy ceiling for the decode's
@@ -216,6 +231,7 @@ def main() -> list[Row]:
         for var, ms in r["fused_variants"].items():
             tbs = r["bytes"] / (ms * 1e-3) / 1e12
             print(f"| {N} | {var} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |")
+    compiled_registers()
     state_probes(ceil)
     return summary
 
