@@ -39,6 +39,11 @@ GLUON_FUSED = False
 # fastest; RESULTS.md forty-fifth session).
 LAUNCH_ORDER = "heads"
 _ORDERS = {"sequences": 0, "heads": 1, "memory": 2}
+# Registers a thread for a program a head (4 warps): 168 keeps three programs an SM (sm_90 allocates
+# a warp's registers in 256s: 169-176 a thread leaves room for two). Triton 3.6 gives the kernel
+# 177 uncapped (the output norm's gate held from the prologue): 71 / 73 % of copy at N 64 / 256;
+# capped, none spill: 82 / 86 % (RESULTS.md forty-sixth session).
+HEAD_MAXNREG = 168
 
 
 @triton.jit
@@ -211,6 +216,8 @@ def _kda_decode_fused_kernel(
     head = n * H + h
     slot = tl.load(SLOTS + n).to(tl.int64)
     has = (tl.load(HAS_CTX + n) != 0).to(tl.float32)
+    # the output norm's weight and gate, loaded with the prologue (no store before them)
+    w_gate = tl.load(ONORM_W + dk) * tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32))
     q, k, decay, beta, sq, pq, sk, pk = _head_gates(X, CONV_W, CONV_STATE, F, BETA, A_LOG, DT_BIAS, n, h, slot, has,
                                                     stride_conv_slot, stride_x, stride_f, stride_b, scale, lower_bound,
                                                     P, D, W, USE_LOWER_BOUND, PARTS == 1)
@@ -232,28 +239,26 @@ def _kda_decode_fused_kernel(
     # ---- gated RMSNorm over the head: y = RMSNorm(o; w) * sigmoid(gate) ------------------------
     if PARTS == 1:
         tl.debug_barrier()  # the value blocks' outputs, written by other threads of this program
-        _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, P, D, False)
+        _gated_rms_norm(O_SCRATCH, w_gate, Y, n, h, head, sumsq, eps, P, D, False)
     else:
         tl.store(SUMSQ + head * PARTS + part, sumsq)
         if last_arrival(TICKETS, head, PARTS):  # the head's other programs are done: outputs and conv reads
             _conv_shift(pq, sq, W)  # (read before the ticket: this program's own loads)
             _conv_shift(pk, sk, W)
             sumsq = tl.sum(tl.load(SUMSQ + head * PARTS + tl.arange(0, PARTS), cache_modifier=".cg"))
-            _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, P, D, True)
+            _gated_rms_norm(O_SCRATCH, w_gate, Y, n, h, head, sumsq, eps, P, D, True)
 
 
 @triton.jit
-def _gated_rms_norm(O_SCRATCH, GATE, ONORM_W, Y, n, h, head, sumsq, stride_g, eps, P, D: tl.constexpr,
-                    FROM_L2: tl.constexpr):
+def _gated_rms_norm(O_SCRATCH, w_gate, Y, n, h, head, sumsq, eps, P, D: tl.constexpr, FROM_L2: tl.constexpr):
     """y = RMSNorm(o; w) * sigmoid(gate) over the head's output in scratch (FROM_L2: written by
-    other programs, so read past this SM's L1)."""
+    other programs, so read past this SM's L1); ``w_gate`` = w * sigmoid(gate), loaded early."""
     dk = tl.arange(0, D)
     if FROM_L2:
         o = tl.load(O_SCRATCH + head * D + dk, cache_modifier=".cg")
     else:
         o = tl.load(O_SCRATCH + head * D + dk)
-    y = o / tl.sqrt(sumsq / D + eps) * tl.load(ONORM_W + dk) * \
-        tl.sigmoid(tl.load(GATE + n * stride_g + h * D + dk).to(tl.float32))
+    y = o / tl.sqrt(sumsq / D + eps) * w_gate
     tl.store(Y + n * P + h * D + dk, y.to(Y.dtype.element_ty))
 
 
@@ -268,7 +273,7 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     [slots, 3P, W-1] and state [slots, H, D, D] (updated in place at ``slots``; rows without
     context start from zeros; ``has_ctx`` [N], bool or int32); f, gate [N, P]; beta_logits [N, H].
     Returns y [N, P] in ``out_dtype``, the gated-RMSNorm output ready for o_proj. ``maxnreg``: a
-    register cap a thread (more programs an SM). ``parts``:
+    register cap a thread (more programs an SM; None: ``HEAD_MAXNREG`` for a program a head). ``parts``:
     programs per head (each D / parts value columns), None: one per value block while heads alone
     would not fill two waves of SMs, else one. ``block_v``, ``num_warps``, ``parts``: the variants
     bench/kernels_kda_decode.py times. (Timed and dropped: prefetching
@@ -291,6 +296,8 @@ def kda_decode_fused(x_qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
         parts = D // bv if N * H < 2 * sm_count(x_qkv.device) else 1
     if parts < 1 or D % (bv * parts):
         raise ValueError(f"{parts} programs a head do not split {D} value columns into blocks of {bv}")
+    if maxnreg is None and parts == 1 and num_warps == 4:
+        maxnreg = HEAD_MAXNREG
     if (GLUON_FUSED if gluon is None else gluon) and parts == 1 and D == 128 and x_qkv.is_cuda:
         from .kda_decode_gluon import kda_decode_fused_gluon
 
