@@ -3,7 +3,7 @@ so that the head's recurrent state streams in while the program does everything 
 
 STATUS: checked on the H200 (bench/gpu_check_kernels.py), but **slower** than the Triton kernel:
 78 / 84 % of copy at N = 64 / 256 launched heads fastest (75 / 79 % sequences fastest) against
-81 / 85 % (RESULTS.md fourteenth and forty-sixth sessions), so opt-in
+81 / 86 % (RESULTS.md fourteenth and forty-sixth sessions), so opt-in
 (``kda_decode_triton.GLUON_FUSED``, ``kda_decode_fused(..., gluon=True)``). A persistent version
 (programs over items, the next one or two items' state tiles copied into a shared-memory ring
 during this one's prologue; one program an SM) checked correct but ran at 52-56 % (69-74 % with

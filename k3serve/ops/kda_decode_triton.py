@@ -30,7 +30,7 @@ from .tickets import last_arrival, tickets
 
 # One program a head through kda_decode_gluon (the state copied to shared memory while the convs,
 # gates and norms run): checked, but 78 / 84 % of copy at N = 64 / 256 against this kernel's
-# 81 / 85 %, both heads fastest (RESULTS.md forty-sixth session), so off.
+# 81 / 86 %, both heads fastest (RESULTS.md forty-sixth session), so off.
 GLUON_FUSED = False
 # The fused grid's launch order, fastest first: "sequences" (grid (N, H, parts)), "heads" ((H, N,
 # parts): consecutive programs on neighbouring state blocks of one slot) or "memory" ((parts, H,
