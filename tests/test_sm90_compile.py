@@ -193,19 +193,22 @@ def test_pdl_kernels_wait_before_touching_memory():
     assert "griddepcontrol" not in _add_rms_norm_ptx(False)
 
 
+# The fused KDA decode kernel's arguments: pointers, then the strides (16-divisible at launch) and scalars.
+KDA_FUSED_PTRS = {"X": "*bf16", "CONV_W": "*fp32", "CONV_STATE": "*bf16", "HAS_CTX": "*i32", "F": "*bf16",
+                  "BETA": "*bf16", "A_LOG": "*fp32", "DT_BIAS": "*fp32", "GATE": "*bf16", "ONORM_W": "*fp32",
+                  "STATE": "*fp32", "SLOTS": "*i64", "O_SCRATCH": "*fp32", "SUMSQ": "*fp32", "TICKETS": "*i32",
+                  "Y": "*bf16"}
+KDA_FUSED_SCALARS = {**{n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b",
+                                           "stride_g")}, "scale": "fp32", "lower_bound": "fp32", "eps": "fp32", "H": "i32"}
+
+
 @pytest.mark.parametrize("block_v, blocks", [(64, 1), (64, 2), (128, 1)])
 def test_kda_fused_decode_compiles_for_sm90(block_v, blocks):
     """Value blocks as programs: the head's last program is elected by an acquire-release ticket
     (one per CTA, after a barrier) and reads the other blocks' outputs from L2."""
-    f32, bf16 = "*fp32", "*bf16"
-    ptrs = {"X": bf16, "CONV_W": f32, "CONV_STATE": bf16, "HAS_CTX": "*i32", "F": bf16, "BETA": bf16, "A_LOG": f32,
-            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "SLOTS": "*i64", "O_SCRATCH": f32,
-            "SUMSQ": f32, "TICKETS": "*i32", "Y": bf16}
-    scalars = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b",
-                                  "stride_g")}
-    scalars.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
     consts = dict(D=128, W=4, BV=block_v, BLOCKS=blocks, USE_LOWER_BOUND=True, ORDER=1, USE_PDL=True)
-    ptx = _compile(kda_decode_triton._kda_decode_fused_kernel, ptrs, scalars, consts, num_warps=4).asm["ptx"]
+    ptx = _compile(kda_decode_triton._kda_decode_fused_kernel, KDA_FUSED_PTRS, KDA_FUSED_SCALARS, consts,
+                   num_warps=4).asm["ptx"]
     assert "griddepcontrol.wait" in ptx
     if block_v * blocks < 128:
         assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
@@ -223,16 +226,10 @@ def test_kda_fused_decode_head_program_fits_three_an_sm_unspilled():
     round trip)."""
     from bench.sass_mix import compile_sm90, registers, sass_text
 
-    f32, bf16 = "*fp32", "*bf16"
-    ptrs = {"X": bf16, "CONV_W": f32, "CONV_STATE": bf16, "HAS_CTX": "*i32", "F": bf16, "BETA": bf16, "A_LOG": f32,
-            "DT_BIAS": f32, "GATE": bf16, "ONORM_W": f32, "STATE": f32, "SLOTS": "*i64", "O_SCRATCH": f32,
-            "SUMSQ": f32, "TICKETS": "*i32", "Y": bf16}
-    ints = {n: "i32" for n in ("stride_conv_slot", "stride_state_slot", "stride_x", "stride_f", "stride_b",
-                               "stride_g")}
-    ints.update(scale="fp32", lower_bound="fp32", eps="fp32", H="i32")
     consts = dict(D=128, W=4, BV=64, BLOCKS=2, USE_LOWER_BOUND=True, ORDER=1, USE_PDL=False)
-    kernel = compile_sm90(kda_decode_triton._kda_decode_fused_kernel, {**ptrs, **ints}, consts,
-                          tuple(ptrs) + tuple(ints)[:6], num_warps=4, maxnreg=kda_decode_triton.HEAD_MAXNREG)
+    kernel = compile_sm90(kda_decode_triton._kda_decode_fused_kernel, {**KDA_FUSED_PTRS, **KDA_FUSED_SCALARS}, consts,
+                          tuple(KDA_FUSED_PTRS) + tuple(KDA_FUSED_SCALARS)[:6], num_warps=4,
+                          maxnreg=kda_decode_triton.HEAD_MAXNREG)
     sass = sass_text(kernel)
     assert registers(kernel) <= 168 and "STL" not in sass
     ptx = kernel.asm["ptx"]
