@@ -148,12 +148,11 @@ def _silu_conv(weighted):
 
 
 @triton.jit
-def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W: tl.constexpr,
-               SHIFT: tl.constexpr = True):
-    """Causal depthwise conv of channels ``ch`` with state, SiLU, and (SHIFT) the state shifted."""
+def _conv_silu(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W: tl.constexpr):
+    """Causal depthwise conv of channels ``ch`` with state, SiLU, the state shifted (its loads
+    before its store)."""
     weighted, shifted, cs_ptr = _conv_window(X, CONV_W, CONV_STATE, n, slot, has, ch, stride_conv_slot, stride_x, W)
-    if SHIFT:
-        _conv_shift(cs_ptr, shifted, W)
+    _conv_shift(cs_ptr, shifted, W)
     return _silu_conv(weighted)
 
 
