@@ -27,7 +27,7 @@ from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from bench.overrides import constants
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
-from k3serve.ops import attn_res_triton, mla_ref
+from k3serve.ops import attn_res_triton, mla_decode_gluon, mla_ref
 from k3serve.ops.attn_res_triton import attn_res_mix, attn_res_summary
 from k3serve.ops.gemv_triton import GEMV_CONFIGS, gemv
 from k3serve.ops.kda import kda_core
@@ -165,7 +165,8 @@ def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluo
     ref = mla_ref.mla_absorbed_ref(q.float()[:, None], lat, mask[:, None], rkv, 0.07)[:, 0]
     for name, t in (("", table), (", page-major table", by_page)):
         out = mla_decode(q, pool, t, seq_lens, rkv, 0.07, gluon=gluon)
-        record("MLA split-KV decode (default splits)" + (", Gluon" if gluon else "") + name,
+        form = (", Gluon heads-major" if mla_decode_gluon.heads_major_applies(H) else ", Gluon") if gluon else ""
+        record("MLA split-KV decode (default splits)" + form + name,
                f"B={B} H={H} lens={lens[:4]} width={t.shape[1]}", rel(out, ref), 2e-2)
     if gluon:
         return
@@ -541,6 +542,12 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
         check_mla_decode(3, 16, [1, 64, 129], gen, gluon=True)  # one key, one whole page, a page and a key
         check_mla_decode(1, 32, [300], gen, gluon=True, width=16384)  # a 1M-token table: 64 splits, 59 empty
         check_mla_decode(4, 32, [1, 700, 64, 5000], gen, gluon=True, width=16384)
+        # heads-major (from HEADS_MAJOR_MIN heads): padded head blocks, one key, empty splits
+        check_mla_decode(3, 64, [1, 64, 129], gen, gluon=True)
+        check_mla_decode(2, 80, [1, 5000], gen, gluon=True, width=16384)
+        check_mla_decode(2, 128, [4096, 777], gen, gluon=True)
+        with constants("k3serve.ops.mla_decode_gluon.HEADS_MAJOR_MIN=None"):  # K3's 96 heads keys-major
+            check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
     elif family == "kda":
         for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0), (300, 96, -5.0)):
             check_kda_fused(N, H, 128, lb, gen, gluon=True)

@@ -21,7 +21,9 @@ from bench.ceilings import copy_tbs, matmul_tflops
 from bench.summary import Row
 from bench.timing import gpu_ms
 
-from k3serve.ops.mla_decode_triton import _mla_decode_tuned, default_num_splits, gluon_split_applies, mla_decode
+from bench.overrides import constants
+from k3serve.ops.mla_decode_triton import (_mla_decode_tuned, default_num_splits, gluon_split_applies, mla_decode,
+                                           split_head_block)
 from k3serve.ops.mla_ref import mla_absorbed_ref
 
 
@@ -33,7 +35,8 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None
     seq_lens = torch.full((B,), ctx, device="cuda")
     q = torch.randn(B, H, rkv + dr, device="cuda", generator=g)
     scale = 192 ** -0.5
-    splits = splits or default_num_splits(B, H, pages_per * page, torch.cuda.get_device_properties(0).multi_processor_count)
+    splits = splits or default_num_splits(B, H, pages_per * page, torch.cuda.get_device_properties(0).multi_processor_count,
+                                          split_head_block(H, gluon_split_applies(latent, rkv, dr, gluon)))
     run = lambda: mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits, tiles=tiles,  # noqa: E731
                              gluon=gluon)
     out = run()
@@ -97,8 +100,20 @@ def main() -> list[Row] | None:
                     r.update(config=label, rel_err=err)
                     show(r)
 
-    if "--gluon" in sys.argv:  # mla_decode_gluon's keys-major split step (heads by 32)
-        checked_sweep(lambda H: [("gluon 32, 64, 4, 2", {"gluon": True})])
+    if "--gluon" in sys.argv:  # mla_decode_gluon's split step: keys-major (heads by 32), and heads-major from 64
+        print(head)
+        for B, H in ((16, 16), (64, 16), (16, 32), (64, 32), (16, 64), (16, 96), (32, 96), (64, 96), (16, 128),
+                     (64, 128)):
+            forms = [("gluon keys-major", "None")] + [("gluon heads-major", "64")] * (H >= 64)
+            for label, heads_major_min in forms:
+                with constants(f"k3serve.ops.mla_decode_gluon.HEADS_MAJOR_MIN={heads_major_min}"):
+                    base = default_num_splits(B, H, 32768, torch.cuda.get_device_properties(0).multi_processor_count,
+                                              split_head_block(H, True))
+                    for splits in (base, 2 * base):
+                        err = case(B, H, 4096, splits=splits, gluon=True)["rel_err"]
+                        r = case(B, H, 32768, splits=splits, check=False, gluon=True)
+                        r.update(config=label, rel_err=err)
+                        show(r)
         return
     if "--mem" in sys.argv:  # the Triton kernel's tiles
         checked_sweep(lambda H: [(f"{bh},{bn},{w},{st}", {"tiles": dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w,

@@ -147,12 +147,21 @@ def test_gluon_kda_decode_compiles_with_warp_local_reductions():
     assert narrow.count("BAR.SYNC") - wide.count("BAR.SYNC") <= 2
 
 
+# mla_decode_gluon's two split steps: kernel, constexprs, warps, wgmmas a warp a 64-key tile by shape
+MLA_GLUON_FORMS = {
+    # keys-major: scores^T 32 for the 512 latent columns and 4 for the rotary part, then 8 x 4 for out^T
+    "keys-major": ("_mla_decode_split_kernel", dict(BLOCK_H=32), 4, {"64x32x16": 32 + 4 + 8 * 4}),
+    # heads-major: each warpgroup 32 keys of the scores (32 + 4), then its 256 columns of out (4)
+    "heads-major": ("_mla_decode_heads_kernel", {}, 8, {"64x32x16": 32 + 4, "64x256x16": 4}),
+}
+
+
+@pytest.mark.parametrize("form", sorted(MLA_GLUON_FORMS))
 @pytest.mark.parametrize("seq_len_type", ["*i32", "*i64"])
-def test_gluon_mla_decode_compiles_keys_major_on_wgmma(seq_len_type):
-    """mla_decode_gluon's split step compiles for sm_90: the scores and the output on wgmma (32 a
-    64-key tile for the 512 latent columns and 4 for the rotary part, then 8 x 4 for out^T), the
-    key tiles by 16-byte cp.async, nothing spilled. What it computes is checked on the GPU
-    (bench/gpu_check_kernels.py)."""
+def test_gluon_mla_decode_compiles_on_wgmma(seq_len_type, form):
+    """mla_decode_gluon's split steps compile for sm_90: the scores and the output on wgmma of the
+    shapes each form is written for, the key tiles by 16-byte cp.async, nothing spilled, PDL's
+    wait first. What they compute is checked on the GPU (bench/gpu_check_kernels.py)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from bench.sass_mix import sass_text
@@ -162,17 +171,17 @@ def test_gluon_mla_decode_compiles_keys_major_on_wgmma(seq_len_type):
     ints = {n: "i32" for n in ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_btb",
                                "stride_btp", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")}
     ints.update(scale="fp32", H="i32", NUM_SPLITS="i32")
-    block_h = mla_decode_gluon.BLOCK_H
-    consts = dict(PAGE=64, BLOCK_H=block_h, USE_PDL=True)
+    kernel, form_consts, warps, wgmmas = MLA_GLUON_FORMS[form]
+    consts = dict(PAGE=64, **form_consts, USE_PDL=True)
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_ob",
                                "stride_oh", "stride_os")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = GluonASTSource(fn=mla_decode_gluon._mla_decode_split_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=HOPPER, options=dict(num_warps=4))
+    src = GluonASTSource(fn=getattr(mla_decode_gluon, kernel), signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=HOPPER, options=dict(num_warps=warps))
     sass = sass_text(compiled)
-    assert len(re.findall(r"HGMMA\.64x%dx16" % block_h, sass)) == 32 + 4 + 8 * 4
+    assert {shape: len(re.findall(r"HGMMA\.%s\b" % shape, sass)) for shape in wgmmas} == wgmmas
     assert re.search(r"LDGSTS\.E(\.BYPASS)?\.128", sass) and "STL" not in sass
     ptx = compiled.asm["ptx"]  # in the decode step's PDL chain: nothing read before the wait
     wait = ptx.find("griddepcontrol.wait")

@@ -15,6 +15,13 @@ through 4 KB of shared memory. The key tiles stream through a 2-stage cp.async r
 pages (64 rows of 1,152 bytes); the online softmax runs over the tile's rows (keys) per column
 (head). One warpgroup a program; 189 KB of shared memory: one program an SM (compiled, 3.6:
 234 registers, no spills, 925 instructions a thread a 64-key tile, 68 wgmmas).
+
+From ``HEADS_MAJOR_MIN`` (64) heads the step runs heads-major instead (``_mla_decode_heads_kernel``,
+two warpgroups, 64 heads as the wgmma's M): with all of K3's 96 heads on one GPU (DP attention,
+DCP) the decode is compute-bound, and 32-wide wgmmas on keys left it at ~36 % of the matmul
+ceiling. H200, 32K context (RESULTS.md forty-seventh session): 96 heads 41-43 % (0.39 against
+0.44 ms at batch 16 with either form's best split count; 0.57 at the old default), 128 heads 53-56 %
+against 37 %.
 """
 
 from __future__ import annotations
@@ -135,13 +142,110 @@ def _mla_decode_split_kernel(
     gl.store(LSE + b * stride_lb + ho * stride_lh + sp, lse, mask=ho < H)
 
 
+# Heads from which the split step runs heads-major (``_mla_decode_heads_kernel``): K3's 96 heads on one
+# GPU (DP attention, DCP) make the decode compute-bound (~2 flop a latent byte a head), where the
+# keys-major kernel's 32-wide wgmmas reach ~30 % of the matmul ceiling. None: keys-major always.
+HEADS_MAJOR_MIN = 64
+BLOCK_M = gl.constexpr(64)  # heads a heads-major program: the wgmma's M
+
+
+@gluon.jit
+def _mla_decode_heads_kernel(
+    QC, QP, KV, BT, SL, O, LSE,
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, scale, H, NUM_SPLITS,
+    PAGE: gl.constexpr, USE_PDL: gl.constexpr = False,
+):
+    """Program (sequence, block of 64 heads, split), two warpgroups, FlashMLA's orientation: the
+    64 heads are the wgmma's M, scores [heads, keys] = Q @ K^T (each warpgroup 32 of a tile's 64
+    keys, the queries read from shared memory by both), the row maximum across the two, P [heads,
+    keys] through 8 KB of shared memory, then out [heads, D_C] += P @ K_c with each warpgroup
+    owning 256 of the 512 latent columns (128 fp32 registers a thread). Shared memory: the queries
+    (72 KB), a 2-stage ring of key pages (144 KB), P (8 KB): one program an SM. Same splits and
+    partial outputs as ``_mla_decode_split_kernel``; rows past H are zero queries, never stored."""
+    WIDTH: gl.constexpr = D_C + D_PE
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, 32, 16])  # [heads, keys]
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, 256, 16])  # [heads, D_C]
+    kc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_C], gl.bfloat16)
+    kp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], gl.bfloat16)
+    qc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_C], gl.bfloat16)
+    qp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_PE], gl.bfloat16)
+    p_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte copies along a row
+    gluon_pdl_start(USE_PDL)
+    b = gl.program_id(0)
+    hb = gl.program_id(1)
+    sp = gl.program_id(2)
+    start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
+    hq = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_l))
+    qmask = gl.expand_dims(hq < H, 1)
+    cc = gl.arange(0, D_C, layout=gl.SliceLayout(0, copy_l))
+    cp = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_l))
+    q_c = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D_C], qc_s,
+                                    gl.load(QC + b * stride_qb + gl.expand_dims(hq * stride_qh, 1)
+                                            + gl.expand_dims(cc, 0), mask=qmask, other=0.0))
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D_PE], qp_s,
+                                    gl.load(QP + b * stride_pb + gl.expand_dims(hq * stride_ph, 1)
+                                            + gl.expand_dims(cp, 0), mask=qmask, other=0.0))
+    kc = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_C], kc_s)
+    kp = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE], kp_s)
+    p_sm = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], p_s)
+    rc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
+    _copy_tile(KV, BT, b, start, end, stride_btb, stride_btp, stride_kvp, kc.index(0), kp.index(0), rc, cc, cp, PAGE, WIDTH)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)  # the row sums, reduced once at the end
+    acc = gl.zeros([BLOCK_M, D_C], gl.float32, o_l)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    for t in range(0, n_tiles):
+        slot = (t % 2).to(gl.int32)  # seq_lens may be int64: ring indices must be int32
+        n0 = start + t * BLOCK_N
+        async_copy.wait_group(0)
+        # Every thread's part of tile t (and, first time, of the queries) in, and both warpgroups
+        # past tile t - 1's wgmmas: only now may its slot and P be overwritten.
+        cta_barrier()
+        _copy_tile(KV, BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc.index(1 - slot),
+                   kp.index(1 - slot), rc, cc, cp, PAGE, WIDTH)
+        fence_async_shared()
+        k_c, k_p = kc.index(slot), kp.index(slot)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)
+        s = warpgroup_mma(q_c, k_c.permute([1, 0]), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_p, k_p.permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        s = gl.where(gl.expand_dims(n0 + keys < end, 0), s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp(m_i - m_new)
+        p = gl.exp(s - gl.expand_dims(m_new, 1))
+        l_acc = l_acc * gl.expand_dims(alpha, 1) + p
+        m_i = m_new
+        p_sm.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        cta_barrier()  # both warpgroups' keys of P before either wgmma reads it
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))
+        acc = warpgroup_mma(p_sm, k_c, acc * gl.expand_dims(alpha_o, 1), is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    async_copy.wait_group(0)
+    l_i = gl.convert_layout(gl.sum(l_acc, 1), gl.SliceLayout(1, o_l))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_l))
+    has = l_i > 0
+    out = acc / gl.expand_dims(gl.where(has, l_i, 1.0), 1)
+    lse = gl.where(has, m_o + gl.log(gl.where(has, l_i, 1.0)), float("-inf"))
+    ho = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_l))
+    do = gl.arange(0, D_C, layout=gl.SliceLayout(0, o_l))
+    gl.store(O + b * stride_ob + gl.expand_dims(ho * stride_oh, 1) + sp * stride_os + gl.expand_dims(do, 0), out,
+             mask=gl.expand_dims(ho < gl.where(start < end, H, 0), 1))  # (an empty split: its -inf alone)
+    gl.store(LSE + b * stride_lb + ho * stride_lh + sp, lse, mask=ho < H)
+
+
 def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, partial: torch.Tensor,
                            lse: torch.Tensor, scale: float) -> None:
     """``mla_decode_triton``'s split step into ``partial`` [B, H, S, D_C] / ``lse`` [B, H, S], for
     latent widths D_C + D_PE, pages of whole key tiles, bf16 queries and cache; heads in blocks of
-    ``BLOCK_H`` (out^T alone is 128 registers a thread at 32: a block of 64 spills and overflows
-    shared memory with one warpgroup)."""
+    ``BLOCK_H`` keys-major (out^T alone is 128 registers a thread at 32: a block of 64 spills and
+    overflows shared memory with one warpgroup), or of 64 heads-major from ``HEADS_MAJOR_MIN``."""
     B, H, _ = q_abs.shape
     page = latent_pages.shape[1]
     if (q_abs.shape[-1], q_pe.shape[-1]) != (D_C.value, D_PE.value) or page % BLOCK_N.value \
@@ -151,9 +255,21 @@ def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages
                          f"{latent_pages.dtype})")
     if latent_pages.stride(0) % 8 or latent_pages.data_ptr() % 16:
         raise ValueError("the Gluon MLA decode copies 16-byte pieces of 16-byte aligned pages")
-    _mla_decode_split_kernel[(B, triton.cdiv(H, BLOCK_H), partial.shape[2])](
+    kernel, block, extra = ((_mla_decode_heads_kernel, BLOCK_M.value, dict(num_warps=8)) if heads_major_applies(H)
+                            else (_mla_decode_split_kernel, BLOCK_H, dict(BLOCK_H=BLOCK_H, num_warps=4)))
+    kernel[(B, triton.cdiv(H, block), partial.shape[2])](
         q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0),
         block_table.stride(0), block_table.stride(1), partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-        lse.stride(1), scale, H, partial.shape[2], PAGE=page, BLOCK_H=BLOCK_H, num_warps=4,
+        lse.stride(1), scale, H, partial.shape[2], PAGE=page, **extra,
         **(pdl.launch(partial.device) if PDL else {}))
+
+
+def heads_major_applies(heads: int) -> bool:
+    """Whether the split step for ``heads`` runs heads-major (``HEADS_MAJOR_MIN``)."""
+    return HEADS_MAJOR_MIN is not None and heads >= HEADS_MAJOR_MIN
+
+
+def heads_per_program(heads: int) -> int:
+    """Heads a split program takes (``mla_decode_triton.default_num_splits`` counts programs by it)."""
+    return BLOCK_M.value if heads_major_applies(heads) else BLOCK_H

@@ -119,7 +119,8 @@ _mla_decode_tuned = autotuned(
 # The split step through mla_decode_gluon (keys-major wgmma, the head block as its N). H200, 32K
 # context (RESULTS.md fourteenth session), % of copy on latent bytes at batch 16 / 64: 16 heads
 # 84 / 97 %, 32 heads 80 / 94 % (this kernel at 32 heads: 61-71 %), 96 heads 0.44 ms against 0.78 (the
-# forty-third session's bench.kernels run: 0.57 against 0.60 at batch 16, 1.76 against 2.21 at batch 64).
+# forty-third session's bench.kernels run: 0.57 against 0.60 at batch 16, 1.76 against 2.21 at batch 64;
+# heads-major from 64 heads since the forty-seventh: 0.39 / 1.50 ms).
 # False: the Triton split kernel.
 GLUON_SPLIT = True
 
@@ -131,14 +132,24 @@ GLUON_SPLIT = True
 MAX_SPLITS = 64
 
 
-def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132) -> int:
+def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132, head_block: int = 32) -> int:
     """Enough (sequence, split) programs for about two waves over the SMs once heads are blocked
-    by 32, but no split shorter than 64 tokens of the table's width; a power of two, so eager
+    by ``head_block`` (``split_head_block``), but no split shorter than 64 tokens of the table's width; a power of two, so eager
     steps whose tables grow see a handful of values (each is tuned once), not one per width.
     (256-token splits left a batch-1 step at 4K context with 16 programs on 132 SMs: 37 us a
     kimi-linear MLA layer for 4.7 MB of latent, RESULTS.md sixth session.)"""
-    n = max(1, min(-(-2 * sms // (batch * -(-heads // 32))), MAX_SPLITS, max_tokens // 64))
+    n = max(1, min(-(-2 * sms // (batch * -(-heads // head_block))), MAX_SPLITS, max_tokens // 64))
     return 1 << (n.bit_length() - 1)
+
+
+def split_head_block(heads: int, gluon_step: bool) -> int:
+    """Heads a split program takes: 32 (this kernel's largest block, the Gluon keys-major step's),
+    64 where the Gluon step runs heads-major."""
+    if not gluon_step:
+        return 32
+    from .mla_decode_gluon import heads_per_program
+
+    return heads_per_program(heads)
 
 
 def gluon_split_applies(latent_pages: torch.Tensor, kv_lora_rank: int, d_pe: int, gluon: bool | None = None) -> bool:
@@ -158,7 +169,8 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
     through W_UV afterwards). ``num_splits`` None: from the batch, the heads and the table's width
     (static for a CUDA graph); ``tiles`` (BLOCK_H, BLOCK_N, num_warps, num_stages) None: autotuned.
     ``gluon`` (None: ``GLUON_SPLIT``): the split step in ``mla_decode_gluon`` (keys-major wgmma,
-    heads by 32; ``tiles`` unused) where the widths, pages and dtype allow."""
+    heads by 32, or heads-major by 64 from ``mla_decode_gluon.HEADS_MAJOR_MIN`` heads; ``tiles``
+    unused) where the widths, pages and dtype allow."""
     if q_pe is None:
         q_abs, q_pe = q_abs[..., :kv_lora_rank], q_abs[..., kv_lora_rank:]
     B, H, _ = q_abs.shape
@@ -168,11 +180,13 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
         raise ValueError("latent pages must be [pages, page_size, width] with contiguous rows")
     q_abs, q_pe = (t.to(latent_pages.dtype) if t.stride(2) == 1 else t.to(latent_pages.dtype).contiguous()
                    for t in (q_abs, q_pe))
+    gluon_step = gluon_split_applies(latent_pages, kv_lora_rank, d_pe, gluon)
     if num_splits is None:
-        num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], sm_count(q_abs.device))
+        num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], sm_count(q_abs.device),
+                                        split_head_block(H, gluon_step))
     partial = torch.empty(B, H, num_splits, kv_lora_rank, dtype=torch.float32, device=q_abs.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_abs.device)
-    if gluon_split_applies(latent_pages, kv_lora_rank, d_pe, gluon):
+    if gluon_step:
         from .mla_decode_gluon import mla_decode_split_gluon
 
         mla_decode_split_gluon(q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse, scale)
