@@ -530,6 +530,7 @@ def main() -> None:
     ap.add_argument("--ab-pool-gib", type=float, default=4.0, help="the shared pool of --ab-rounds > 1 "
                     "(kimi-linear-48b: ~40 MB of KDA state a sequence; 64 sequences of 528 tokens fit 4 GiB)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per profile")
+    ap.add_argument("--timeline-context", type=int, default=4096, help="the timeline part's context")
     ap.add_argument("--attn-res-depth", type=int, default=0, help="k3-slice: its layers played from this K3 layer "
                     "on (bench/deep_slice.py: the blocks before it stored), so its mixers read K3's deep source counts")
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
@@ -615,11 +616,11 @@ def main() -> None:
     if "profile_prefill" in parts:  # the engine's default 8192-token step: 4 prompts of 2048, 1 of 8192; one of 512
         res["profile"] = res.get("profile", []) + [kernel_profile(model, rng, b, 0, pool_bytes, new_tokens=n)
                                                    for b, n in ((1, 512), (4, 2048), (1, 8192))]
-    if "timeline" in parts:  # batch 1 and 16, context 4096: the replayed step's kernels on its critical path
+    if "timeline" in parts:  # the replayed step's kernels on its critical path, at --ab-batches
         for b in (int(x) for x in args.ab_batches.split(",")):
-            tl_ = graph_timeline(model, rng, b, 4096, pool_bytes)
+            tl_ = graph_timeline(model, rng, b, args.timeline_context, pool_bytes)
             res.setdefault("timeline", []).append(tl_)
-            print(f"\nbatch {b}, context 4096, graph replay {tl_['graph_ms']} ms, {tl_['kernels']} kernels over "
+            print(f"\nbatch {b}, context {args.timeline_context}, graph replay {tl_['graph_ms']} ms, {tl_['kernels']} kernels over "
                   f"{tl_.get('span_ms')} ms")
             for field in ("by_name", "by_pair"):  # by kernel, then by kernel after its predecessor
                 print("\n| kernel | count | charged us | own us | charged us each |\n|---|---|---|---|---|")
