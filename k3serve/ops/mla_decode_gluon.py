@@ -62,6 +62,32 @@ def _copy_tile(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc_slot, 
 
 
 @gluon.jit
+def _queries_and_ring(QC, QP, b, h0, H, stride_qb, stride_qh, stride_pb, stride_ph, ROWS: gl.constexpr,
+                      copy_l: gl.constexpr):
+    """Heads h0 .. h0 + ROWS - 1 of sequence b's queries into shared memory (rows past H zero), and
+    the 2-slot ring the key pages stream through. Returns (q_c, q_p, kc, kp) and the copy layout's
+    row and column indices (rc, cc, cp) for ``_copy_tile``."""
+    hq = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, copy_l))
+    qmask = gl.expand_dims(hq < H, 1)
+    cc = gl.arange(0, D_C, layout=gl.SliceLayout(0, copy_l))
+    cp = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_l))
+    qc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_C], gl.bfloat16)
+    qp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_PE], gl.bfloat16)
+    q_c = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_C], qc_s,
+                                    gl.load(QC + b * stride_qb + gl.expand_dims(hq * stride_qh, 1)
+                                            + gl.expand_dims(cc, 0), mask=qmask, other=0.0))
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_PE], qp_s,
+                                    gl.load(QP + b * stride_pb + gl.expand_dims(hq * stride_ph, 1)
+                                            + gl.expand_dims(cp, 0), mask=qmask, other=0.0))
+    kc = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_C],
+                                   gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_C], gl.bfloat16))
+    kp = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE],
+                                   gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], gl.bfloat16))
+    rc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
+    return q_c, q_p, kc, kp, rc, cc, cp
+
+
+@gluon.jit
 def _mla_decode_split_kernel(
     QC, QP, KV, BT, SL, O, LSE,
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
@@ -73,10 +99,6 @@ def _mla_decode_split_kernel(
     WIDTH: gl.constexpr = D_C + D_PE
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_H, 16])  # [keys, heads] and [D_C, heads]
-    kc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_C], gl.bfloat16)
-    kp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], gl.bfloat16)
-    qc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_C], gl.bfloat16)
-    qp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], gl.bfloat16)
     p_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
     copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies along a row
     gluon_pdl_start(USE_PDL)
@@ -85,20 +107,9 @@ def _mla_decode_split_kernel(
     sp = gl.program_id(2)
     start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
     # ---- the head block's queries into shared memory (the scores' B operand) -------------------
-    hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, copy_l))
-    qmask = gl.expand_dims(hq < H, 1)
-    cc = gl.arange(0, D_C, layout=gl.SliceLayout(0, copy_l))
-    cp = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_l))
-    q_c = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_C], qc_s,
-                                    gl.load(QC + b * stride_qb + gl.expand_dims(hq * stride_qh, 1)
-                                            + gl.expand_dims(cc, 0), mask=qmask, other=0.0))
-    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_PE], qp_s,
-                                    gl.load(QP + b * stride_pb + gl.expand_dims(hq * stride_ph, 1)
-                                            + gl.expand_dims(cp, 0), mask=qmask, other=0.0))
-    kc = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_C], kc_s)
-    kp = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE], kp_s)
+    q_c, q_p, kc, kp, rc, cc, cp = _queries_and_ring(QC, QP, b, hb * BLOCK_H, H, stride_qb, stride_qh, stride_pb,
+                                                     stride_ph, BLOCK_H, copy_l)
     p_t = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_s)
-    rc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
     _copy_tile(KV, BT, b, start, end, stride_btb, stride_btp, stride_kvp, kc.index(0), kp.index(0), rc, cc, cp, PAGE, WIDTH)
     fence_async_shared()  # the queries, stored by every thread, before any wgmma reads them
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
@@ -168,10 +179,6 @@ def _mla_decode_heads_kernel(
                                                   instr_shape=[16, 32, 16])  # [heads, keys]
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, 256, 16])  # [heads, D_C]
-    kc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_C], gl.bfloat16)
-    kp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], gl.bfloat16)
-    qc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_C], gl.bfloat16)
-    qp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_PE], gl.bfloat16)
     p_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
     copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte copies along a row
     gluon_pdl_start(USE_PDL)
@@ -179,20 +186,9 @@ def _mla_decode_heads_kernel(
     hb = gl.program_id(1)
     sp = gl.program_id(2)
     start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
-    hq = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_l))
-    qmask = gl.expand_dims(hq < H, 1)
-    cc = gl.arange(0, D_C, layout=gl.SliceLayout(0, copy_l))
-    cp = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_l))
-    q_c = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D_C], qc_s,
-                                    gl.load(QC + b * stride_qb + gl.expand_dims(hq * stride_qh, 1)
-                                            + gl.expand_dims(cc, 0), mask=qmask, other=0.0))
-    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D_PE], qp_s,
-                                    gl.load(QP + b * stride_pb + gl.expand_dims(hq * stride_ph, 1)
-                                            + gl.expand_dims(cp, 0), mask=qmask, other=0.0))
-    kc = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_C], kc_s)
-    kp = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE], kp_s)
+    q_c, q_p, kc, kp, rc, cc, cp = _queries_and_ring(QC, QP, b, hb * BLOCK_M, H, stride_qb, stride_qh, stride_pb,
+                                                     stride_ph, BLOCK_M, copy_l)
     p_sm = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], p_s)
-    rc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
     _copy_tile(KV, BT, b, start, end, stride_btb, stride_btp, stride_kvp, kc.index(0), kp.index(0), rc, cc, cp, PAGE, WIDTH)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
     l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)  # the row sums, reduced once at the end
