@@ -19,8 +19,8 @@ pages (64 rows of 1,152 bytes); the online softmax runs over the tile's rows (ke
 From ``HEADS_MAJOR_MIN`` (64) heads the step runs heads-major instead (``_mla_decode_heads_kernel``,
 two warpgroups, 64 heads as the wgmma's M): with all of K3's 96 heads on one GPU (DP attention,
 DCP) the decode is compute-bound, and 32-wide wgmmas on keys left it at ~36 % of the matmul
-ceiling. H200, 32K context (RESULTS.md forty-seventh session): 96 heads 41-43 % (0.39 against
-0.44 ms at batch 16 with either form's best split count; 0.57 at the old default), 128 heads 53-56 %
+ceiling. H200, 32K context (RESULTS.md forty-seventh session): 96 heads 44-46 % (0.37 against
+0.44 ms at batch 16 with either form's best split count; 0.57 at the old default), 128 heads 56-60 %
 against 37 %.
 """
 
@@ -200,15 +200,17 @@ def _mla_decode_heads_kernel(
         n0 = start + t * BLOCK_N
         async_copy.wait_group(0)
         # Every thread's part of tile t (and, first time, of the queries) in, and both warpgroups
-        # past tile t - 1's wgmmas: only now may its slot and P be overwritten.
+        # past tile t - 1's wgmmas: only now may its slot (the copy below) and P be overwritten.
         cta_barrier()
-        _copy_tile(KV, BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc.index(1 - slot),
-                   kp.index(1 - slot), rc, cc, cp, PAGE, WIDTH)
         fence_async_shared()
         k_c, k_p = kc.index(slot), kp.index(slot)
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)
         s = warpgroup_mma(q_c, k_c.permute([1, 0]), s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_p, k_p.permute([1, 0]), s, is_async=True)
+        # The next tile's copy issued under the scores' wgmmas: its block-table load and address
+        # arithmetic no longer stand before them (4-5 % at 64-128 heads, RESULTS.md forty-seventh session).
+        _copy_tile(KV, BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc.index(1 - slot),
+                   kp.index(1 - slot), rc, cc, cp, PAGE, WIDTH)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         s = gl.where(gl.expand_dims(n0 + keys < end, 0), s * scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))

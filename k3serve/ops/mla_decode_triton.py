@@ -120,7 +120,7 @@ _mla_decode_tuned = autotuned(
 # context (RESULTS.md fourteenth session), % of copy on latent bytes at batch 16 / 64: 16 heads
 # 84 / 97 %, 32 heads 80 / 94 % (this kernel at 32 heads: 61-71 %), 96 heads 0.44 ms against 0.78 (the
 # forty-third session's bench.kernels run: 0.57 against 0.60 at batch 16, 1.76 against 2.21 at batch 64;
-# heads-major from 64 heads since the forty-seventh: 0.39 / 1.50 ms).
+# heads-major from 64 heads since the forty-seventh: 0.37 / 1.40 ms).
 # False: the Triton split kernel.
 GLUON_SPLIT = True
 
