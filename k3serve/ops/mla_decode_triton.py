@@ -134,8 +134,9 @@ MAX_SPLITS = 64
 
 def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132, head_block: int = 32) -> int:
     """Enough (sequence, split) programs for about two waves over the SMs once heads are blocked
-    by ``head_block`` (``split_head_block``), but no split shorter than 64 tokens of the table's width; a power of two, so eager
-    steps whose tables grow see a handful of values (each is tuned once), not one per width.
+    by ``head_block`` (``split_head_block``), but no split shorter than 64 tokens of the table's
+    width; a power of two, so eager steps whose tables grow see a handful of values (each is tuned
+    once), not one per width.
     (256-token splits left a batch-1 step at 4K context with 16 programs on 132 SMs: 37 us a
     kimi-linear MLA layer for 4.7 MB of latent, RESULTS.md sixth session.)"""
     n = max(1, min(-(-2 * sms // (batch * -(-heads // head_block))), MAX_SPLITS, max_tokens // 64))
