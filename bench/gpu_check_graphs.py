@@ -620,8 +620,8 @@ def main() -> None:
         for b in (int(x) for x in args.ab_batches.split(",")):
             tl_ = graph_timeline(model, rng, b, args.timeline_context, pool_bytes)
             res.setdefault("timeline", []).append(tl_)
-            print(f"\nbatch {b}, context {args.timeline_context}, graph replay {tl_['graph_ms']} ms, {tl_['kernels']} kernels over "
-                  f"{tl_.get('span_ms')} ms")
+            print(f"\nbatch {b}, context {args.timeline_context}, graph replay {tl_['graph_ms']} ms, "
+                  f"{tl_['kernels']} kernels over {tl_.get('span_ms')} ms")
             for field in ("by_name", "by_pair"):  # by kernel, then by kernel after its predecessor
                 print("\n| kernel | count | charged us | own us | charged us each |\n|---|---|---|---|---|")
                 for r in tl_[field][:args.top]:

@@ -23,7 +23,7 @@ from bench.timing import gpu_ms
 
 from bench.overrides import constants
 from k3serve.ops.mla_decode_triton import (_mla_decode_tuned, default_num_splits, gluon_split_applies, mla_decode,
-                                           split_head_block)
+                                           num_splits_for)
 from k3serve.ops.mla_ref import mla_absorbed_ref
 
 
@@ -35,8 +35,7 @@ def case(B, H, ctx, page=64, rkv=512, dr=64, splits=None, check=True, tiles=None
     seq_lens = torch.full((B,), ctx, device="cuda")
     q = torch.randn(B, H, rkv + dr, device="cuda", generator=g)
     scale = 192 ** -0.5
-    splits = splits or default_num_splits(B, H, pages_per * page, torch.cuda.get_device_properties(0).multi_processor_count,
-                                          split_head_block(H, gluon_split_applies(latent, rkv, dr, gluon)))
+    splits = splits or num_splits_for(B, H, pages_per * page, latent.device, gluon_split_applies(latent, rkv, dr, gluon))
     run = lambda: mla_decode(q, latent, table, seq_lens, rkv, scale, num_splits=splits, tiles=tiles,  # noqa: E731
                              gluon=gluon)
     out = run()
@@ -107,8 +106,7 @@ def main() -> list[Row] | None:
             forms = [("gluon keys-major", "None")] + [("gluon heads-major", "64")] * (H >= 64)
             for label, heads_major_min in forms:
                 with constants(f"k3serve.ops.mla_decode_gluon.HEADS_MAJOR_MIN={heads_major_min}"):
-                    base = default_num_splits(B, H, 32768, torch.cuda.get_device_properties(0).multi_processor_count,
-                                              split_head_block(H, True))
+                    base = num_splits_for(B, H, 32768, torch.device("cuda"), True)
                     for splits in (base, 2 * base):
                         err = case(B, H, 4096, splits=splits, gluon=True)["rel_err"]
                         r = case(B, H, 32768, splits=splits, check=False, gluon=True)

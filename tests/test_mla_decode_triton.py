@@ -88,14 +88,18 @@ def test_split_count_follows_the_gluon_forms_head_block():
     """Programs are counted by the heads each takes: the Gluon step runs 64 heads a program from
     HEADS_MAJOR_MIN heads (K3's 96: two head blocks, not three), so the split count that fills the
     GPU doubles there; below it, and for the Triton kernel, heads go by 32."""
+    import torch
+
     from k3serve.ops import mla_decode_gluon
-    from k3serve.ops.mla_decode_triton import default_num_splits, split_head_block
+    from k3serve.ops.mla_decode_triton import default_num_splits, num_splits_for, split_head_block
 
     assert [split_head_block(h, True) for h in (16, 32, 63, 64, 96, 128)] == [32, 32, 32, 64, 64, 64]
     assert [split_head_block(h, False) for h in (32, 96)] == [32, 32]
     # 16 sequences of 96 heads on 132 SMs, 32K tokens: ~2 waves of (sequence, head block, split)
     assert default_num_splits(16, 96, 32768, 132, split_head_block(96, False)) == 4  # 3 blocks: 192 programs
     assert default_num_splits(16, 96, 32768, 132, split_head_block(96, True)) == 8  # 2 blocks: 256 programs
+    cpu = torch.device("cpu")  # (an H200's 132 SMs off the GPU)
+    assert (num_splits_for(16, 96, 32768, cpu, True), num_splits_for(16, 96, 32768, cpu, False)) == (8, 4)
     saved = mla_decode_gluon.HEADS_MAJOR_MIN
     try:
         mla_decode_gluon.HEADS_MAJOR_MIN = None

@@ -143,6 +143,12 @@ def default_num_splits(batch: int, heads: int, max_tokens: int, sms: int = 132, 
     return 1 << (n.bit_length() - 1)
 
 
+def num_splits_for(batch: int, heads: int, max_tokens: int, device: torch.device, gluon_step: bool) -> int:
+    """``default_num_splits`` on ``device`` for the split step that will run (``gluon_step``:
+    ``gluon_split_applies``): what ``mla_decode`` picks when not told."""
+    return default_num_splits(batch, heads, max_tokens, sm_count(device), split_head_block(heads, gluon_step))
+
+
 def split_head_block(heads: int, gluon_step: bool) -> int:
     """Heads a split program takes: 32 (this kernel's largest block, the Gluon keys-major step's),
     64 where the Gluon step runs heads-major."""
@@ -183,8 +189,7 @@ def mla_decode(q_abs: torch.Tensor, latent_pages: torch.Tensor, block_table: tor
                    for t in (q_abs, q_pe))
     gluon_step = gluon_split_applies(latent_pages, kv_lora_rank, d_pe, gluon)
     if num_splits is None:
-        num_splits = default_num_splits(B, H, block_table.shape[1] * latent_pages.shape[1], sm_count(q_abs.device),
-                                        split_head_block(H, gluon_step))
+        num_splits = num_splits_for(B, H, block_table.shape[1] * latent_pages.shape[1], q_abs.device, gluon_step)
     partial = torch.empty(B, H, num_splits, kv_lora_rank, dtype=torch.float32, device=q_abs.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_abs.device)
     if gluon_step:
