@@ -165,7 +165,8 @@ def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluo
     ref = mla_ref.mla_absorbed_ref(q.float()[:, None], lat, mask[:, None], rkv, 0.07)[:, 0]
     for name, t in (("", table), (", page-major table", by_page)):
         out = mla_decode(q, pool, t, seq_lens, rkv, 0.07, gluon=gluon)
-        form = (", Gluon heads-major" if mla_decode_gluon.heads_major_applies(H) else ", Gluon") if gluon else ""
+        major = ", Gluon seesaw" if mla_decode_gluon.SEESAW else ", Gluon heads-major"
+        form = (major if mla_decode_gluon.heads_major_applies(H) else ", Gluon") if gluon else ""
         record("MLA split-KV decode (default splits)" + form + name,
                f"B={B} H={H} lens={lens[:4]} width={t.shape[1]}", rel(out, ref), 2e-2)
     if gluon:
@@ -547,6 +548,12 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
         check_mla_decode(2, 80, [1, 5000], gen, gluon=True, width=16384)
         check_mla_decode(2, 128, [4096, 777], gen, gluon=True)
         with constants("k3serve.ops.mla_decode_gluon.HEADS_MAJOR_MIN=None"):  # K3's 96 heads keys-major
+            check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
+        # the seesaw schedule (tiles in pairs: 1 and 3 tiles leave the second of a pair empty)
+        with constants(f"k3serve.ops.mla_decode_gluon.SEESAW={not mla_decode_gluon.SEESAW}"):
+            check_mla_decode(3, 64, [1, 64, 129], gen, gluon=True)
+            check_mla_decode(2, 80, [1, 5000], gen, gluon=True, width=16384)
+            check_mla_decode(2, 128, [4096, 777], gen, gluon=True)
             check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
     elif family == "kda":
         for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0), (300, 96, -5.0)):

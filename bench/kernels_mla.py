@@ -103,9 +103,11 @@ def main() -> list[Row] | None:
         print(head)
         for B, H in ((16, 16), (64, 16), (16, 32), (64, 32), (16, 64), (16, 96), (32, 96), (64, 96), (16, 128),
                      (64, 128)):
-            forms = [("gluon keys-major", "None")] + [("gluon heads-major", "64")] * (H >= 64)
-            for label, heads_major_min in forms:
-                with constants(f"k3serve.ops.mla_decode_gluon.HEADS_MAJOR_MIN={heads_major_min}"):
+            forms = [("gluon keys-major", "HEADS_MAJOR_MIN=None")]
+            forms += [("gluon heads-major", "HEADS_MAJOR_MIN=64,SEESAW=False"),
+                      ("gluon seesaw", "HEADS_MAJOR_MIN=64,SEESAW=True")] * (H >= 64)
+            for label, assigns in forms:
+                with constants(",".join(f"k3serve.ops.mla_decode_gluon.{a}" for a in assigns.split(","))):
                     base = num_splits_for(B, H, 32768, torch.device("cuda"), True)
                     for splits in (base, 2 * base):
                         err = case(B, H, 4096, splits=splits, gluon=True)["rel_err"]

@@ -21,7 +21,9 @@ two warpgroups, 64 heads as the wgmma's M): with all of K3's 96 heads on one GPU
 DCP) the decode is compute-bound, and 32-wide wgmmas on keys left it at ~36 % of the matmul
 ceiling. H200, 32K context (RESULTS.md forty-seventh session): 96 heads 44-46 % (0.37 against
 0.44 ms at batch 16 with either form's best split count; 0.57 at the old default), 128 heads 56-60 %
-against 37 %.
+against 37 %. Those heads are served by the same blocks in FlashMLA's seesaw schedule
+(``_mla_decode_seesaw_kernel``, ``SEESAW``): warp-specialised, the two warpgroups' softmaxes under
+each other's wgmmas, 1.14-1.17x the heads-major step at 96 heads (forty-eighth session).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .gluon_compat import async_load, cta_barrier, gluon_pdl_start
 
@@ -62,23 +64,30 @@ def _copy_tile(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc_slot, 
 
 
 @gluon.jit
+def _load_queries(QC, QP, b, h0, H, stride_qb, stride_qh, stride_pb, stride_ph, ROWS: gl.constexpr,
+                  copy_l: gl.constexpr):
+    """Heads h0 .. h0 + ROWS - 1 of sequence b's queries (rows past H zero), latent and rotary
+    parts, in registers; and the copy layout's column indices (cc, cp)."""
+    hq = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, copy_l))
+    qmask = gl.expand_dims(hq < H, 1)
+    cc = gl.arange(0, D_C, layout=gl.SliceLayout(0, copy_l))
+    cp = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_l))
+    qc = gl.load(QC + b * stride_qb + gl.expand_dims(hq * stride_qh, 1) + gl.expand_dims(cc, 0), mask=qmask, other=0.0)
+    qp = gl.load(QP + b * stride_pb + gl.expand_dims(hq * stride_ph, 1) + gl.expand_dims(cp, 0), mask=qmask, other=0.0)
+    return qc, qp, cc, cp
+
+
+@gluon.jit
 def _queries_and_ring(QC, QP, b, h0, H, stride_qb, stride_qh, stride_pb, stride_ph, ROWS: gl.constexpr,
                       copy_l: gl.constexpr):
     """Heads h0 .. h0 + ROWS - 1 of sequence b's queries into shared memory (rows past H zero), and
     the 2-slot ring the key pages stream through. Returns (q_c, q_p, kc, kp) and the copy layout's
     row and column indices (rc, cc, cp) for ``_copy_tile``."""
-    hq = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, copy_l))
-    qmask = gl.expand_dims(hq < H, 1)
-    cc = gl.arange(0, D_C, layout=gl.SliceLayout(0, copy_l))
-    cp = gl.arange(0, D_PE, layout=gl.SliceLayout(0, copy_l))
-    qc_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_C], gl.bfloat16)
-    qp_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_PE], gl.bfloat16)
-    q_c = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_C], qc_s,
-                                    gl.load(QC + b * stride_qb + gl.expand_dims(hq * stride_qh, 1)
-                                            + gl.expand_dims(cc, 0), mask=qmask, other=0.0))
-    q_p = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_PE], qp_s,
-                                    gl.load(QP + b * stride_pb + gl.expand_dims(hq * stride_ph, 1)
-                                            + gl.expand_dims(cp, 0), mask=qmask, other=0.0))
+    qc, qp, cc, cp = _load_queries(QC, QP, b, h0, H, stride_qb, stride_qh, stride_pb, stride_ph, ROWS, copy_l)
+    q_c = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_C], gl.NVMMASharedLayout.get_default_for([ROWS, D_C],
+                                                                                                 gl.bfloat16), qc)
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_PE], gl.NVMMASharedLayout.get_default_for([ROWS, D_PE],
+                                                                                                  gl.bfloat16), qp)
     kc = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_C],
                                    gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_C], gl.bfloat16))
     kp = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D_PE],
@@ -237,13 +246,247 @@ def _mla_decode_heads_kernel(
     gl.store(LSE + b * stride_lb + ho * stride_lh + sp, lse, mask=ho < H)
 
 
+# ---- seesaw (FlashMLA's schedule) ------------------------------------------------------------------
+# The heads-major step above runs each tile's two phases in lockstep in both warpgroups: the tensor
+# cores idle through the softmax, the output's rescale and the barriers (about half a tile's time at
+# 96 heads, RESULTS.md forty-seventh session). The seesaw step (FlashMLA's new kernel, its deep-dive
+# write-up) takes tiles in pairs: warpgroup 0 scores tile 0 while warpgroup 1 scores tile 1, each
+# owns half of the output's 512 columns, and they trade row maxima and P through shared memory, so
+# one warpgroup's softmax runs under the other's wgmmas. Warp-specialised (a partition a warpgroup);
+# each warpgroup streams its own half of the key columns back in as soon as it has read them last.
+# H200, 32K context (RESULTS.md forty-eighth session): 96 heads 0.321 / 0.640 / 1.248 ms at batch
+# 16 / 32 / 64 against 0.375 / 0.740 / 1.424 (1.14-1.17x), 128 heads 60-64 % of the matmul ceiling.
+# True: served from HEADS_MAJOR_MIN heads instead of ``_mla_decode_heads_kernel``.
+SEESAW = True
+HALF = gl.constexpr(256)  # output (and key) columns a warpgroup owns
+SEESAW_WORKER_REGS = gl.constexpr(240)  # warpgroup 1's registers (warpgroup 0 gets what is left: 256)
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _copy_cols(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, dst, COL0: gl.constexpr,
+               NCOLS: gl.constexpr, PAGE: gl.constexpr, WIDTH: gl.constexpr, layout: gl.constexpr):
+    """cp.async of the key tile at n0, columns COL0 .. COL0 + NCOLS - 1, into ``dst`` [BLOCK_N, NCOLS]
+    (rows at or past ``end`` zero-filled; a tile past the split copies nothing)."""
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, NCOLS, layout=gl.SliceLayout(0, layout))
+    page = gl.load(BT + b * stride_btb + (n0 // PAGE) * stride_btp, mask=n0 < end, other=0).to(gl.int64)
+    base = KV + page * stride_kvp + (n0 % PAGE) * WIDTH + COL0
+    async_load(dst, base + gl.expand_dims(rows * WIDTH, 1) + gl.expand_dims(cols, 0),
+               mask=gl.expand_dims(n0 + rows < end, 1))
+
+
+@gluon.jit
+def _opaque(x):
+    """``x`` through an impure move: smem views indexed by it are rebuilt in the loop (a few
+    uniform adds), not hoisted with their ~80 wgmma descriptors, which spilled."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _seesaw_refill(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc, kp, slot, ready, W: gl.constexpr,
+                   WITH_PE: gl.constexpr, PAGE: gl.constexpr):
+    """Warpgroup W's share of the tile at n0 into ring slot ``slot``: its half of the latent columns
+    (and the rotary part where it frees that too), then a per-thread arrival on ``ready`` once the
+    copies have landed."""
+    WIDTH: gl.constexpr = D_C + D_PE
+    half_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    _copy_cols(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc.index(slot).slice(W * HALF, HALF, dim=1),
+               W * HALF, HALF, PAGE, WIDTH, half_l)
+    if WITH_PE:
+        _copy_cols(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kp.index(slot), D_C, D_PE, PAGE, WIDTH,
+                   pe_l)
+    async_copy.mbarrier_arrive(ready, increment_count=False)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H,
+                      stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                      qk_scale2, PAGE: gl.constexpr):
+    """Warpgroup W of the seesaw step. Round r takes tiles 2r (ring slot 0) and 2r + 1 (slot 1);
+    warpgroup W scores tile 2r + W and accumulates out[:, W*256 : W*256 + 256] over both (scores in
+    log2 units, m the running row maximum):
+      W0: S0 = Q K0^T; m0 = max(m, rowmax S0) -> W1; P0 = exp(S0 - m0) -> W1;
+          O_L = O_L exp(m - m0) + P0 V0_L; m1 <- W1; O_L = O_L exp(m0 - m1) + P1 V1_L
+      W1: S1 = Q K1^T; m0 <- W0; m1 = max(m0, rowmax S1) -> W0; P1 = exp(S1 - m1) -> W0;
+          O_R = O_R exp(m - m0) + P0 V0_R; O_R = O_R exp(m0 - m1) + P1 V1_R
+    A warpgroup's own P goes to its wgmma from registers, the other's through the rotary rows of
+    the P's slot (read only by that slot's scores, already done). bars: 0-3 ready[slot * 2 +
+    loader] (128 per-thread arrivals on cp.async completion), 4 m0, 5 m1, 6 P0, 7 P1, 8-9 the row
+    sums at the end. Each warpgroup refills the ring with what it read last: its half of both
+    slots' latent columns, and the rotary rows of the other warpgroup's slot."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    V: gl.constexpr = 1 - W  # the other warpgroup
+    # round 0's tiles: this warpgroup's half of both slots, and the rotary part of the other's slot
+    _seesaw_refill(KV, BT, b, start, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0, bars.index(W), W,
+                   W == 1, PAGE)
+    _seesaw_refill(KV, BT, b, start + BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1,
+                   bars.index(2 + W), W, W == 0, PAGE)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HALF], gl.float32, o_l)
+    xm0, xm1 = xm.slice(0, BLOCK_M), xm.slice(BLOCK_M, BLOCK_M)
+    n_rounds = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)
+    for r in range(0, n_rounds):
+        ph = (r & 1).to(gl.int32)  # (seq_lens may be int64)
+        zero = ph - ph
+        n0 = start + 2 * r * BLOCK_N  # slot 0's tile; slot 1's is the next
+        own = _opaque(W + zero)  # (values the compiler cannot hoist: see _opaque)
+        oth = _opaque(V + zero)
+        k_c, k_p = kc.index(own), kp.index(own)
+        q_i = _opaque(2 + zero)
+        q_c, q_p = kc.index(q_i), kp.index(q_i)
+        # scores of this warpgroup's tile: its own column half first (refilled by itself), then the rest
+        mbarrier.wait(bars.index(2 * W + W), ph)
+        fence_async_shared()  # (cp.async writes through the generic proxy; wgmma reads through the async one)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)
+        s = warpgroup_mma(q_c.slice(W * HALF, HALF, dim=1), k_c.slice(W * HALF, HALF, dim=1).permute([1, 0]), s,
+                          use_acc=False, is_async=True)
+        mbarrier.wait(bars.index(2 * W + V), ph)
+        fence_async_shared()
+        s = warpgroup_mma(q_c.slice(V * HALF, HALF, dim=1), k_c.slice(V * HALF, HALF, dim=1).permute([1, 0]), s,
+                          is_async=True)
+        s = warpgroup_mma(q_p, k_p.permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        s = gl.where(gl.expand_dims(n0 + W * BLOCK_N + keys < end, 0), s * qk_scale2, float("-inf"))
+        if W == 0:
+            m0 = gl.maximum(m_i, gl.max(s, 1))
+            xm0.store(m0)
+            mbarrier.arrive(bars.index(4), count=1)
+            a0 = gl.exp2(m_i - m0)
+        else:
+            mbarrier.wait(bars.index(4), ph)
+            m0 = xm0.load(row_s)
+            m1 = gl.maximum(m0, gl.max(s, 1))
+            xm1.store(m1)
+            mbarrier.arrive(bars.index(5), count=1)
+            a0 = gl.exp2(m_i - m0)
+        p = gl.exp2(s - gl.expand_dims(m0 if W == 0 else m1, 1))
+        p16 = p.to(gl.bfloat16)
+        k_p.store(p16)  # for the other warpgroup, over this tile's rotary rows
+        fence_async_shared()
+        mbarrier.arrive(bars.index(6 + W), count=1)
+        if W == 0:
+            l_i = l_i * a0 + gl.sum(p, 1)
+            acc = warpgroup_mma(gl.convert_layout(p16, p_op), k_c.slice(0, HALF, dim=1),
+                                acc * gl.expand_dims(gl.convert_layout(a0, row_o), 1), is_async=True)
+            mbarrier.wait(bars.index(5), ph)
+            m1 = xm1.load(row_s)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            _seesaw_refill(KV, BT, b, n0 + 2 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0,
+                           bars.index(0), 0, False, PAGE)
+            a1 = gl.exp2(m0 - m1)
+            l_i = l_i * a1
+            mbarrier.wait(bars.index(7), ph)
+            acc = warpgroup_mma(kp.index(oth), kc.index(oth).slice(0, HALF, dim=1),
+                                acc * gl.expand_dims(gl.convert_layout(a1, row_o), 1), is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            _seesaw_refill(KV, BT, b, n0 + 3 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1,
+                           bars.index(2), 0, True, PAGE)
+        else:
+            l_i = l_i * gl.exp2(m_i - m1) + gl.sum(p, 1)
+            mbarrier.wait(bars.index(6), ph)
+            acc = warpgroup_mma(kp.index(oth), kc.index(oth).slice(HALF, HALF, dim=1),
+                                acc * gl.expand_dims(gl.convert_layout(a0, row_o), 1), is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            _seesaw_refill(KV, BT, b, n0 + 2 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0,
+                           bars.index(1), 1, True, PAGE)
+            acc = warpgroup_mma(gl.convert_layout(p16, p_op), k_c.slice(HALF, HALF, dim=1),
+                                acc * gl.expand_dims(gl.convert_layout(gl.exp2(m0 - m1), row_o), 1), is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            _seesaw_refill(KV, BT, b, n0 + 3 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1,
+                           bars.index(3), 1, False, PAGE)
+        m_i = m1
+    async_copy.wait_group(0)
+    # the row sums: each warpgroup's share, both relative to the final maximum
+    xm.slice((2 + W) * BLOCK_M, BLOCK_M).store(l_i)
+    mbarrier.arrive(bars.index(8 + W), count=1)
+    mbarrier.wait(bars.index(8 + V), 0)
+    l_i = gl.convert_layout(l_i + xm.slice((2 + V) * BLOCK_M, BLOCK_M).load(row_s), row_o)
+    m_o = gl.convert_layout(m_i, row_o)
+    has = l_i > 0
+    out = acc / gl.expand_dims(gl.where(has, l_i, 1.0), 1)
+    ho = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    do = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    gl.store(O + b * stride_ob + gl.expand_dims(ho * stride_oh, 1) + sp * stride_os + gl.expand_dims(do, 0), out,
+             mask=gl.expand_dims(ho < gl.where(start < end, H, 0), 1))  # (an empty split: its -inf alone)
+    if W == 0:
+        lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        gl.store(LSE + b * stride_lb + ho * stride_lh + sp, lse, mask=ho < H)
+
+
+@gluon.jit
+def _seesaw_worker(kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp, stride_btb,
+                   stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE: gl.constexpr):
+    _seesaw_partition(1, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp,
+                      stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE)
+
+
+@gluon.jit
+def _seesaw_default(kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp, stride_btb,
+                    stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE: gl.constexpr):
+    _seesaw_partition(0, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp,
+                      stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE)
+
+
+@gluon.jit
+def _mla_decode_seesaw_kernel(
+    QC, QP, KV, BT, SL, O, LSE,
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, scale, H, NUM_SPLITS,
+    PAGE: gl.constexpr, USE_PDL: gl.constexpr = False,
+):
+    """Program (sequence, block of 64 heads, split) in FlashMLA's seesaw schedule
+    (``_seesaw_partition``): the default partition is warpgroup 0, one worker partition warpgroup 1.
+    Same splits and partial outputs as ``_mla_decode_heads_kernel``. Shared memory: the queries
+    (72 KB), two key pages (144 KB; P travels in the rotary rows a page's scores are done with),
+    the exchanged row maxima and sums, 10 mbarriers."""
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    gluon_pdl_start(USE_PDL)
+    b = gl.program_id(0)
+    hb = gl.program_id(1)
+    sp = gl.program_id(2)
+    start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
+    # the queries as a third page of the ring's buffers: a view the loop indexes through _opaque
+    qc, qp, cc, cp = _load_queries(QC, QP, b, hb * BLOCK_M, H, stride_qb, stride_qh, stride_pb, stride_ph, BLOCK_M,
+                                   copy_l)
+    kc = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, D_C],
+                                   gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_C], gl.bfloat16))
+    kp = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, D_PE],
+                                   gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], gl.bfloat16))
+    kc.index(2).store(qc)
+    kp.index(2).store(qp)
+    xm = gl.allocate_shared_memory(gl.float32, [4 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bars = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())  # (10 used)
+    for i in gl.static_range(4):
+        mbarrier.init(bars.index(i), count=128)  # a cp.async arrival from every thread of the loader
+    for i in gl.static_range(4, 10):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()  # the queries and the barriers, before either partition's wgmmas and waits
+    gl.warp_specialize([(_seesaw_default, (kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H,
+                                           stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
+                                           stride_lb, stride_lh, scale * LOG2E, PAGE)),
+                        (_seesaw_worker, (kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H,
+                                          stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
+                                          stride_lb, stride_lh, scale * LOG2E, PAGE))],
+                       [4], [SEESAW_WORKER_REGS])
+
+
 def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, partial: torch.Tensor,
                            lse: torch.Tensor, scale: float) -> None:
     """``mla_decode_triton``'s split step into ``partial`` [B, H, S, D_C] / ``lse`` [B, H, S], for
     latent widths D_C + D_PE, pages of whole key tiles, bf16 queries and cache; heads in blocks of
     ``BLOCK_H`` keys-major (out^T alone is 128 registers a thread at 32: a block of 64 spills and
-    overflows shared memory with one warpgroup), or of 64 heads-major from ``HEADS_MAJOR_MIN``."""
+    overflows shared memory with one warpgroup), or of 64 heads-major from ``HEADS_MAJOR_MIN`` (the
+    seesaw schedule where ``SEESAW``)."""
     B, H, _ = q_abs.shape
     page = latent_pages.shape[1]
     if (q_abs.shape[-1], q_pe.shape[-1]) != (D_C.value, D_PE.value) or page % BLOCK_N.value \
@@ -253,8 +496,12 @@ def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages
                          f"{latent_pages.dtype})")
     if latent_pages.stride(0) % 8 or latent_pages.data_ptr() % 16:
         raise ValueError("the Gluon MLA decode copies 16-byte pieces of 16-byte aligned pages")
-    kernel, block, extra = ((_mla_decode_heads_kernel, BLOCK_M.value, dict(num_warps=8)) if heads_major_applies(H)
-                            else (_mla_decode_split_kernel, BLOCK_H, dict(BLOCK_H=BLOCK_H, num_warps=4)))
+    if not heads_major_applies(H):
+        kernel, block, extra = _mla_decode_split_kernel, BLOCK_H, dict(BLOCK_H=BLOCK_H, num_warps=4)
+    elif SEESAW:
+        kernel, block, extra = _mla_decode_seesaw_kernel, BLOCK_M.value, dict(num_warps=4)
+    else:
+        kernel, block, extra = _mla_decode_heads_kernel, BLOCK_M.value, dict(num_warps=8)
     kernel[(B, triton.cdiv(H, block), partial.shape[2])](
         q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0),
