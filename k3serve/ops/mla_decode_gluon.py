@@ -51,12 +51,19 @@ D_PE = gl.constexpr(64)  # its rotary part
 
 
 @gluon.jit
+def _tile_base(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, PAGE: gl.constexpr, WIDTH: gl.constexpr):
+    """The cache address of the key tile at n0 (its page from the block table; PAGE % BLOCK_N == 0),
+    page 0's past the split."""
+    page = gl.load(BT + b * stride_btb + (n0 // PAGE) * stride_btp, mask=n0 < end, other=0).to(gl.int64)
+    return KV + page * stride_kvp + (n0 % PAGE) * WIDTH
+
+
+@gluon.jit
 def _copy_tile(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc_slot, kp_slot, rc, cc, cp,
                PAGE: gl.constexpr, WIDTH: gl.constexpr):
-    """Start copying the key tile at n0 (one page: PAGE % BLOCK_N == 0) into a ring slot; rows at
-    or past ``end`` are not read (zero-filled), a tile past the split copies nothing."""
-    page = gl.load(BT + b * stride_btb + (n0 // PAGE) * stride_btp, mask=n0 < end, other=0).to(gl.int64)
-    base = KV + page * stride_kvp + (n0 % PAGE) * WIDTH
+    """Start copying the key tile at n0 into a ring slot; rows at or past ``end`` are not read
+    (zero-filled), a tile past the split copies nothing."""
+    base = _tile_base(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, PAGE, WIDTH)
     live = gl.expand_dims(n0 + rc < end, 1)
     async_load(kc_slot, base + gl.expand_dims(rc * WIDTH, 1) + gl.expand_dims(cc, 0), mask=live)
     async_load(kp_slot, base + gl.expand_dims(rc * WIDTH, 1) + D_C + gl.expand_dims(cp, 0), mask=live)
@@ -270,8 +277,7 @@ def _copy_cols(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, dst, COL0
     (rows at or past ``end`` zero-filled; a tile past the split copies nothing)."""
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, NCOLS, layout=gl.SliceLayout(0, layout))
-    page = gl.load(BT + b * stride_btb + (n0 // PAGE) * stride_btp, mask=n0 < end, other=0).to(gl.int64)
-    base = KV + page * stride_kvp + (n0 % PAGE) * WIDTH + COL0
+    base = _tile_base(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, PAGE, WIDTH) + COL0
     async_load(dst, base + gl.expand_dims(rows * WIDTH, 1) + gl.expand_dims(cols, 0),
                mask=gl.expand_dims(n0 + rows < end, 1))
 
