@@ -167,6 +167,7 @@ def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluo
         out = mla_decode(q, pool, t, seq_lens, rkv, 0.07, gluon=gluon)
         major = ", Gluon seesaw" if mla_decode_gluon.SEESAW else ", Gluon heads-major"
         form = (major if mla_decode_gluon.heads_major_applies(H) else ", Gluon") if gluon else ""
+        form += ", head blocks first" if gluon and mla_decode_gluon.HEAD_BLOCKS_FIRST else ""
         record("MLA split-KV decode (default splits)" + form + name,
                f"B={B} H={H} lens={lens[:4]} width={t.shape[1]}", rel(out, ref), 2e-2)
     if gluon:
@@ -555,6 +556,12 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
             check_mla_decode(2, 80, [1, 5000], gen, gluon=True, width=16384)
             check_mla_decode(2, 128, [4096, 777], gen, gluon=True)
             check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
+        # head blocks fastest in the launch order (both heads-major forms; keys-major at 96 heads: 3 blocks)
+        flip = f"k3serve.ops.mla_decode_gluon.HEAD_BLOCKS_FIRST={not mla_decode_gluon.HEAD_BLOCKS_FIRST}"
+        for forms in ("SEESAW=True", "SEESAW=False", "HEADS_MAJOR_MIN=None"):
+            with constants(flip + f",k3serve.ops.mla_decode_gluon.{forms}"):
+                check_mla_decode(2, 128, [4096, 777], gen, gluon=True)
+                check_mla_decode(5, 96, [1, 64, 129, 5000, 32768], gen, gluon=True, width=16384)
     elif family == "kda":
         for N, H, lb in ((1, 32, -5.0), (5, 96, None), (64, 32, -5.0), (300, 96, -5.0)):
             check_kda_fused(N, H, 128, lb, gen, gluon=True)

@@ -175,7 +175,8 @@ def test_gluon_mla_decode_compiles_on_wgmma(seq_len_type, form):
                                "stride_btp", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")}
     ints.update(scale="fp32", H="i32", NUM_SPLITS="i32")
     kernel, form_consts, warps, wgmmas = MLA_GLUON_FORMS[form]
-    consts = dict(PAGE=64, **form_consts, USE_PDL=True)
+    # (both launch orders, one a seq_lens type)
+    consts = dict(PAGE=64, **form_consts, USE_PDL=True, HEAD_BLOCKS_FIRST=seq_len_type == "*i64")
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_ob",

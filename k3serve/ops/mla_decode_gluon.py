@@ -48,6 +48,23 @@ BLOCK_H = 32  # heads a program: the wgmma's N
 PDL = True
 D_C = gl.constexpr(512)  # latent (kv_lora_rank) width the layouts are written for
 D_PE = gl.constexpr(64)  # its rotary part
+# Launch order: True puts a sequence's head blocks next to each other (grid (head blocks, B, splits)),
+# so the programs reading the same key pages run side by side; False: B fastest. L2 already kept the
+# DRAM reads single either way (ncu, RESULTS.md forty-ninth session: 608-627 MB for 604 MB of latent
+# at 96 heads), but the seesaw step at 96 / 128 heads gains 1-3 % in this order.
+HEAD_BLOCKS_FIRST = True
+
+
+@gluon.jit
+def _program(HEAD_BLOCKS_FIRST: gl.constexpr):
+    """This program's (sequence, head block, split) in the launch order ``HEAD_BLOCKS_FIRST``."""
+    if HEAD_BLOCKS_FIRST:
+        b = gl.program_id(1)
+        hb = gl.program_id(0)
+    else:
+        b = gl.program_id(0)
+        hb = gl.program_id(1)
+    return b, hb, gl.program_id(2)
 
 
 @gluon.jit
@@ -109,6 +126,7 @@ def _mla_decode_split_kernel(
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, scale, H, NUM_SPLITS,
     PAGE: gl.constexpr, BLOCK_H: gl.constexpr, USE_PDL: gl.constexpr = False,
+    HEAD_BLOCKS_FIRST: gl.constexpr = False,
 ):
     """Program (sequence, head block, split): the split's keys in tiles of BLOCK_N, the partial
     output [heads, D_C] and its log-sum-exp as ``mla_decode_triton``'s split kernel writes them."""
@@ -118,9 +136,7 @@ def _mla_decode_split_kernel(
     p_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
     copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies along a row
     gluon_pdl_start(USE_PDL)
-    b = gl.program_id(0)
-    hb = gl.program_id(1)
-    sp = gl.program_id(2)
+    b, hb, sp = _program(HEAD_BLOCKS_FIRST)
     start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
     # ---- the head block's queries into shared memory (the scores' B operand) -------------------
     q_c, q_p, kc, kp, rc, cc, cp = _queries_and_ring(QC, QP, b, hb * BLOCK_H, H, stride_qb, stride_qh, stride_pb,
@@ -182,6 +198,7 @@ def _mla_decode_heads_kernel(
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, scale, H, NUM_SPLITS,
     PAGE: gl.constexpr, USE_PDL: gl.constexpr = False,
+    HEAD_BLOCKS_FIRST: gl.constexpr = False,
 ):
     """Program (sequence, block of 64 heads, split), two warpgroups, FlashMLA's orientation: the
     64 heads are the wgmma's M, scores [heads, keys] = Q @ K^T (each warpgroup 32 of a tile's 64
@@ -198,9 +215,7 @@ def _mla_decode_heads_kernel(
     p_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
     copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte copies along a row
     gluon_pdl_start(USE_PDL)
-    b = gl.program_id(0)
-    hb = gl.program_id(1)
-    sp = gl.program_id(2)
+    b, hb, sp = _program(HEAD_BLOCKS_FIRST)
     start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
     q_c, q_p, kc, kp, rc, cc, cp = _queries_and_ring(QC, QP, b, hb * BLOCK_M, H, stride_qb, stride_qh, stride_pb,
                                                      stride_ph, BLOCK_M, copy_l)
@@ -262,7 +277,9 @@ def _mla_decode_heads_kernel(
 # one warpgroup's softmax runs under the other's wgmmas. Warp-specialised (a partition a warpgroup);
 # each warpgroup streams its own half of the key columns back in as soon as it has read them last.
 # H200, 32K context (RESULTS.md forty-eighth session): 96 heads 0.321 / 0.640 / 1.248 ms at batch
-# 16 / 32 / 64 against 0.375 / 0.740 / 1.424 (1.14-1.17x), 128 heads 60-64 % of the matmul ceiling.
+# 16 / 32 / 64 against 0.375 / 0.740 / 1.424 (1.14-1.17x), 128 heads 60-64 % of the matmul ceiling;
+# with each warpgroup's own P first and head blocks first in the launch order (forty-ninth session)
+# 96 heads 0.30-0.31 / 1.16-1.18 ms at batch 16 / 64, 128 heads 1.18-1.20 ms at 64 (66-67 %).
 # True: served from HEADS_MAJOR_MIN heads instead of ``_mla_decode_heads_kernel``.
 SEESAW = True
 HALF = gl.constexpr(256)  # output (and key) columns a warpgroup owns
@@ -317,9 +334,11 @@ def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, 
       W0: S0 = Q K0^T; m0 = max(m, rowmax S0) -> W1; P0 = exp(S0 - m0) -> W1;
           O_L = O_L exp(m - m0) + P0 V0_L; m1 <- W1; O_L = O_L exp(m0 - m1) + P1 V1_L
       W1: S1 = Q K1^T; m0 <- W0; m1 = max(m0, rowmax S1) -> W0; P1 = exp(S1 - m1) -> W0;
-          O_R = O_R exp(m - m0) + P0 V0_R; O_R = O_R exp(m0 - m1) + P1 V1_R
-    A warpgroup's own P goes to its wgmma from registers, the other's through the rotary rows of
-    the P's slot (read only by that slot's scores, already done). bars: 0-3 ready[slot * 2 +
+          O_R = O_R exp(m - m1) + P1 V1_R; P0 <- W0; O_R = O_R + (P0 exp(m0 - m1)) V0_R
+    Each warpgroup applies its own P first, from registers (FlashMLA's order: warpgroup 1's half of
+    slot 1, which its next scores wait for first, is refilled mid-round; 6-9 % faster than taking
+    P0 first, RESULTS.md forty-ninth session); the other's P travels through the rotary rows of the
+    P's slot (read only by that slot's scores, already done); warpgroup 1 rescales P0 in registers. bars: 0-3 ready[slot * 2 +
     loader] (128 per-thread arrivals on cp.async completion), 4 m0, 5 m1, 6 P0, 7 P1, 8-9 the row
     sums at the end. Each warpgroup refills the ring with what it read last: its half of both
     slots' latent columns, and the rotary rows of the other warpgroup's slot."""
@@ -366,23 +385,23 @@ def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, 
             m0 = gl.maximum(m_i, gl.max(s, 1))
             xm0.store(m0)
             mbarrier.arrive(bars.index(4), count=1)
-            a0 = gl.exp2(m_i - m0)
+            alpha = gl.exp2(m_i - m0)  # the running output's scale to this warpgroup's new maximum
         else:
             mbarrier.wait(bars.index(4), ph)
             m0 = xm0.load(row_s)
             m1 = gl.maximum(m0, gl.max(s, 1))
             xm1.store(m1)
             mbarrier.arrive(bars.index(5), count=1)
-            a0 = gl.exp2(m_i - m0)
+            alpha = gl.exp2(m_i - m1)
         p = gl.exp2(s - gl.expand_dims(m0 if W == 0 else m1, 1))
         p16 = p.to(gl.bfloat16)
         k_p.store(p16)  # for the other warpgroup, over this tile's rotary rows
         fence_async_shared()
         mbarrier.arrive(bars.index(6 + W), count=1)
         if W == 0:
-            l_i = l_i * a0 + gl.sum(p, 1)
+            l_i = l_i * alpha + gl.sum(p, 1)
             acc = warpgroup_mma(gl.convert_layout(p16, p_op), k_c.slice(0, HALF, dim=1),
-                                acc * gl.expand_dims(gl.convert_layout(a0, row_o), 1), is_async=True)
+                                acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1), is_async=True)
             mbarrier.wait(bars.index(5), ph)
             m1 = xm1.load(row_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -396,19 +415,20 @@ def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, 
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             _seesaw_refill(KV, BT, b, n0 + 3 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1,
                            bars.index(2), 0, True, PAGE)
-        else:
-            l_i = l_i * gl.exp2(m_i - m1) + gl.sum(p, 1)
-            mbarrier.wait(bars.index(6), ph)
-            acc = warpgroup_mma(kp.index(oth), kc.index(oth).slice(HALF, HALF, dim=1),
-                                acc * gl.expand_dims(gl.convert_layout(a0, row_o), 1), is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            _seesaw_refill(KV, BT, b, n0 + 2 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0,
-                           bars.index(1), 1, True, PAGE)
+        else:  # its own product first (its half of slot 1 refilled mid-round), then P0 rescaled to m1 here
+            l_i = l_i * alpha + gl.sum(p, 1)
             acc = warpgroup_mma(gl.convert_layout(p16, p_op), k_c.slice(HALF, HALF, dim=1),
-                                acc * gl.expand_dims(gl.convert_layout(gl.exp2(m0 - m1), row_o), 1), is_async=True)
+                                acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1), is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             _seesaw_refill(KV, BT, b, n0 + 3 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1,
                            bars.index(3), 1, False, PAGE)
+            mbarrier.wait(bars.index(6), ph)
+            p0 = kp.index(oth).load(p_op).to(gl.float32) * gl.expand_dims(
+                gl.convert_layout(gl.exp2(m0 - m1), gl.SliceLayout(1, p_op)), 1)
+            acc = warpgroup_mma(p0.to(gl.bfloat16), kc.index(oth).slice(HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            _seesaw_refill(KV, BT, b, n0 + 2 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0,
+                           bars.index(1), 1, True, PAGE)
         m_i = m1
     async_copy.wait_group(0)
     # the row sums: each warpgroup's share, both relative to the final maximum
@@ -448,6 +468,7 @@ def _mla_decode_seesaw_kernel(
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, scale, H, NUM_SPLITS,
     PAGE: gl.constexpr, USE_PDL: gl.constexpr = False,
+    HEAD_BLOCKS_FIRST: gl.constexpr = False,
 ):
     """Program (sequence, block of 64 heads, split) in FlashMLA's seesaw schedule
     (``_seesaw_partition``): the default partition is warpgroup 0, one worker partition warpgroup 1.
@@ -456,9 +477,7 @@ def _mla_decode_seesaw_kernel(
     the exchanged row maxima and sums, 10 mbarriers."""
     copy_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     gluon_pdl_start(USE_PDL)
-    b = gl.program_id(0)
-    hb = gl.program_id(1)
-    sp = gl.program_id(2)
+    b, hb, sp = _program(HEAD_BLOCKS_FIRST)
     start, end = split_range(SL, b, sp, NUM_SPLITS, BLOCK_N)
     # the queries as a third page of the ring's buffers: a view the loop indexes through _opaque
     qc, qp, cc, cp = _load_queries(QC, QP, b, hb * BLOCK_M, H, stride_qb, stride_qh, stride_pb, stride_ph, BLOCK_M,
@@ -508,11 +527,12 @@ def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages
         kernel, block, extra = _mla_decode_seesaw_kernel, BLOCK_M.value, dict(num_warps=4)
     else:
         kernel, block, extra = _mla_decode_heads_kernel, BLOCK_M.value, dict(num_warps=8)
-    kernel[(B, triton.cdiv(H, block), partial.shape[2])](
+    blocks = triton.cdiv(H, block)
+    kernel[(blocks, B, partial.shape[2]) if HEAD_BLOCKS_FIRST else (B, blocks, partial.shape[2])](
         q_abs, q_pe, latent_pages, block_table, seq_lens, partial, lse,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_pages.stride(0),
         block_table.stride(0), block_table.stride(1), partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-        lse.stride(1), scale, H, partial.shape[2], PAGE=page, **extra,
+        lse.stride(1), scale, H, partial.shape[2], PAGE=page, HEAD_BLOCKS_FIRST=HEAD_BLOCKS_FIRST, **extra,
         **(pdl.launch(partial.device) if PDL else {}))
 
 
