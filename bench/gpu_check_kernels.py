@@ -146,7 +146,7 @@ def check_mla_prefill_varlen(Ha: int, layout: list[tuple[int, int]], gen: torch.
 
 
 def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluon: bool = False,
-                     width: int = 0) -> None:
+                     width: int = 0, poison: bool = False) -> None:
     """The split-KV decode (Triton, or with ``gluon`` mla_decode_gluon's keys-major kernel) vs the
     fp32 reference, its table row-major and page-major (a static step's) with ``width`` pages a row
     (a long max_model_len's: most splits empty; past each row's pages other valid page ids); then
@@ -158,17 +158,23 @@ def check_mla_decode(B: int, H: int, lens: list[int], gen: torch.Generator, gluo
     table[:, :need] = torch.randperm(pool.shape[0], generator=gen, device=DEV)[: B * need].view(B, need)
     by_page = torch.empty(table.numel(), dtype=table.dtype, device=DEV).as_strided(table.shape, (1, B)).copy_(table)
     seq_lens = torch.tensor(lens, device=DEV)
+    if poison:  # NaN in every row no sequence holds (the pool's other pages, each last page's tail): never read
+        keep = torch.zeros(pool.shape[0] * page, dtype=torch.bool, device=DEV)
+        for i, n in enumerate(lens):
+            keep[(table[i, :need, None] * page + torch.arange(page, device=DEV)).flatten()[:n]] = True
+        pool.view(-1, rkv + dr)[~keep] = float("nan")
     q = torch.randn(B, H, rkv + dr, generator=gen, device=DEV).bfloat16()
     S = need * page
-    lat = pool[table[:, :need]].flatten(1, 2).float()
+    lat = pool[table[:, :need]].flatten(1, 2).float().nan_to_num(0.0)  # (masked rows: 0 x NaN is NaN)
     mask = torch.arange(S, device=DEV)[None, :] < seq_lens[:, None]
     ref = mla_ref.mla_absorbed_ref(q.float()[:, None], lat, mask[:, None], rkv, 0.07)[:, 0]
     for name, t in (("", table), (", page-major table", by_page)):
         out = mla_decode(q, pool, t, seq_lens, rkv, 0.07, gluon=gluon)
         major = ", Gluon seesaw" if mla_decode_gluon.SEESAW else ", Gluon heads-major"
+        major += ", TMA ring" if mla_decode_gluon.SEESAW and mla_decode_gluon.tma_ring_applies(pool) else ""
         form = (major if mla_decode_gluon.heads_major_applies(H) else ", Gluon") if gluon else ""
         form += ", head blocks first" if gluon and mla_decode_gluon.HEAD_BLOCKS_FIRST else ""
-        record("MLA split-KV decode (default splits)" + form + name,
+        record("MLA split-KV decode (default splits)" + form + name + ", NaN outside the keys" * poison,
                f"B={B} H={H} lens={lens[:4]} width={t.shape[1]}", rel(out, ref), 2e-2)
     if gluon:
         return
@@ -556,6 +562,16 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
             check_mla_decode(2, 80, [1, 5000], gen, gluon=True, width=16384)
             check_mla_decode(2, 128, [4096, 777], gen, gluon=True)
             check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
+        # the seesaw ring copied by TMA from a producer warp (its pages' rows past the keys zeroed in shared memory)
+        with constants(f"k3serve.ops.mla_decode_gluon.SEESAW=True,"
+                       f"k3serve.ops.mla_decode_gluon.SEESAW_TMA={not mla_decode_gluon.SEESAW_TMA}"):
+            check_mla_decode(3, 64, [1, 64, 129], gen, gluon=True)
+            check_mla_decode(2, 80, [1, 5000], gen, gluon=True, width=16384)
+            check_mla_decode(2, 128, [4096, 777], gen, gluon=True)
+            check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
+            check_mla_decode(5, 96, [1, 64, 129, 5000, 4097], gen, gluon=True, poison=True)
+        check_mla_decode(5, 96, [1, 64, 129, 5000, 4097], gen, gluon=True, poison=True)
+        check_mla_decode(3, 32, [1, 65, 4097], gen, gluon=True, poison=True)
         # head blocks fastest in the launch order (both heads-major forms; keys-major at 96 heads: 3 blocks)
         flip = f"k3serve.ops.mla_decode_gluon.HEAD_BLOCKS_FIRST={not mla_decode_gluon.HEAD_BLOCKS_FIRST}"
         for forms in ("SEESAW=True", "SEESAW=False", "HEADS_MAJOR_MIN=None"):

@@ -105,9 +105,8 @@ def main() -> list[Row] | None:
                      (64, 128)):
             forms = [("gluon keys-major", "HEADS_MAJOR_MIN=None")]
             forms += [("gluon heads-major", "HEADS_MAJOR_MIN=64,SEESAW=False"),
-                      ("gluon seesaw, B first", "HEADS_MAJOR_MIN=64,SEESAW=True,HEAD_BLOCKS_FIRST=False"),
-                      ("gluon seesaw, head blocks first", "HEADS_MAJOR_MIN=64,SEESAW=True,HEAD_BLOCKS_FIRST=True")
-                      ] * (H >= 64)
+                      ("gluon seesaw, cp.async ring", "HEADS_MAJOR_MIN=64,SEESAW=True,SEESAW_TMA=False"),
+                      ("gluon seesaw, TMA ring", "HEADS_MAJOR_MIN=64,SEESAW=True,SEESAW_TMA=True")] * (H >= 64)
             for label, assigns in forms:
                 with constants(",".join(f"k3serve.ops.mla_decode_gluon.{a}" for a in assigns.split(","))):
                     base = num_splits_for(B, H, 32768, torch.device("cuda"), True)

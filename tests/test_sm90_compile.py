@@ -155,7 +155,10 @@ MLA_GLUON_FORMS = {
     "heads-major": ("_mla_decode_heads_kernel", {}, 8, {"64x32x16": 32 + 4, "64x256x16": 4}),
     # seesaw: two partitions of a warpgroup, each the scores of its tile (32 + 4) and two products
     # of its 256 columns (4 + 4); counted over both partitions' code
-    "seesaw": ("_mla_decode_seesaw_kernel", {}, 4, {"64x64x16": 2 * (32 + 4), "64x256x16": 2 * (4 + 4)}),
+    "seesaw": ("_mla_decode_seesaw_kernel", dict(KV_DESC=None, TMA=False), 4,
+               {"64x64x16": 2 * (32 + 4), "64x256x16": 2 * (4 + 4)}),
+    # the same with the ring's pages copied by TMA from a producer warp (KV_DESC a tensor descriptor)
+    "seesaw, tma": ("_mla_decode_seesaw_kernel", dict(TMA=True), 4, {"64x64x16": 2 * (32 + 4), "64x256x16": 2 * (4 + 4)}),
 }
 
 
@@ -165,6 +168,7 @@ def test_gluon_mla_decode_compiles_on_wgmma(seq_len_type, form):
     """mla_decode_gluon's split steps compile for sm_90: the scores and the output on wgmma of the
     shapes each form is written for, the key tiles by 16-byte cp.async, nothing spilled, PDL's
     wait first. What they compute is checked on the GPU (bench/gpu_check_kernels.py)."""
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from bench.sass_mix import sass_text
@@ -178,6 +182,10 @@ def test_gluon_mla_decode_compiles_on_wgmma(seq_len_type, form):
     # (both launch orders, one a seq_lens type)
     consts = dict(PAGE=64, **form_consts, USE_PDL=True, HEAD_BLOCKS_FIRST=seq_len_type == "*i64")
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
+    if form == "seesaw, tma":
+        box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        sig = {**ptrs, **ints, **{k: "constexpr" for k in consts if k != "TMA"},
+               "KV_DESC": f"tensordesc<bf16[64, 64],{box!r}>", "TMA": "constexpr"}
     names = list(sig)
     divisible = tuple(ptrs) + ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_kvp", "stride_ob",
                                "stride_oh", "stride_os")
@@ -187,9 +195,14 @@ def test_gluon_mla_decode_compiles_on_wgmma(seq_len_type, form):
     sass = sass_text(compiled)
     assert {shape: len(re.findall(r"HGMMA\.%s\b" % shape, sass)) for shape in wgmmas} == wgmmas
     # (the seesaw step spills a few wgmma descriptors under Triton 3.9; none under 3.6, which the device runs)
-    spills_allowed = form == "seesaw" and not triton.__version__.startswith("3.6")
-    assert re.search(r"LDGSTS\.E(\.BYPASS)?\.128", sass) and ("STL" not in sass or spills_allowed)
+    spills_allowed = form.startswith("seesaw") and not triton.__version__.startswith("3.6")
+    assert "STL" not in sass or spills_allowed
     ptx = compiled.asm["ptx"]  # in the decode step's PDL chain: nothing read before the wait
+    if form == "seesaw, tma":  # the producer's 4 shares a round: 4 x 4 latent boxes and 2 rotary ones, no cp.async
+        assert "setmaxnreg" in ptx and "LDGSTS" not in sass
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(cta|cluster)\.global", ptx)) == 18
+    else:
+        assert re.search(r"LDGSTS\.E(\.BYPASS)?\.128", sass)
     if form == "seesaw":  # warp-specialised; each warpgroup's refills (2 before the loop, 2 in it) on mbarriers
         assert "setmaxnreg" in ptx and ptx.count("cp.async.mbarrier.arrive.noinc") == 8
     wait = ptx.find("griddepcontrol.wait")

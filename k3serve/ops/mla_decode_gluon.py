@@ -23,7 +23,9 @@ ceiling. H200, 32K context (RESULTS.md forty-seventh session): 96 heads 44-46 % 
 0.44 ms at batch 16 with either form's best split count; 0.57 at the old default), 128 heads 56-60 %
 against 37 %. Those heads are served by the same blocks in FlashMLA's seesaw schedule
 (``_mla_decode_seesaw_kernel``, ``SEESAW``): warp-specialised, the two warpgroups' softmaxes under
-each other's wgmmas, 1.14-1.17x the heads-major step at 96 heads (forty-eighth session).
+each other's wgmmas, 1.14-1.17x the heads-major step at 96 heads (forty-eighth session); with each
+warpgroup's own P first and the key pages copied by TMA from a producer warp, 1.23-1.31x
+(forty-ninth session: 96 heads 0.30 / 1.09-1.12 ms at batch 16 / 64, 32K).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_compat import async_load, cta_barrier, gluon_pdl_start
+from .gluon_compat import async_load, cta_barrier, gluon_pdl_start, tma_load
 
 from . import pdl
 from .mla_decode_triton import split_range
@@ -284,6 +286,13 @@ def _mla_decode_heads_kernel(
 SEESAW = True
 HALF = gl.constexpr(256)  # output (and key) columns a warpgroup owns
 SEESAW_WORKER_REGS = gl.constexpr(240)  # warpgroup 1's registers (warpgroup 0 gets what is left: 256)
+# True: the ring's pages copied by TMA from a producer warp (``_seesaw_producer``), FlashMLA's way, so
+# no copy bookkeeping sits in the warpgroups: 2.5-6 % faster at 96 / 128 heads (forty-ninth session).
+# Where the cache's pages are not a whole number of rows apart (``tma_ring_applies``), or False: each
+# warpgroup copies its own shares by cp.async.
+SEESAW_TMA = True
+SEESAW_TMA_WORKER_REGS = gl.constexpr(232)  # warpgroup 1's with the producer's warpgroup (4 warps' worth) at
+SEESAW_PRODUCER_REGS = gl.constexpr(24)  # its 24; warpgroup 0 keeps 256
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -307,11 +316,12 @@ def _opaque(x):
 
 
 @gluon.jit
-def _seesaw_refill(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc, kp, slot, ready, W: gl.constexpr,
-                   WITH_PE: gl.constexpr, PAGE: gl.constexpr):
+def _seesaw_refill(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc, kp, slot: gl.constexpr, bars,
+                   W: gl.constexpr, WITH_PE: gl.constexpr, PAGE: gl.constexpr):
     """Warpgroup W's share of the tile at n0 into ring slot ``slot``: its half of the latent columns
-    (and the rotary part where it frees that too), then a per-thread arrival on ``ready`` once the
-    copies have landed."""
+    (and the rotary part where it frees that too), then a per-thread arrival on ready[slot * 2 + W]
+    once the copies have landed."""
+    ready = bars.index(slot * 2 + W)
     WIDTH: gl.constexpr = D_C + D_PE
     half_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -325,9 +335,68 @@ def _seesaw_refill(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc, k
 
 
 @gluon.jit
+def _seesaw_release(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc, kp, slot: gl.constexpr, bars,
+                    W: gl.constexpr, WITH_PE: gl.constexpr, PAGE: gl.constexpr, TMA: gl.constexpr):
+    """Warpgroup W is done reading its share of ring slot ``slot``: with ``TMA`` it tells the producer
+    warp (free[slot * 2 + W], bars 10-13), else it copies the tile at n0 in itself."""
+    if TMA:
+        cta_barrier()  # (every warp's wgmma reads of the slot retired before the one arrival)
+        mbarrier.arrive(bars.index(10 + slot * 2 + W), count=1)
+    else:
+        _seesaw_refill(KV, BT, b, n0, end, stride_btb, stride_btp, stride_kvp, kc, kp, slot, bars, W, WITH_PE, PAGE)
+
+
+@gluon.jit
+def _tma_fill(KV_DESC, kc, kp, bars, BT, b, n0, end, stride_btb, stride_btp, rows_per_page, r,
+              slot: gl.constexpr, W: gl.constexpr, WITH_PE: gl.constexpr, PAGE: gl.constexpr):
+    """The producer's copy of warpgroup W's share of the tile at n0 into ring slot ``slot`` (as
+    ``_seesaw_refill`` splits it), in 64-column TMA boxes on ready[slot * 2 + W], once the share's
+    last reader of round r - 1 has freed it. Rows past ``end`` are copied as the page holds them
+    (the scoring warpgroup zeroes them: ``_zero_rows``)."""
+    ready = bars.index(slot * 2 + W)
+    page = gl.load(BT + b * stride_btb + (n0 // PAGE) * stride_btp, mask=n0 < end, other=0)
+    row = (page * rows_per_page + n0 % PAGE).to(gl.int32)  # (TMA coordinates are 32-bit; seq_lens may be int64)
+    mbarrier.wait(bars.index(10 + slot * 2 + W), ((r + 1) & 1).to(gl.int32), pred=r > 0)
+    mbarrier.expect(ready, (HALF + WITH_PE * D_PE) * BLOCK_N * 2)
+    for j in gl.static_range(HALF // D_PE):
+        tma_load(KV_DESC, [row, W * HALF + j * D_PE], ready, kc.index(slot).slice(W * HALF + j * D_PE, D_PE, dim=1))
+    if WITH_PE:
+        tma_load(KV_DESC, [row, D_C], ready, kp.index(slot))
+
+
+@gluon.jit
+def _seesaw_producer(KV_DESC, kc, kp, bars, BT, b, start, end, stride_btb, stride_btp, rows_per_page,
+                     PAGE: gl.constexpr):
+    """One warp issuing the ring's copies by TMA: each round's four shares in the order their
+    readers free them (slot 0's left half mid-round by warpgroup 0, slot 1's right half by
+    warpgroup 1 after its own product, then the halves read with the other warpgroup's P, warpgroup
+    0's ending first: it does not wait for the other's maximum to start)."""
+    n_rounds = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)
+    for r in range(0, n_rounds):
+        n0 = start + 2 * r * BLOCK_N
+        _tma_fill(KV_DESC, kc, kp, bars, BT, b, n0, end, stride_btb, stride_btp, rows_per_page, r, 0, 0, False, PAGE)
+        _tma_fill(KV_DESC, kc, kp, bars, BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, rows_per_page, r, 1, 1,
+                  False, PAGE)
+        _tma_fill(KV_DESC, kc, kp, bars, BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, rows_per_page, r, 1, 0,
+                  True, PAGE)
+        _tma_fill(KV_DESC, kc, kp, bars, BT, b, n0, end, stride_btb, stride_btp, rows_per_page, r, 0, 1, True, PAGE)
+
+
+@gluon.jit
+def _zero_rows(tile, keys):
+    """Rows ``keys`` .. BLOCK_N - 1 of a [BLOCK_N, D_C] ring page to zero (a TMA copy brings the
+    page's rows past the sequence as they are; P is zero there, but 0 x NaN is not)."""
+    z_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    live = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, z_l)) < keys, 1)
+    for c in gl.static_range(D_C // D_PE):
+        piece = tile.slice(c * D_PE, D_PE, dim=1)
+        piece.store(gl.where(live, piece.load(z_l), 0.0))
+
+
+@gluon.jit
 def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H,
                       stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                      qk_scale2, PAGE: gl.constexpr):
+                      qk_scale2, PAGE: gl.constexpr, TMA: gl.constexpr):
     """Warpgroup W of the seesaw step. Round r takes tiles 2r (ring slot 0) and 2r + 1 (slot 1);
     warpgroup W scores tile 2r + W and accumulates out[:, W*256 : W*256 + 256] over both (scores in
     log2 units, m the running row maximum):
@@ -348,11 +417,10 @@ def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, 
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     V: gl.constexpr = 1 - W  # the other warpgroup
-    # round 0's tiles: this warpgroup's half of both slots, and the rotary part of the other's slot
-    _seesaw_refill(KV, BT, b, start, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0, bars.index(W), W,
-                   W == 1, PAGE)
-    _seesaw_refill(KV, BT, b, start + BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1,
-                   bars.index(2 + W), W, W == 0, PAGE)
+    if not TMA:  # round 0's tiles: this warpgroup's half of both slots, and the rotary part of the other's slot
+        _seesaw_refill(KV, BT, b, start, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0, bars, W, W == 1, PAGE)
+        _seesaw_refill(KV, BT, b, start + BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1, bars, W,
+                       W == 0, PAGE)
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
@@ -381,6 +449,10 @@ def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, 
         s = warpgroup_mma(q_p, k_p.permute([1, 0]), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         s = gl.where(gl.expand_dims(n0 + W * BLOCK_N + keys < end, 0), s * qk_scale2, float("-inf"))
+        if TMA:  # a partial (or empty) tile's rows past the keys, zeroed before anyone's P V reads them
+            if end - (n0 + W * BLOCK_N) < BLOCK_N:
+                _zero_rows(k_c, end - (n0 + W * BLOCK_N))
+                fence_async_shared()
         if W == 0:
             m0 = gl.maximum(m_i, gl.max(s, 1))
             xm0.store(m0)
@@ -405,30 +477,30 @@ def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, 
             mbarrier.wait(bars.index(5), ph)
             m1 = xm1.load(row_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            _seesaw_refill(KV, BT, b, n0 + 2 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0,
-                           bars.index(0), 0, False, PAGE)
+            _seesaw_release(KV, BT, b, n0 + 2 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0, bars,
+                            0, False, PAGE, TMA)
             a1 = gl.exp2(m0 - m1)
             l_i = l_i * a1
             mbarrier.wait(bars.index(7), ph)
             acc = warpgroup_mma(kp.index(oth), kc.index(oth).slice(0, HALF, dim=1),
                                 acc * gl.expand_dims(gl.convert_layout(a1, row_o), 1), is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            _seesaw_refill(KV, BT, b, n0 + 3 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1,
-                           bars.index(2), 0, True, PAGE)
+            _seesaw_release(KV, BT, b, n0 + 3 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1, bars,
+                            0, True, PAGE, TMA)
         else:  # its own product first (its half of slot 1 refilled mid-round), then P0 rescaled to m1 here
             l_i = l_i * alpha + gl.sum(p, 1)
             acc = warpgroup_mma(gl.convert_layout(p16, p_op), k_c.slice(HALF, HALF, dim=1),
                                 acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1), is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            _seesaw_refill(KV, BT, b, n0 + 3 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1,
-                           bars.index(3), 1, False, PAGE)
+            _seesaw_release(KV, BT, b, n0 + 3 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 1, bars,
+                            1, False, PAGE, TMA)
             mbarrier.wait(bars.index(6), ph)
             p0 = kp.index(oth).load(p_op).to(gl.float32) * gl.expand_dims(
                 gl.convert_layout(gl.exp2(m0 - m1), gl.SliceLayout(1, p_op)), 1)
             acc = warpgroup_mma(p0.to(gl.bfloat16), kc.index(oth).slice(HALF, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            _seesaw_refill(KV, BT, b, n0 + 2 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0,
-                           bars.index(1), 1, True, PAGE)
+            _seesaw_release(KV, BT, b, n0 + 2 * BLOCK_N, end, stride_btb, stride_btp, stride_kvp, kc, kp, 0, bars,
+                            1, True, PAGE, TMA)
         m_i = m1
     async_copy.wait_group(0)
     # the row sums: each warpgroup's share, both relative to the final maximum
@@ -450,16 +522,20 @@ def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, 
 
 @gluon.jit
 def _seesaw_worker(kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp, stride_btb,
-                   stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE: gl.constexpr):
+                   stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE: gl.constexpr,
+                   TMA: gl.constexpr):
     _seesaw_partition(1, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp,
-                      stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE)
+                      stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE,
+                      TMA)
 
 
 @gluon.jit
 def _seesaw_default(kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp, stride_btb,
-                    stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE: gl.constexpr):
+                    stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE: gl.constexpr,
+                   TMA: gl.constexpr):
     _seesaw_partition(0, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp,
-                      stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE)
+                      stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, qk_scale2, PAGE,
+                      TMA)
 
 
 @gluon.jit
@@ -468,10 +544,12 @@ def _mla_decode_seesaw_kernel(
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, scale, H, NUM_SPLITS,
     PAGE: gl.constexpr, USE_PDL: gl.constexpr = False,
-    HEAD_BLOCKS_FIRST: gl.constexpr = False,
+    HEAD_BLOCKS_FIRST: gl.constexpr = False, KV_DESC=None, TMA: gl.constexpr = False,
 ):
     """Program (sequence, block of 64 heads, split) in FlashMLA's seesaw schedule
-    (``_seesaw_partition``): the default partition is warpgroup 0, one worker partition warpgroup 1.
+    (``_seesaw_partition``): the default partition is warpgroup 0, one worker partition warpgroup 1;
+    with ``TMA`` a one-warp partition copies the ring's pages (``_seesaw_producer``, KV_DESC: the
+    cache as [rows, D_C + D_PE] in [64, 64] boxes), else each warpgroup its own shares by cp.async.
     Same splits and partial outputs as ``_mla_decode_heads_kernel``. Shared memory: the queries
     (72 KB), two key pages (144 KB; P travels in the rotary rows a page's scores are done with),
     the exchanged row maxima and sums, 10 mbarriers."""
@@ -489,19 +567,30 @@ def _mla_decode_seesaw_kernel(
     kc.index(2).store(qc)
     kp.index(2).store(qp)
     xm = gl.allocate_shared_memory(gl.float32, [4 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    bars = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())  # (10 used)
-    for i in gl.static_range(4):
-        mbarrier.init(bars.index(i), count=128)  # a cp.async arrival from every thread of the loader
-    for i in gl.static_range(4, 10):
+    bars = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())  # (10 used, 14 with TMA)
+    for i in gl.static_range(4):  # a TMA transaction, or a cp.async arrival from every thread of the loader
+        mbarrier.init(bars.index(i), count=1 if TMA else 128)
+    for i in gl.static_range(4, 14 if TMA else 10):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()  # the queries and the barriers, before either partition's wgmmas and waits
-    gl.warp_specialize([(_seesaw_default, (kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H,
-                                           stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
-                                           stride_lb, stride_lh, scale * LOG2E, PAGE)),
-                        (_seesaw_worker, (kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H,
-                                          stride_kvp, stride_btb, stride_btp, stride_ob, stride_oh, stride_os,
-                                          stride_lb, stride_lh, scale * LOG2E, PAGE))],
-                       [4], [SEESAW_WORKER_REGS])
+    if TMA:  # (the partitions' arguments written out: a tuple held in a variable makes the constexprs values)
+        gl.warp_specialize([(_seesaw_default, (kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp,
+                                               stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb,
+                                               stride_lh, scale * LOG2E, PAGE, TMA)),
+                            (_seesaw_worker, (kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp,
+                                              stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb,
+                                              stride_lh, scale * LOG2E, PAGE, TMA)),
+                            (_seesaw_producer, (KV_DESC, kc, kp, bars, BT, b, start, end, stride_btb, stride_btp,
+                                                stride_kvp // (D_C + D_PE), PAGE))],
+                           [4, 1], [SEESAW_TMA_WORKER_REGS, SEESAW_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_seesaw_default, (kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp,
+                                               stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb,
+                                               stride_lh, scale * LOG2E, PAGE, TMA)),
+                            (_seesaw_worker, (kc, kp, xm, bars, KV, BT, O, LSE, b, hb, sp, start, end, H, stride_kvp,
+                                              stride_btb, stride_btp, stride_ob, stride_oh, stride_os, stride_lb,
+                                              stride_lh, scale * LOG2E, PAGE, TMA))],
+                           [4], [SEESAW_WORKER_REGS])
 
 
 def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages: torch.Tensor,
@@ -525,6 +614,8 @@ def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages
         kernel, block, extra = _mla_decode_split_kernel, BLOCK_H, dict(BLOCK_H=BLOCK_H, num_warps=4)
     elif SEESAW:
         kernel, block, extra = _mla_decode_seesaw_kernel, BLOCK_M.value, dict(num_warps=4)
+        if tma_ring_applies(latent_pages):
+            extra.update(KV_DESC=_ring_descriptor(latent_pages), TMA=True)
     else:
         kernel, block, extra = _mla_decode_heads_kernel, BLOCK_M.value, dict(num_warps=8)
     blocks = triton.cdiv(H, block)
@@ -534,6 +625,25 @@ def mla_decode_split_gluon(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_pages
         block_table.stride(0), block_table.stride(1), partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
         lse.stride(1), scale, H, partial.shape[2], PAGE=page, HEAD_BLOCKS_FIRST=HEAD_BLOCKS_FIRST, **extra,
         **(pdl.launch(partial.device) if PDL else {}))
+
+
+def tma_ring_applies(latent_pages: torch.Tensor) -> bool:
+    """Whether the seesaw step takes the cache by TMA (``SEESAW_TMA``): rows of D_C + D_PE contiguous,
+    pages a whole number of rows apart (the pool's pages: every MLA layer's rows of a page in a run)."""
+    width = D_C.value + D_PE.value
+    return SEESAW_TMA and latent_pages.stride()[1:] == (width, 1) and latent_pages.stride(0) % width == 0
+
+
+def _ring_descriptor(latent_pages: torch.Tensor):
+    """The cache as one [rows, D_C + D_PE] tensor of [BLOCK_N, D_PE] boxes: page p's row k is row
+    p * stride(0) / width + k (rows between pages, other layers', are never addressed)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    width = D_C.value + D_PE.value
+    rows = (latent_pages.shape[0] - 1) * (latent_pages.stride(0) // width) + latent_pages.shape[1]
+    box = [BLOCK_N.value, D_PE.value]
+    return TensorDescriptor(latent_pages, [rows, width], [width, 1], box,
+                            gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
 
 
 def heads_major_applies(heads: int) -> bool:
