@@ -281,7 +281,8 @@ def _mla_decode_heads_kernel(
 # H200, 32K context (RESULTS.md forty-eighth session): 96 heads 0.321 / 0.640 / 1.248 ms at batch
 # 16 / 32 / 64 against 0.375 / 0.740 / 1.424 (1.14-1.17x), 128 heads 60-64 % of the matmul ceiling;
 # with each warpgroup's own P first and head blocks first in the launch order (forty-ninth session)
-# 96 heads 0.30-0.31 / 1.16-1.18 ms at batch 16 / 64, 128 heads 1.18-1.20 ms at 64 (66-67 %).
+# 96 heads 0.30-0.31 / 1.16-1.18 ms at batch 16 / 64, 128 heads 1.18-1.20 ms at 64 (70 %); with the
+# pages by TMA (SEESAW_TMA) 0.30 / 1.09-1.12 and 1.15 (72 %).
 # True: served from HEADS_MAJOR_MIN heads instead of ``_mla_decode_heads_kernel``.
 SEESAW = True
 HALF = gl.constexpr(256)  # output (and key) columns a warpgroup owns
