@@ -562,7 +562,8 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
             check_mla_decode(2, 80, [1, 5000], gen, gluon=True, width=16384)
             check_mla_decode(2, 128, [4096, 777], gen, gluon=True)
             check_mla_decode(16, 96, [32768] + [1000 * i + 1 for i in range(15)], gen, gluon=True)
-        # the seesaw ring copied by TMA from a producer warp (its pages' rows past the keys zeroed in shared memory)
+        # the seesaw ring's other copy form (served: TMA from a producer warp, rows past the keys zeroed in shared
+        # memory; else each warpgroup's cp.async), then NaN in the rows outside the keys, served forms
         with constants(f"k3serve.ops.mla_decode_gluon.SEESAW=True,"
                        f"k3serve.ops.mla_decode_gluon.SEESAW_TMA={not mla_decode_gluon.SEESAW_TMA}"):
             check_mla_decode(3, 64, [1, 64, 129], gen, gluon=True)

@@ -438,13 +438,15 @@ def _seesaw_partition(W: gl.constexpr, kc, kp, xm, bars, KV, BT, O, LSE, b, hb, 
         q_i = _opaque(2 + zero)
         q_c, q_p = kc.index(q_i), kp.index(q_i)
         # scores of this warpgroup's tile: its own column half first (refilled by itself), then the rest
-        mbarrier.wait(bars.index(2 * W + W), ph)
-        fence_async_shared()  # (cp.async writes through the generic proxy; wgmma reads through the async one)
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)
+        mbarrier.wait(bars.index(2 * W + W), ph)
+        if not TMA:
+            fence_async_shared()  # (cp.async writes through the generic proxy; wgmma reads through the async one)
         s = warpgroup_mma(q_c.slice(W * HALF, HALF, dim=1), k_c.slice(W * HALF, HALF, dim=1).permute([1, 0]), s,
                           use_acc=False, is_async=True)
         mbarrier.wait(bars.index(2 * W + V), ph)
-        fence_async_shared()
+        if not TMA:
+            fence_async_shared()
         s = warpgroup_mma(q_c.slice(V * HALF, HALF, dim=1), k_c.slice(V * HALF, HALF, dim=1).permute([1, 0]), s,
                           is_async=True)
         s = warpgroup_mma(q_p, k_p.permute([1, 0]), s, is_async=True)
