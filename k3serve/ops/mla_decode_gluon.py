@@ -25,7 +25,7 @@ against 37 %. Those heads are served by the same blocks in FlashMLA's seesaw sch
 (``_mla_decode_seesaw_kernel``, ``SEESAW``): warp-specialised, the two warpgroups' softmaxes under
 each other's wgmmas, 1.14-1.17x the heads-major step at 96 heads (forty-eighth session); with each
 warpgroup's own P first and the key pages copied by TMA from a producer warp, 1.26-1.29x
-(forty-ninth session: 96 heads 0.30 / 1.09-1.12 ms at batch 16 / 64, 32K).
+(forty-ninth session: 96 heads 0.285 / 1.05 ms at batch 16 / 64, 32K; 128 heads 77 % of matmul).
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def _mla_decode_heads_kernel(
 # 16 / 32 / 64 against 0.375 / 0.740 / 1.424 (1.14-1.17x), 128 heads 60-64 % of the matmul ceiling;
 # with each warpgroup's own P first and head blocks first in the launch order (forty-ninth session)
 # 96 heads 0.30-0.31 / 1.16-1.18 ms at batch 16 / 64, 128 heads 1.18-1.20 ms at 64 (70 %); with the
-# pages by TMA (SEESAW_TMA) 0.30 / 1.09-1.12 and 1.15 (72 %).
+# pages by TMA (SEESAW_TMA) 0.285 / 1.05 and 1.08 (77 %).
 # True: served from HEADS_MAJOR_MIN heads instead of ``_mla_decode_heads_kernel``.
 SEESAW = True
 HALF = gl.constexpr(256)  # output (and key) columns a warpgroup owns
