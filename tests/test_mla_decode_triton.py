@@ -106,3 +106,38 @@ def test_split_count_follows_the_gluon_forms_head_block():
         assert split_head_block(96, True) == 32
     finally:
         mla_decode_gluon.HEADS_MAJOR_MIN = saved
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-48b", "k3"])
+def test_pool_pages_take_the_seesaw_tma_ring(preset):
+    """The seesaw step's TMA ring addresses the cache as one [rows, 576] tensor map: the pool's MLA
+    views (every layer's rows of a page in one run, units padded to 256 bytes) must qualify, or the
+    served path falls back to cp.async unseen; its rows end at the last page's last row, inside the
+    buffer. A view whose pages are not a whole number of rows apart does not qualify."""
+    import torch
+
+    from k3serve.cache.pool import PoolLayout, UnifiedPool
+    from k3serve.config import ModelConfig
+    from k3serve.ops import mla_decode_gluon
+    from k3serve.presets import preset_config
+
+    cfg = ModelConfig.from_dict(preset_config(preset))
+    lay = PoolLayout.for_model(cfg, torch.bfloat16)
+    pool = UnifiedPool(cfg, lay.slot_bytes + 3 * lay.page_bytes + 4096, torch.bfloat16)
+    width = cfg.mla_cache_width
+    for layer in (0, cfg.num_mla_layers - 1):
+        view = pool.handles.mla[layer].latent
+        assert mla_decode_gluon.tma_ring_applies(view)
+        desc = mla_decode_gluon._ring_descriptor(view)
+        assert desc.shape == [(view.shape[0] - 1) * view.stride(0) // width + view.shape[1], width]
+        end = view.data_ptr() + desc.shape[0] * width * view.element_size()
+        assert end <= pool.buffer.data_ptr() + pool.buffer.numel()
+        assert view[-1, -1].data_ptr() + width * view.element_size() == end  # the last page's last row
+    odd = torch.zeros(3 * (64 * width + 8), dtype=torch.bfloat16).as_strided((3, 64, width), (64 * width + 8, width, 1))
+    assert not mla_decode_gluon.tma_ring_applies(odd)
+    saved = mla_decode_gluon.SEESAW_TMA
+    try:
+        mla_decode_gluon.SEESAW_TMA = False
+        assert not mla_decode_gluon.tma_ring_applies(pool.handles.mla[0].latent)
+    finally:
+        mla_decode_gluon.SEESAW_TMA = saved

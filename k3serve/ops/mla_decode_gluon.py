@@ -24,7 +24,7 @@ ceiling. H200, 32K context (RESULTS.md forty-seventh session): 96 heads 44-46 % 
 against 37 %. Those heads are served by the same blocks in FlashMLA's seesaw schedule
 (``_mla_decode_seesaw_kernel``, ``SEESAW``): warp-specialised, the two warpgroups' softmaxes under
 each other's wgmmas, 1.14-1.17x the heads-major step at 96 heads (forty-eighth session); with each
-warpgroup's own P first and the key pages copied by TMA from a producer warp, 1.26-1.29x
+warpgroup's own P first and the key pages copied by TMA from a producer warp, 1.32-1.37x
 (forty-ninth session: 96 heads 0.285 / 1.05 ms at batch 16 / 64, 32K; 128 heads 77 % of matmul).
 """
 
