@@ -627,7 +627,7 @@ def main() -> int:
     check_short_convs(gen)
     if "--short-conv" in args:
         return report()
-    for T, D in ((1, 2304), (16, 2304), (3, 7168), (8192, 2304)):
+    for T, D in ((1, 2304), (16, 2304), (3, 7168), (8192, 2304), (4100, 128)):  # (4100 x 128: 32-row tiles)
         check_add_norm(T, D, gen)
     check_gated_norm(8192, 32, 128, gen)
     check_gated_norm(3, 96, 128, gen)

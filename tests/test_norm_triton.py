@@ -46,7 +46,9 @@ ADD_SCRIPT = textwrap.dedent('''
     from k3serve.ops.norm_triton import add_rms_norm_triton
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     worst = 0.0
-    for T, D, dtype in [(5, 96, torch.float32), (3, 100, torch.float32), (4, 64, torch.bfloat16), (1, 2304, torch.bfloat16)]:
+    # (1100 rows of 128: a tile of rows a program, the last one partial)
+    for T, D, dtype in [(5, 96, torch.float32), (3, 100, torch.float32), (4, 64, torch.bfloat16), (1, 2304, torch.bfloat16),
+                        (1100, 128, torch.float32), (1030, 96, torch.bfloat16)]:
         norm = RMSNorm(D, 1e-5, dtype)
         norm.weight.data = (torch.rand(D, generator=gen) + 0.5).to(dtype)
         h, delta = (torch.randn(T, D, generator=gen) * 2).to(dtype), torch.randn(T, D, generator=gen).to(dtype)

@@ -209,18 +209,19 @@ def test_gluon_mla_decode_compiles_on_wgmma(seq_len_type, form):
     assert 0 <= wait < ptx.find("ld.global") and "griddepcontrol.launch_dependents" in ptx
 
 
-def _add_rms_norm_ptx(use_pdl: bool) -> str:
+def _add_rms_norm_ptx(use_pdl: bool, rows: int = 1, block: int = 4096, warps: int = 8) -> str:
     return _compile(norm_triton._add_rms_norm_kernel,
                     {"H": "*bf16", "DELTA": "*bf16", "W": "*bf16", "H_OUT": "*bf16", "Y": "*bf16"},
-                    {n: "i32" for n in ("stride_h", "stride_d", "stride_ho", "stride_y", "D")} | {"eps": "fp32"},
-                    dict(BLOCK=4096, USE_PDL=use_pdl), num_warps=4).asm["ptx"]
+                    {n: "i32" for n in ("n_rows", "stride_h", "stride_d", "stride_ho", "stride_y", "D")} | {"eps": "fp32"},
+                    dict(ROWS=rows, BLOCK=block, USE_PDL=use_pdl), num_warps=warps).asm["ptx"]
 
 
-def test_pdl_kernels_wait_before_touching_memory():
-    ptx = _add_rms_norm_ptx(True)
+@pytest.mark.parametrize("rows, block, warps", [(1, 4096, 8), (32, 128, 4)])  # a row a program, and a tile of rows
+def test_pdl_kernels_wait_before_touching_memory(rows, block, warps):
+    ptx = _add_rms_norm_ptx(True, rows, block, warps)
     first_memory_op = min(ptx.find(op) for op in ("ld.global", "st.global") if op in ptx)
     assert 0 <= ptx.find("griddepcontrol.wait") < first_memory_op
-    assert "griddepcontrol" not in _add_rms_norm_ptx(False)
+    assert "griddepcontrol" not in _add_rms_norm_ptx(False, rows, block, warps)
 
 
 # The fused KDA decode kernel's arguments: pointers, then the strides (16-divisible at launch) and scalars.

@@ -23,7 +23,7 @@ def _rms_norm_kernel(X, W, GATE, Y, n_rows, stride_x, stride_y, stride_g, heads,
     cols = tl.arange(0, BLOCK)
     mask = (row < n_rows)[:, None] & (cols < D)[None, :]
     x = tl.load(X + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+    y = x / rms_rows(x, D, eps)
     if HAS_WEIGHT:
         y = y * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if HAS_GATE:  # row = token * heads + head; the gate row of a token holds every head's D values
@@ -82,22 +82,30 @@ def rms(x, D, eps):
 
 
 @triton.jit
-def _add_rms_norm_kernel(H, DELTA, W, H_OUT, Y, stride_h, stride_d, stride_ho, stride_y, D, eps,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def rms_rows(x, D, eps):
+    """sqrt(mean(x^2) + eps) of each row of fp32 rows x [R, BLOCK] (masked lanes 0), as [R, 1]."""
+    return tl.sqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+
+
+@triton.jit
+def _add_rms_norm_kernel(H, DELTA, W, H_OUT, Y, n_rows, stride_h, stride_d, stride_ho, stride_y, D, eps,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (row < n_rows) & (cols < D)
     s = residual_sum(H, DELTA, row, stride_h, stride_d, cols, mask, H_OUT.dtype.element_ty)
     tl.store(H_OUT + row * stride_ho + cols, s, mask=mask)
     x = s.to(tl.float32)
-    y = x / rms(x, D, eps) * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x / rms_rows(x, D, eps) * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 # Warps of the add + RMSNorm's program a row (its sum of squares crosses warps through shared memory):
 # 8 against Triton's default 4, kimi-linear's 53 a step 112 -> 93 us at batch 1 and 16 (1 and 2
-# warps: 177 and 155; RESULTS.md twenty-third session).
+# warps: 177 and 155; RESULTS.md twenty-third session). Many short rows take ``_rows_per_program``'s
+# tiles on Triton's default 4 warps, as ``rms_norm_triton`` (a 128-wide row a program on 8 warps:
+# 19 % of copy at 262,144 rows, 0.26x torch, RESULTS.md forty-third session).
 ADD_NORM_WARPS = 8
 
 
@@ -108,9 +116,12 @@ def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     h, delta = (t if t.stride(-1) == 1 else t.contiguous() for t in (h, delta))
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     if T:
-        _add_rms_norm_kernel[(T,)](h, delta, weight, h_out, y, h.stride(0), delta.stride(0), h_out.stride(0),
-                                   y.stride(0), D, eps, BLOCK=triton.next_power_of_2(D), num_warps=ADD_NORM_WARPS,
-                                   **pdl.launch(y.device))
+        block = triton.next_power_of_2(D)
+        per = _rows_per_program(T, block)
+        _add_rms_norm_kernel[(triton.cdiv(T, per),)](h, delta, weight, h_out, y, T, h.stride(0), delta.stride(0),
+                                                     h_out.stride(0), y.stride(0), D, eps, ROWS=per, BLOCK=block,
+                                                     num_warps=ADD_NORM_WARPS if per == 1 else 4,
+                                                     **pdl.launch(y.device))
     return h_out, y
 
 
