@@ -9,7 +9,7 @@ with cached context.
 Also the Gluon kernels (moe_gluon, kda_decode_gluon, mla_decode_gluon) against the same references.
 
 Usage: python bench/gpu_check_kernels.py [--no-gluon | --gluon mla|kda|moe | --short-conv | --moe-bf16 | --mla-prefill
-       | --mla-decode | --kda-fused | --sampling]
+       | --mla-decode | --kda-fused | --sampling | --norms]
 (prints one row per check; exit code 1 if any fails)
 """
 
@@ -349,6 +349,17 @@ def check_add_norm_router(T: int, E: int, D: int, gen: torch.Generator) -> None:
            rel(parts.sum(0), F.linear(y1.double(), w.double())), 1e-6)
 
 
+def norm_checks(gen: torch.Generator) -> None:
+    """The norms a layer boundary runs: add + RMSNorm (a row a program, and 32-row tiles at 4100 x 128),
+    the gated output norm, and the add + norm fused with the router's logits (bit-equal to the first)."""
+    for T, D in ((1, 2304), (16, 2304), (3, 7168), (8192, 2304), (4100, 128)):
+        check_add_norm(T, D, gen)
+    check_gated_norm(8192, 32, 128, gen)
+    check_gated_norm(3, 96, 128, gen)
+    for T, E, D in ((1, 256, 2304), (4, 256, 2304), (1, 896, 7168)):
+        check_add_norm_router(T, E, D, gen)
+
+
 def check_router_prefill(T: int, E: int, D: int, flag: str, tol: float, gen: torch.Generator) -> None:
     """A prefill router GEMM behind ``moe_triton.<flag>`` vs float64: ``ROUTER_PREFILL_MMA`` (K3's
     reference form, cuBLAS bf16 in / fp32 out) at that form's own precision (2.4e-6 at D 2304 and
@@ -595,7 +606,8 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
 
 def main() -> int:
     """Every check; ``--no-gluon``: all but the Gluon kernels' rows; ``--gluon FAMILY``: one
-    family of those alone; ``--mla-decode``: the MLA decode rows alone, Triton and Gluon."""
+    family of those alone; ``--mla-decode``: the MLA decode rows alone, Triton and Gluon; ``--norms``:
+    the layer boundary's norms alone."""
     from bench import check_attn_res
 
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -613,6 +625,9 @@ def main() -> int:
             check_sampling(S, 163840, gen)
             check_sampling(S, 163840, gen, peaked=True)
         return report()
+    if "--norms" in args:
+        norm_checks(gen)
+        return report()
     if "--mla-prefill" in args:
         mla_prefill_checks(gen)
         return report()
@@ -627,10 +642,7 @@ def main() -> int:
     check_short_convs(gen)
     if "--short-conv" in args:
         return report()
-    for T, D in ((1, 2304), (16, 2304), (3, 7168), (8192, 2304), (4100, 128)):  # (4100 x 128: 32-row tiles)
-        check_add_norm(T, D, gen)
-    check_gated_norm(8192, 32, 128, gen)
-    check_gated_norm(3, 96, 128, gen)
+    norm_checks(gen)
     for T in (1, 64, 8192):
         check_combine(T, 8, 2304, False, gen)  # kimi-linear: shared experts added
     for T in (1, 16, 300):
@@ -643,8 +655,6 @@ def main() -> int:
     for T, E, D, K in ((1, 256, 2304, 8), (3, 896, 7168, 16), (64, 256, 2304, 8), (16, 896, 7168, 16),
                        (8192, 256, 2304, 8), (2048, 896, 7168, 16)):  # (prefill sizes: cuBLAS's fp32 GEMM)
         check_router(T, E, D, K, gen)
-    for T, E, D in ((1, 256, 2304), (4, 256, 2304), (1, 896, 7168)):
-        check_add_norm_router(T, E, D, gen)
     for flag, tol in (("ROUTER_PREFILL_MMA", 3e-5), ("ROUTER_PREFILL_KERNEL", 1e-6)):
         check_router_prefill(8192, 256, 2304, flag, tol, gen)
         check_router_prefill(2048, 896, 7168, flag, tol, gen)
