@@ -1,4 +1,4 @@
-"""RMSNorm in one Triton kernel (one program per row): the plain-torch form costs ~6 launches a
+"""RMSNorm in one Triton kernel (a row a program, or a tile of many short rows): the plain-torch form costs ~6 launches a
 norm (cast, square, mean, rsqrt, two products, cast back), and a decode step has 2-4 norms a layer.
 
 Reference: ``model.layers.rms_norm`` (same contract). Checked on CPU with ``TRITON_INTERPRET=1``
