@@ -45,8 +45,8 @@ case "$1" in
       --max-wall-minutes "${WALL:-7.5}" --batch 32 --seq-len 1024
     tail -c 3000 "$OUT/train.log"
     tar czf "$OUT/tiny.tgz" -C /tmp/gpu_work tiny tiny-mxfp4 ;;
-  checks)  # every kernel check: a fresh machine compiles each kernel's every tile (fortieth session: 301 rows in
-            # 240 s, unfinished; the model check after it, with fla's kda_core first, printed nothing in 340 s)
+  checks)  # every kernel check: a fresh machine compiles each kernel's every tile (fifty-first session: 524 rows
+            # in 308 s; checks1, checks2 and checkskda each take a call of their own)
     step kernels_check "$(left 580)" python3 bench/gpu_check_kernels.py
     grep "FAIL\|checks passed" "$OUT/kernels_check.log"; tail -c 1500 "$OUT/kernels_check.log" ;;
   checks1)  # whole models (bundled tiny, its MXFP4 form, kimi-linear at small widths) vs their fp32 references

@@ -7,8 +7,13 @@ state traffic (8 D^2 bytes per head) in TB/s and the fraction of a device copy m
 same run (the fused mixer also with all its bytes: conv states, inputs, output). Target: >= 90 %
 of the copy ceiling at N >= 64 (fla: 69 %, anchors.md).
 
-Usage: python bench/kernels_kda_decode.py
+Usage: python bench/kernels_kda_decode.py [--fit]
+(--fit: only the served mixer, the core step and torch's in-place ``mul_`` over the same state bytes at N 32-256,
+each fitted as t = fixed + N x per-sequence: the fixed cost (launch, first programs' prologue, last wave's tail)
+apart from the steady rate, which is what N >= 64 tends to; nothing else)
 """
+
+import sys
 
 import torch
 import triton
@@ -194,6 +199,36 @@ def state_probes(ceil: float) -> None:
                 print(f"| {N} | {pattern} | {bv} | {nw} | {ms:.3f} | {tbs:.2f} | {100 * tbs / ceil:.0f} % |", flush=True)
 
 
+def fit(ns=(32, 64, 96, 128, 192, 256), H=96, D=128, lb=-5.0) -> None:
+    """t(N) = fixed + N x per-sequence, least squares over ``ns``, for the served fused mixer, the core step and
+    torch's in-place ``mul_`` on the same state bytes (the harness's own floor): fixed us and steady % of copy."""
+    ceil = copy_tbs()
+    seq_bytes = H * D * D * 4 * 2
+    times = {"fused mixer (served)": [], "core step": [], "torch mul_ in place": []}
+    for N in ns:
+        q, k, v, f, b, A_log, dt_bias, state, slots = inputs(N, H, D, N + 8, 7)
+        x, conv_w, conv_state, gate, has = mixer_inputs(N, H, D, state.shape[0], 11)
+        dense = state[:N]
+        runs = {"fused mixer (served)": lambda: kda_decode_fused(
+                    x, conv_w, conv_state, has, f.view(N, H * D), b, A_log, dt_bias, gate, torch.ones(D, device="cuda"),
+                    1e-5, lb, state, slots, H),
+                "core step": lambda: kda_decode(q, k, v, f, b, A_log, dt_bias, lb, D ** -0.5, state, slots),
+                "torch mul_ in place": lambda: dense.mul_(0.999)}
+        for name, run in runs.items():
+            times[name].append(gpu_ms(run, rep=200))
+    print(f"copy ceiling {ceil:.2f} TB/s; state bytes {seq_bytes / 1e6:.2f} MB a sequence (H {H}, D {D})\n"
+          "| kernel | " + " | ".join(f"N {n} ms (% copy)" for n in ns) + " | fixed us | steady % copy |\n"
+          "|---|" + "---|" * (len(ns) + 2))
+    n_t = torch.tensor(ns, dtype=torch.float64)
+    for name, ts in times.items():
+        t = torch.tensor(ts, dtype=torch.float64)
+        slope = (((n_t - n_t.mean()) * (t - t.mean())).sum() / ((n_t - n_t.mean()) ** 2).sum()).item()
+        fixed = t.mean().item() - slope * n_t.mean().item()
+        pct = lambda n, ms: 100 * n * seq_bytes / (ms * 1e-3) / 1e12 / ceil  # noqa: E731
+        cells = " | ".join(f"{ms:.4f} ({pct(n, ms):.1f} %)" for n, ms in zip(ns, ts))
+        print(f"| {name} | {cells} | {1e3 * fixed:.1f} | {pct(1, slope):.1f} % |")
+
+
 def main() -> list[Row]:
     """Prints its tables; returns the core step and the fused mixer at N 1 / 64 / 256 (state bytes,
     fla's fused recurrent kernel beside them) for ``bench.kernels``' one table."""
@@ -237,6 +272,6 @@ def main() -> list[Row]:
 
 
 if __name__ == "__main__":
-    main()
+    fit() if "--fit" in sys.argv else main()
     if gpu_ms.eager:
         print("timed by plain launches (not capturable):", *sorted(set(gpu_ms.eager)), sep="\n  ")
