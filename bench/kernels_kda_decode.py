@@ -220,11 +220,11 @@ def fit(ns=(32, 64, 96, 128, 192, 256), H=96, D=128, lb=-5.0) -> None:
           "| kernel | " + " | ".join(f"N {n} ms (% copy)" for n in ns) + " | fixed us | steady % copy |\n"
           "|---|" + "---|" * (len(ns) + 2))
     n_t = torch.tensor(ns, dtype=torch.float64)
+    pct = lambda n, ms: 100 * n * seq_bytes / (ms * 1e-3) / 1e12 / ceil  # noqa: E731  (% of copy, n sequences)
     for name, ts in times.items():
         t = torch.tensor(ts, dtype=torch.float64)
         slope = (((n_t - n_t.mean()) * (t - t.mean())).sum() / ((n_t - n_t.mean()) ** 2).sum()).item()
         fixed = t.mean().item() - slope * n_t.mean().item()
-        pct = lambda n, ms: 100 * n * seq_bytes / (ms * 1e-3) / 1e12 / ceil  # noqa: E731
         cells = " | ".join(f"{ms:.4f} ({pct(n, ms):.1f} %)" for n, ms in zip(ns, ts))
         print(f"| {name} | {cells} | {1e3 * fixed:.1f} | {pct(1, slope):.1f} % |")
 
