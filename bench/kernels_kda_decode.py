@@ -84,6 +84,13 @@ def mixer_inputs(N, H, D, num_slots, seed):
     return x, conv_w, conv_state, gate, torch.ones(N, dtype=torch.bool, device="cuda")
 
 
+def served_mixer(N, H, D, lb, f, b, A_log, dt_bias, state, slots):
+    """A no-argument call of the served fused mixer (default variant) on fresh mixer inputs over ``state``."""
+    x, conv_w, conv_state, gate, has = mixer_inputs(N, H, D, state.shape[0], 11)
+    return lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, H * D), b, A_log, dt_bias, gate,
+                                    torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
+
+
 def fused_check(N, H, D, lb):
     """Every fused variant on the same inputs: output, state and conv state equal to the default's."""
     q, k, v, f, b, A_log, dt_bias, state0, slots = inputs(N, H, D, max(N, 8), 3)
@@ -104,10 +111,8 @@ def timing(N, H, D, lb=-5.0):
     row = {"ours_ms": gpu_ms(ours, rep=200)}
     # the fully fused mixer step (conv update + gates + norms + delta rule + gated RMSNorm)
     P = H * D
+    row["fused_ms"] = gpu_ms(served_mixer(N, H, D, lb, f, b, A_log, dt_bias, state, slots), rep=200)
     x, conv_w, conv_state, gate, has = mixer_inputs(N, H, D, state.shape[0], 11)
-    fused = lambda: kda_decode_fused(x, conv_w, conv_state, has, f.view(N, P), b, A_log, dt_bias, gate,  # noqa: E731
-                                     torch.ones(D, device="cuda"), 1e-5, lb, state, slots, H)
-    row["fused_ms"] = gpu_ms(fused, rep=200)
     # fused-kernel variants: (value block width, warps, programs a head, Gluon, launch order, register cap)
     row["fused_variants"] = {}
     for variant in FUSED_VARIANTS:
@@ -207,11 +212,8 @@ def fit(ns=(32, 64, 96, 128, 192, 256), H=96, D=128, lb=-5.0) -> None:
     times = {"fused mixer (served)": [], "core step": [], "torch mul_ in place": []}
     for N in ns:
         q, k, v, f, b, A_log, dt_bias, state, slots = inputs(N, H, D, N + 8, 7)
-        x, conv_w, conv_state, gate, has = mixer_inputs(N, H, D, state.shape[0], 11)
         dense = state[:N]
-        runs = {"fused mixer (served)": lambda: kda_decode_fused(
-                    x, conv_w, conv_state, has, f.view(N, H * D), b, A_log, dt_bias, gate, torch.ones(D, device="cuda"),
-                    1e-5, lb, state, slots, H),
+        runs = {"fused mixer (served)": served_mixer(N, H, D, lb, f, b, A_log, dt_bias, state, slots),
                 "core step": lambda: kda_decode(q, k, v, f, b, A_log, dt_bias, lb, D ** -0.5, state, slots),
                 "torch mul_ in place": lambda: dense.mul_(0.999)}
         for name, run in runs.items():
