@@ -138,6 +138,29 @@ def test_overlap_with_aborts_ends_clean(model):
     assert eng.pool.used_bytes == 0 and not eng.requests and not eng.scheduler.running
 
 
+@pytest.mark.parametrize("end", ["max_tokens", "max_model_len"])
+def test_a_request_ending_by_length_runs_no_extra_step(model, end):
+    """A request whose last token is on the way when the next step is scheduled (its end by
+    max_tokens or max_model_len is known in advance) is held back from that step: overlap runs
+    exactly the decode rows plain steps run, not one more a request (a whole wasted step at batch 1),
+    while the earlier tokens of the same requests are still read back a step late."""
+    rng = random.Random(7)
+    if end == "max_tokens":
+        reqs = [([rng.randrange(1700) for _ in range(rng.randrange(3, 20))],
+                 SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)) for m in (1, 2, 3, 9, 14)]
+        kw = {}
+    else:
+        reqs = [([rng.randrange(1700) for _ in range(n)], SamplingParams(temperature=0.0, ignore_eos=True))
+                for n in (20, 27, 31)]
+        kw = dict(max_model_len=32)
+    arrivals = [0, 0, 2, 5, 5][:len(reqs)]
+    for graphs in ("off", "on"):
+        plain, over = (engine(model, o, decode_graphs=graphs, max_num_seqs=4, **kw) for o in (False, True))
+        same(run(plain, reqs, arrivals), run(over, reqs, arrivals))
+        assert over.runner.scheduled_tokens == plain.runner.scheduled_tokens, graphs
+        assert over.overlapped_steps > 0
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_penalties_grammars_and_n_fall_back_to_plain_steps(model, static):
     """A request whose sampling reads the token history (penalties) or an n > 1 request before

@@ -465,13 +465,14 @@ class LLMEngine:
         for j, (seq, tok, pos) in enumerate(zip(launched.seqs, tokens, launched.positions)):
             if seq.pending is not None and seq.pending[0] is launched:
                 seq.pending = None
+            if seq.pending is None:  # (a later step's token still on the way keeps a final one held back)
+                seq.awaiting_final = False
             if seq.finished:  # aborted, or stopped by the step before (its extra step is dropped)
                 continue
             if pos < seq.num_tokens:
                 seq.token_ids[pos] = tok  # the placeholder
             else:
                 seq.token_ids.append(tok)
-            seq.awaiting_final = False
             seq.first_token_time = seq.first_token_time or now
             if seq.params.logprobs is not None and lps is not None:
                 k = seq.params.logprobs
