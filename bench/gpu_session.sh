@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: table, stateprobe, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: table, stateprobe, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, sideab, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -438,6 +438,18 @@ while True:
     grep -s -A8 "### waves_48b" "$OUT/e2e_waves.log"
     (cd "$OUT" && tar czf serve_logs.tgz serve_*.log wait_server.log server_metrics.txt && rm serve_*.log wait_server.log \
       server_metrics.txt) ;;
+  sideab)  # the step boundary's copies on side streams (engine/transfer.py SIDE_STREAMS): the engine against each
+           # request alone first (bundled tiny), then kimi-linear-48b's engine with them off / on, alternating
+           # (AB_BATCHES, default 1,16), then the batch-1 engine profile (idle between steps)
+    step engine_check 300 python3 bench/gpu_check_engine.py  # (a fresh machine's compiles: over 200 s)
+    for r in 1 2; do for v in False True; do
+      step "e2e_$v$r" "$(left 500)" python3 -m bench.e2e --parts engine --engine-batches "${AB_BATCHES:-1,16}" \
+        --set "k3serve.engine.transfer.SIDE_STREAMS=$v" --out "/tmp/gpu_work/$v$r"
+    done; done
+    step profile "$(left 585)" python3 -m bench.e2e --parts engine_profile --engine-batches 1 --out /tmp/gpu_work
+    tail -c 1200 "$OUT/engine_check.log"
+    for f in "$OUT"/e2e_*.log; do echo "== $f"; grep -A4 "### engine_48b" "$f"; done
+    tail -c 2500 "$OUT/profile.log" ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;

@@ -25,7 +25,8 @@ from ..cache.pool import UnifiedPool
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
 from ..ops.backend import triton_enabled
-from .transfer import fill_pending_tokens
+from . import transfer
+from .transfer import PENDING_ROWS, copy_staged, fill_pending_tokens
 
 log = logging.getLogger(__name__)
 
@@ -52,32 +53,88 @@ def capture_blockers(device: torch.device) -> list[str]:
 
 class StaticInputs:
     """A static step's int64 inputs as named fields of one device buffer, written each step through
-    numpy views of one (pinned) host buffer and sent by one copy: a step's inputs cost one transfer,
-    not one per field. ``host()`` waits until the previous copy has left the host buffer. Both
-    buffers start at -1 (a block table's "no page")."""
+    numpy views of a (pinned) host buffer and sent by one copy: a step's inputs cost one transfer,
+    not one per field. Every buffer starts at -1 (a block table's "no page").
 
-    def __init__(self, device: torch.device, sizes: dict[str, int]):
-        self.device_buf = torch.full((sum(sizes.values()),), -1, dtype=torch.int64, device=device)
-        self.host_buf = torch.full(self.device_buf.shape, -1, dtype=torch.int64, pin_memory=device.type == "cuda")
-        host, self.dev, self._host, at = self.host_buf.numpy(), {}, {}, 0
+    ``pending`` names the field of input tokens: a hidden field beside it holds, per token, the row
+    of the previous step's sampled tokens (still on the device, overlapped scheduling) that replaces
+    it, or -1; ``upload(..., fixup)`` fills it.
+
+    On CUDA no copy-engine operation sits in the step's stream (each costs ~10 us of GPU time at a
+    step boundary, bench/graph_start_probe.py): the host fills one of two pinned buffers, a side
+    stream copies it into one of two device staging buffers while the GPU still runs the previous
+    step, and the step's stream, once it has arrived, moves it into the device buffer the graphs
+    read by one kernel (``transfer.copy_staged``) that also writes the pending tokens. ``host()``
+    waits only until the upload of two steps ago has left the host buffer it returns."""
+
+    def __init__(self, device: torch.device, sizes: dict[str, int], pending: str | None = "input_ids"):
+        if pending is not None:
+            if next(iter(sizes)) != pending:
+                raise ValueError(f"the pending field {pending!r} must come first, got {list(sizes)}")
+            sizes = {pending: sizes[pending], PENDING_ROWS: sizes[pending],
+                     **{k: v for k, v in sizes.items() if k != pending}}
+        self.pending = pending
+        total = sum(sizes.values())
+        self.device_buf = torch.full((total,), -1, dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        self._hosts = [torch.full((total,), -1, dtype=torch.int64, pin_memory=cuda) for _ in range(1 + cuda)]
+        self._views, self.dev, at = [{} for _ in self._hosts], {}, 0
         for name, n in sizes.items():
-            self.dev[name], self._host[name] = self.device_buf[at:at + n], host[at:at + n]
+            self.dev[name] = self.device_buf[at:at + n]
+            for views, buf in zip(self._views, self._hosts):
+                views[name] = buf.numpy()[at:at + n]
             at += n
         self._last = n  # the last field's size
-        self._copied = None  # CUDA event: the last host -> device copy is done
+        self._step = 0
+        if cuda:
+            self._stages = [torch.full((total,), -1, dtype=torch.int64, device=device) for _ in range(2)]
+            self._stream = torch.cuda.Stream(device)
+            self._arrived = [torch.cuda.Event() for _ in range(2)]  # the upload from host / into stage i
+            self._moved = [torch.cuda.Event() for _ in range(2)]  # the kernel that read stage i
+            # (the staging buffers' fill above is queued on the current stream, maybe behind a busy
+            # step: the side stream's first copy must not overtake it)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
 
     def host(self) -> dict[str, np.ndarray]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host
+        """The host views to fill for the next ``upload`` (call first: it waits for the buffer)."""
+        i = self._step % len(self._hosts)
+        if len(self._hosts) > 1:
+            self._arrived[i].synchronize()  # (never recorded: returns at once)
+        return self._views[i]
 
-    def upload(self, last_used: int | None = None) -> None:
-        """Send the fields, the last one only up to ``last_used`` elements (None: whole)."""
+    def upload(self, last_used: int | None = None, fixup: tuple | None = None) -> None:
+        """Send the fields, the last one only up to ``last_used`` elements (None: whole); ``fixup``
+        = (positions in the pending field, rows of the device tokens, those tokens)."""
         n = self.device_buf.numel() - self._last + (self._last if last_used is None else last_used)
-        self.device_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
-        if self.device_buf.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        i = self._step % len(self._hosts)
+        self._step += 1
+        tokens, p = self.device_buf, 0
+        if self.pending is not None:
+            rows = self._views[i][PENDING_ROWS]
+            rows.fill(-1)
+            p = rows.size
+            if fixup is not None and fixup[0]:
+                dst, src, tokens = fixup
+                rows[dst] = src
+        elif fixup is not None:
+            raise ValueError("a fixup needs a pending field")
+        if not self.device_buf.is_cuda:
+            copy_staged(self.device_buf, self._hosts[i], n, p, tokens)
+            return
+        if not transfer.SIDE_STREAMS:  # (A/B timing: the copies in the step's stream)
+            self.device_buf[:n].copy_(self._hosts[i][:n], non_blocking=True)
+            self._arrived[i].record()
+            if self.pending is not None:
+                fill_pending_tokens(self.dev[self.pending], fixup)
+            return
+        stage, stream = self._stages[i], self._stream
+        stream.wait_event(self._moved[i])
+        with torch.cuda.stream(stream):
+            stage[:n].copy_(self._hosts[i][:n], non_blocking=True)
+            self._arrived[i].record(stream)
+        torch.cuda.current_stream(self.device_buf.device).wait_event(self._arrived[i])
+        copy_staged(self.device_buf, stage, n, p, tokens)
+        self._moved[i].record()
 
 
 def page_major(flat, rows: int, max_pages: int):
@@ -213,8 +270,7 @@ class DecodeGraphs:
         n = len(chunks)
         b = self.bucket_for(n)
         context_lens, width = self._fill_host(chunks, b)
-        self.inputs.upload(b * width)  # rows past b, pages past the widest row: never read by this step
-        fill_pending_tokens(self.input_ids, fixup)
+        self.inputs.upload(b * width, fixup)  # rows past b, pages past the widest row: never read by this step
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]

@@ -45,7 +45,6 @@ from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
 from .decode_graphs import (StaticInputs, bucket_sizes, capture_blockers, capture_graphs, fill_decode_rows, page_major,
                             write_pages)
-from .transfer import fill_pending_tokens
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +218,7 @@ class PrefillGraphs:
         nd, d, b, c = self._split(chunks)
         n = len(chunks) - nd
         qlens, ctx, width = self._fill_host(chunks, nd, d, b)
-        self.inputs.upload((d + n + 1) * width)
-        fill_pending_tokens(self.dev["input_ids"], fixup)
+        self.inputs.upload((d + n + 1) * width, fixup)
         key = (d, n, b, c)
         if key in self.graphs:
             self.graphs[key].replay()

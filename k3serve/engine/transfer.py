@@ -1,4 +1,4 @@
-"""Small host -> device copies that do not wait for the GPU.
+"""Small host <-> device copies that do not wait for the GPU, nor hold up its stream.
 
 ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronises the stream,
 so the host stalls until the GPU has finished everything queued (with overlapped scheduling: the
@@ -9,6 +9,10 @@ PyTorch's pinned-memory cache keeps the source alive until the copy has run.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from ..ops.autotune import interpreted
 
 
 def to_device(values, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -41,3 +45,46 @@ SLICE_FIXUP = True
 
 def _is_run(values: list[int]) -> bool:
     return all(v == values[0] + i for i, v in enumerate(values))
+
+
+# A step's host <-> device copies on side streams (``readback_stream``, ``StaticInputs``); False: on
+# the step's own stream, the upload straight into the graphs' inputs (A/B timing).
+SIDE_STREAMS = True
+_READBACK: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def readback_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that copies a device's sampled tokens back to the host (one a device; the current
+    stream where SIDE_STREAMS is off)."""
+    if not SIDE_STREAMS:
+        return torch.cuda.current_stream(device)
+    if device not in _READBACK:
+        _READBACK[device] = torch.cuda.Stream(device)
+    return _READBACK[device]
+
+
+# The hidden field of ``decode_graphs.StaticInputs`` beside its input tokens: per token, the row of
+# the previous step's device tokens that replaces it, or -1.
+PENDING_ROWS = "pending_rows"
+
+
+@triton.jit
+def _copy_staged_kernel(DST, SRC, TOKENS, n, P, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    value = tl.load(SRC + i, mask=i < n)
+    row = tl.load(SRC + P + i, mask=i < P, other=-1)
+    token = tl.load(TOKENS + row, mask=row >= 0, other=0)
+    tl.store(DST + i, tl.where(row >= 0, token.to(value.dtype), value), mask=i < n)
+
+
+def copy_staged(dst: torch.Tensor, src: torch.Tensor, n: int, p: int, tokens: torch.Tensor) -> None:
+    """dst[:n] = src[:n], where the first p entries (input tokens) are laid out first and the next p
+    name, by a row >= 0 of ``tokens``, the token that replaces each (``fill_pending_tokens`` from
+    the staged copy). One Triton kernel on CUDA (or under Triton's interpreter), torch elsewhere."""
+    if dst.is_cuda or interpreted():
+        _copy_staged_kernel[(triton.cdiv(n, 1024),)](dst, src, tokens, n, p, BLOCK=1024)
+        return
+    dst[:n] = src[:n]
+    rows = src[p:2 * p]
+    take = rows >= 0
+    dst[:p][take] = tokens[rows[take]].to(dst.dtype)
