@@ -25,6 +25,7 @@ import triton
 from bench.compare import rel
 from bench.mla_prefill_sdpa import mla_prefill_sdpa
 from bench.overrides import constants
+from k3serve.engine.transfer import copy_staged
 from k3serve.model.batch import ForwardBatch, SeqChunk
 from k3serve.model.layers import RMSNorm, rms_norm
 from k3serve.ops import attn_res_triton, mla_decode_gluon, mla_ref
@@ -391,6 +392,25 @@ def check_expert_sort(T: int, E: int, top: int, sizes: tuple, gen: torch.Generat
     record("expert sort, two launches: layout problems", f"T={T} E={E} top {top} sizes {sizes}", bad, 0)
 
 
+def check_copy_staged(p: int, tail: int, cut: int) -> None:
+    """A static step's staged inputs moved in (engine/transfer.py ``copy_staged``): p input tokens,
+    their pending rows (a third replaced by int32 device tokens), ``tail`` other entries, the last
+    ``cut`` not sent; against the same written out in torch on the host. Mismatched entries."""
+    rows = torch.full((p,), -1, dtype=torch.int64)
+    pick = torch.randperm(p)[:max(1, p // 3)]
+    rows[pick] = torch.randint(0, p, (pick.numel(),))
+    src = torch.cat([torch.randint(0, 163840, (p,)), rows, torch.randint(-1, 4096, (tail,))])
+    tokens = torch.randint(0, 163840, (p,), dtype=torch.int32)
+    n = src.numel() - cut
+    want = torch.full_like(src, -5)
+    want[:n] = src[:n]
+    want[pick] = tokens[rows[pick]].long()
+    got = torch.full_like(src, -5, device=DEV)
+    copy_staged(got, src.to(DEV), n, p, tokens.to(DEV))
+    record("staged inputs + pending tokens (copy_staged)", f"p={p} tail={tail} cut={cut}",
+           int((got.cpu() != want).sum()), 0)
+
+
 def check_gemv(T: int, K: int, N: int, gen: torch.Generator) -> None:
     """bf16 through the tensor cores vs float64, autotuned and every pinned tile (split-K partials
     summed by the last program of each column block; each tile run twice: tickets reset), the
@@ -664,6 +684,8 @@ def main() -> int:
         check_gemv(T, K, N, gen)
     for T, E, top, sizes in ((8192, 896, 16, (16, 32, 64, 128)), (8192, 256, 8, (128,)), (700, 64, 8, (64,))):
         check_expert_sort(T, E, top, sizes, gen)
+    for p, tail, cut in ((1, 5, 0), (64, 64 * 4 + 64 * 40, 64 * 30), (8208, 30000, 1000)):
+        check_copy_staged(p, tail, cut)
     for B, T, K, N, fp32_x in ((2, 1, 128, 4096, False), (2, 4, 128, 4096, False), (32, 1, 128, 512, False),
                                (32, 3, 512, 128, True), (64, 1, 512, 128, True)):
         check_gemv_batched(B, T, K, N, fp32_x, gen)

@@ -13,6 +13,7 @@ steps; the host is far ahead) minus the graph alone, and the profiler's gap befo
 first kernel.
 
     python3 -m bench.graph_start_probe --nodes 30,300
+    python3 -m bench.graph_start_probe --nodes "" --real kimi-linear-48b   # the model's own decode graph
 """
 
 from __future__ import annotations
