@@ -33,6 +33,7 @@ from k3serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3serve.engine.sampling_params import SamplingParams  # noqa: E402
 from k3serve.model.batch import ForwardBatch, SeqChunk  # noqa: E402
 from k3serve.model.loader import load_model  # noqa: E402
+from k3serve.ops import tuned_configs  # noqa: E402
 
 PAGE = 64
 
@@ -106,14 +107,56 @@ def check(model, rng, sizes, max_batch, pool_bytes) -> list[dict]:
     return rows
 
 
+def launches(fn) -> tuple[object, list[tuple]]:
+    """``fn()``'s result and its kernel launches in order, (name, grid, block) from the profiler's
+    trace: where two steps that should compute the same bits do not, the first launch whose tile
+    or grid differs (an autotuner's pick, a split count) names the kernel."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return out, [(e["name"][:70], tuple(e["args"].get("grid", ())), tuple(e["args"].get("block", ()))) for e in kernels]
+
+
+def first_differences(a: list[tuple], b: list[tuple], n: int = 8) -> list[str]:
+    """Where two kernel lists (``launches``) differ, aligned by name (the steps' input handling
+    differs in torch's own small kernels, left out): the first ``n`` kernels launched in one list
+    and not the other, or with another grid or block."""
+    import difflib
+
+    ours = lambda launches: [x for x in launches if not x[0].startswith("void at::")]  # noqa: E731
+    a, b = ours(a), ours(b)
+    matcher = difflib.SequenceMatcher(None, [x[0] for x in a], [x[0] for x in b], autojunk=False)
+    out = [f"#{i + k}: {a[i + k]} | {b[j + k]}" for i, j, size in matcher.get_matching_blocks()
+           for k in range(size) if a[i + k] != b[j + k]]
+    out += [f"#{i1}-{i2} / #{j1}-{j2}: {a[i1:i2][:2]} | {b[j1:j2][:2]}"
+            for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal"]
+    return out[:n] + [f"our kernels {len(a)} / {len(b)}"]
+
+
 def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> list[dict]:
     """Prefill graphs (engine/prefill_graphs.py) for steps of new prompts (``cases``: (prompt
     lengths, decode rows before them, the prompts' cached context or 0), the decode rows on
     contexts of 16-300; ``graph_kw``: PrefillGraphs' options past the defaults below): the replay against the
     same static step run eagerly (must match exactly: a mismatch is a value baked in at capture),
     against the engine's flat eager step (numerics may differ: the padding changes tile choices),
-    the prompts' slots and pages equal to the static eager twin's, a bystander untouched; then
-    the step's time, eager (flat) against replay (inputs -> logits, CUDA events)."""
+    the prompts' slots and pages equal to the static eager twin's, a bystander untouched, the
+    static eager step with the step boundary's copies in the step's stream (``transfer.SIDE_STREAMS``
+    off) equal to it with them on side streams; then the step's time, eager (flat) against replay
+    (inputs -> logits, CUDA events). Where the same-shape flat step differs, the first launches
+    whose grid or block differ from the static eager step's are printed: the MLA prefill's tiles
+    are tuned per ``tq_bucket`` of the longest prompt, which in a static step is the bucket's token
+    count and in the flat step the longest chunk, so where those buckets differ (the row's
+    ``mla_tq_buckets``) the two steps may run other tiles, by the autotuner's pick on that machine."""
+    from k3serve.ops.mla_prefill_triton import tq_bucket
+    from k3serve.engine import transfer
     from k3serve.engine.prefill_graphs import PrefillGraphs
 
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
@@ -141,7 +184,7 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
         split = graphs._split(chunks)
         pad_rows = [SeqChunk([0], len(t), s, p) for s, p, t in
                     prefill(model, pool, [1] * (split[1] - split[0] if split else 0), rng)]
-        twins = [UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE) for _ in range(3)]
+        twins = [UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE) for _ in range(4)]
         for twin in twins:
             twin.buffer.copy_(pool.buffer)
         eager = eager_step(model, twins[0], chunks)
@@ -151,12 +194,19 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
         # own bits then match)
         pad = graphs.bucket_for(sum(lens), decodes) - sum(lens)
         filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(graphs.max_pages)])
-        same_shape = eager_step(model, twins[2], pad_rows + chunks + [filler])[len(pad_rows):len(pad_rows) + len(chunks)]
-        static_eager = PrefillGraphs(model, twins[1], capture=False, **kw).run(chunks).clone()
+        same_shape, flat_launches = launches(lambda t=twins[2]: eager_step(model, t, pad_rows + chunks + [filler]))
+        same_shape = same_shape[len(pad_rows):len(pad_rows) + len(chunks)]
+        static_eager, static_launches = launches(lambda t=twins[1]: PrefillGraphs(model, t, capture=False, **kw).run(chunks).clone())
+        side, transfer.SIDE_STREAMS = transfer.SIDE_STREAMS, not transfer.SIDE_STREAMS
+        try:
+            other_copies = PrefillGraphs(model, twins[3], capture=False, **kw).run(chunks).clone()
+        finally:
+            transfer.SIDE_STREAMS = side
         static = graphs.run(chunks).clone()
         one_shot = eager_step(model, twins[0], whole) if context else None  # (fresh slots and pages)
         slot, pages, _ = bystander
         row = {"prompts": lens, "decodes": decodes, "context": context, "bucket": graphs.bucket_for(sum(lens), decodes),
+               "mla_tq_buckets": (tq_bucket(pad + sum(lens)), tq_bucket(max(lens + [pad]))),  # (static, same-shape flat)
                "vs_static_eager_max_rel_err": rel(static, static_eager),
                "state_equal_to_static_eager": all(
                    torch.equal(pool.slot_bytes_of(c.kda_slot), twins[1].slot_bytes_of(c.kda_slot))
@@ -164,9 +214,14 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
                    for c in chunks),
                "vs_flat_eager_max_rel_err": rel(static, eager),
                "vs_same_shape_flat_eager_max_rel_err": rel(static, same_shape),
+               "static_eager_side_streams_on_vs_off": rel(static_eager, other_copies),
+               "state_equal_side_streams_on_vs_off": all(
+                   torch.equal(twins[3].slot_bytes_of(c.kda_slot), twins[1].slot_bytes_of(c.kda_slot)) for c in chunks),
                "argmax_equal_flat": (static.argmax(-1) == eager.argmax(-1)).float().mean().item(),
                "bystander_untouched": torch.equal(pool.slot_bytes_of(slot), twins[0].slot_bytes_of(slot)) and all(
                    torch.equal(pool.page_bytes_of(p), twins[0].page_bytes_of(p)) for p in pages)}
+        if row["vs_same_shape_flat_eager_max_rel_err"]:
+            row["first_launch_differences"] = first_differences(static_launches, flat_launches)
         if one_shot is not None:  # chunked on context vs one shot: how far the numerics alone move the logits
             s_p, e_p = static[decodes:], eager[decodes:]  # (the prompts' rows)
             row |= {"static_vs_one_shot": rel(s_p, one_shot), "flat_eager_vs_one_shot": rel(e_p, one_shot),
@@ -550,6 +605,9 @@ def main() -> None:
         args.ab = ";".join(line.strip() for line in Path(args.ab[1:]).read_text().splitlines() if line.strip())
     rng = random.Random(0)
     model = load_model(preset=args.preset, dtype="bfloat16", device="cuda", seed=0, progress=False)
+    # the shipped tiles, as the engine applies them at start: its numerics, the same in every process
+    # (the autotuner's picks otherwise vary from one fresh machine to the next)
+    print("shipped autotuning results", tuned_configs.apply("cuda"), flush=True)
     pool_bytes = int(args.pool_gib * 2**30)
     res = {"preset": args.preset, "device": torch.cuda.get_device_name()}
     if "check" in parts:
@@ -601,13 +659,17 @@ def main() -> None:
         print("\n" + "\n".join(" | ".join(str(v) for v in r.values()) for r in res["prefill_calibration"]))
     if res.get("prefill_graphs"):
         print("\n| prompts | decodes | context | bucket | vs static eager | state equal | vs flat eager same shape | "
-              "vs flat eager | argmax equal | bystander untouched | eager ms | graph ms |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "vs flat eager | argmax equal | bystander untouched | static eager, side streams on vs off (states equal) | "
+              "MLA prefill tq buckets, static / same shape | eager ms | graph ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["prefill_graphs"]:
             print(f"| {r['prompts']} | {r['decodes']} | {r['context']} | {r['bucket']} | {r['vs_static_eager_max_rel_err']:.2e} | "
                   f"{r['state_equal_to_static_eager']} | {r['vs_same_shape_flat_eager_max_rel_err']:.2e} | "
                   f"{r['vs_flat_eager_max_rel_err']:.2e} | {r['argmax_equal_flat']} | "
-                  f"{r['bystander_untouched']} | {r['eager_ms']} | {r['graph_ms']} |")
+                  f"{r['bystander_untouched']} | {r['static_eager_side_streams_on_vs_off']:.2e} "
+                  f"({r['state_equal_side_streams_on_vs_off']}) | {r['mla_tq_buckets'][0]} / {r['mla_tq_buckets'][1]} | "
+                  f"{r['eager_ms']} | {r['graph_ms']} |")
+            for d in r.get("first_launch_differences", []):
+                print(f"  {r['prompts']} + {r['decodes']}: static eager | same-shape flat eager launch {d}")
     if "engine" in parts:
         res["engine"] = engine_match(model, rng, 12)
         print(json.dumps(res["engine"]))

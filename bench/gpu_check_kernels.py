@@ -411,6 +411,11 @@ def check_copy_staged(p: int, tail: int, cut: int) -> None:
            int((got.cpu() != want).sum()), 0)
 
 
+def copy_staged_checks() -> None:
+    for p, tail, cut in ((1, 5, 0), (64, 64 * 4 + 64 * 40, 64 * 30), (8208, 30000, 1000)):
+        check_copy_staged(p, tail, cut)
+
+
 def check_gemv(T: int, K: int, N: int, gen: torch.Generator) -> None:
     """bf16 through the tensor cores vs float64, autotuned and every pinned tile (split-K partials
     summed by the last program of each column block; each tile run twice: tickets reset), the
@@ -626,7 +631,7 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
 
 def main() -> int:
     """Every check; ``--no-gluon``: all but the Gluon kernels' rows; ``--gluon FAMILY``: one
-    family of those alone; ``--mla-decode``: the MLA decode rows alone, Triton and Gluon; ``--norms``:
+    family of those alone; ``--copy-staged``: the step boundary's staged-input copy alone; ``--mla-decode``: the MLA decode rows alone, Triton and Gluon; ``--norms``:
     the layer boundary's norms alone."""
     from bench import check_attn_res
 
@@ -644,6 +649,9 @@ def main() -> int:
         for S in (1, 3, 16, 64, 256):
             check_sampling(S, 163840, gen)
             check_sampling(S, 163840, gen, peaked=True)
+        return report()
+    if "--copy-staged" in args:
+        copy_staged_checks()
         return report()
     if "--norms" in args:
         norm_checks(gen)
@@ -684,8 +692,7 @@ def main() -> int:
         check_gemv(T, K, N, gen)
     for T, E, top, sizes in ((8192, 896, 16, (16, 32, 64, 128)), (8192, 256, 8, (128,)), (700, 64, 8, (64,))):
         check_expert_sort(T, E, top, sizes, gen)
-    for p, tail, cut in ((1, 5, 0), (64, 64 * 4 + 64 * 40, 64 * 30), (8208, 30000, 1000)):
-        check_copy_staged(p, tail, cut)
+    copy_staged_checks()
     for B, T, K, N, fp32_x in ((2, 1, 128, 4096, False), (2, 4, 128, 4096, False), (32, 1, 128, 512, False),
                                (32, 3, 512, 128, True), (64, 1, 512, 128, True)):
         check_gemv_batched(B, T, K, N, fp32_x, gen)

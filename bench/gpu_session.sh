@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: table, stateprobe, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, sideab, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: table, stateprobe, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, sideab, samestep, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -450,6 +450,14 @@ while True:
     tail -c 1200 "$OUT/engine_check.log"
     for f in "$OUT"/e2e_*.log; do echo "== $f"; grep -A4 "### engine_48b" "$f"; done
     tail -c 2500 "$OUT/profile.log" ;;
+  samestep)  # the staged-input copy kernel against torch, then the prefill graphs' check with the side streams off
+             # (all 8 cases) and on (the [100, 200] + 8 decode rows case alone): is a same-shape mismatch theirs?
+    step copy_staged 120 python3 bench/gpu_check_kernels.py --copy-staged
+    step pg_off "$(left 400)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b --parts prefill_graphs \
+      --iters 2 --set k3serve.engine.transfer.SIDE_STREAMS=False --out /tmp/gpu_work
+    PG_CASES=1 step pg_on1 "$(left 585)" python3 bench/gpu_check_graphs.py --preset kimi-linear-48b \
+      --parts prefill_graphs --iters 2 --out /tmp/gpu_work
+    cat "$OUT/copy_staged.log"; for f in pg_off pg_on1; do echo "== $f"; grep -A12 "| prompts |" "$OUT/$f.log"; done ;;
   engine48)  # kimi-linear-48b through the engine only (bench/e2e.py --parts engine): TTFT and tok/s
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log" ;;

@@ -5,9 +5,13 @@ the keys a server of that shape meets are tuned; then the autotuners' choices ar
 ``--out`` (default: the package's tuned/ directory, named for this device and Triton version).
 Starts from nothing: K3SERVE_TUNED_CONFIGS=0 here, so no earlier file is applied (Triton's own
 on-disk autotune cache still answers keys this machine tuned before, with the same choices).
+``--merge``: the shipped file is applied first, so only the keys it lacks are tuned (a kernel whose
+key changed since: kimi-linear's MLA prefill writing a bf16 output had only fp32-output entries,
+so it tuned on every fresh machine and its tiles, and so its bits, followed that machine's
+timing); the file written keeps the shipped entries and adds (or replaces) the tuned ones.
 
     python3 -m bench.tune_configs [--presets kimi-linear-48b,k3-slice] [--max-model-lens 33280,1048576]
-                                  [--out FILE]
+                                  [--out FILE] [--merge]
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import os
 import time
 from pathlib import Path
 
-os.environ["K3SERVE_TUNED_CONFIGS"] = "0"
+import sys  # noqa: E402
+
+if "--merge" not in sys.argv:
+    os.environ["K3SERVE_TUNED_CONFIGS"] = "0"
+
+import json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -50,6 +59,23 @@ def serve_mix(eng: LLMEngine, rng: torch.Generator) -> int:
     return steps
 
 
+def merge(path: Path, shipped: dict) -> int:
+    """The file at ``path`` (just dumped) with every ``shipped`` entry whose key it lacks added back
+    (entries of kernels this run never loaded, keys it never reached); returns the entries."""
+    data = json.loads(path.read_text())
+    kernels, new = data["kernels"], 0
+    for name, entries in shipped.items():
+        have = {json.dumps(e["key"]) for e in kernels.get(name, [])}
+        kept = [e for e in entries if json.dumps(e["key"]) not in have]
+        kernels[name] = sorted(kernels.get(name, []) + kept, key=lambda e: json.dumps(e["key"]))
+    for name, entries in kernels.items():
+        before = {json.dumps(e["key"]) for e in shipped.get(name, [])}
+        new += sum(json.dumps(e["key"]) not in before for e in entries)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"merged: {new} entries new to the shipped file", flush=True)
+    return sum(len(v) for v in kernels.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="kimi-linear-48b,k3-slice")
@@ -57,9 +83,11 @@ def main() -> None:
     # kernel; the Triton one keys on the table's width)
     ap.add_argument("--max-model-lens", default="33280")
     ap.add_argument("--out", default=None, help="file to write (default: the package's file for this device)")
+    ap.add_argument("--merge", action="store_true", help="tune only the keys the shipped file lacks; keep its entries")
     args = ap.parse_args()
     device_name = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else tuned_configs.file_for(device_name)
+    shipped = json.loads(tuned_configs.file_for(device_name).read_text())["kernels"] if args.merge else {}
     rng = torch.Generator().manual_seed(0)
     for preset, max_len in itertools.product(args.presets.split(","), map(int, args.max_model_lens.split(","))):
         t0 = time.perf_counter()
@@ -71,6 +99,8 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         written = tuned_configs.dump(out, device_name)  # after each engine: a run cut later keeps what it had
+        if shipped:
+            written = merge(out, shipped)
         print({"preset": preset, "max_model_len": max_len, "engine_start_s": round(started, 1), "steps": steps,
                "total_s": round(time.perf_counter() - t0, 1), "tuned_keys_written": written, "file": str(out)},
               flush=True)

@@ -65,7 +65,12 @@ RUN = textwrap.dedent('''
             unlisted = "ran untimed"
         except AssertionError:
             unlisted = "timed"
-        print(json.dumps({"counts": counts, "ran": ran, "warps": chosen, "unlisted": unlisted}))
+        before = tuned_configs.unshipped(("k3serve_tuned_fixture",))
+        fx.fill_block._bench = lambda *a, config, **k: [1.0]  # the unlisted key tuned here
+        launch(fx.fill_block, 3)
+        after = {n: [k[0] for k in keys] for n, keys in tuned_configs.unshipped(("k3serve_tuned_fixture",)).items()}
+        print(json.dumps({"counts": counts, "ran": ran, "warps": chosen, "unlisted": unlisted,
+                          "unshipped": [before, after]}))
 ''')
 
 
@@ -92,6 +97,8 @@ def test_dumped_choices_run_untimed_in_a_fresh_process(tmp_path):
     assert fresh["counts"] == {"applied": 3, "stale": 0}
     assert fresh["ran"] == [32, 32, 32] and fresh["warps"] == [8, 8, 8]  # the file's config, untimed
     assert fresh["unlisted"] == "timed"
+    # what was tuned in the process, not applied from the file: the unlisted key alone
+    assert fresh["unshipped"] == [{}, {"k3serve_tuned_fixture.also_fill_block": [3]}]
 
     # entries whose kernel is gone or whose config the kernel no longer offers are skipped
     name = "k3serve_tuned_fixture.also_fill_block"

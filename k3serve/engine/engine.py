@@ -146,10 +146,11 @@ class LLMEngine:
         mcfg = model.config
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         self.eos_ids = list(getattr(tokenizer, "eos_token_ids", None) or mcfg.eos_token_ids)
+        shipped = 0
         if self.device.type == "cuda":  # shipped autotuning results first: the pool's sizing step tunes otherwise
             from ..ops import tuned_configs
 
-            tuned_configs.apply(self.device)
+            shipped = tuned_configs.apply(self.device)["applied"]
         self.pool = UnifiedPool(mcfg, self._pool_bytes(), model.dtype, self.device, cfg.page_size,
                                 kda_fraction=None if cfg.unified_memory else cfg.kda_fraction)
         owners = PoolOwners(self.pool)
@@ -158,6 +159,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len,
                                    self.prefix, owners)
         self.runner = ModelRunner(model, self.pool, self._decode_graphs(), self._prefill_graphs())
+        if shipped:  # (sizing and captures reach most keys a server meets)
+            tuned_here = tuned_configs.unshipped()
+            if tuned_here:
+                log.warning("autotuned at start, not in the shipped file (tiles, so numerics, follow this machine's "
+                            "timing; `python -m bench.tune_configs --merge` adds them): %s",
+                            {name.rpartition(".")[2]: len(keys) for name, keys in tuned_here.items()})
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

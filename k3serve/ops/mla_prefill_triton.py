@@ -178,6 +178,13 @@ def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if interpreted() else "cuda")
 
 
+def tq_bucket(max_tq: int) -> int:
+    """The autotuning key's chunk-length class: the longest new-token count, rounded up to a power of
+    two. Steps whose buckets differ may run other tiles (so other bits): a static prefill step
+    passes its bucket's token count, the flat step its longest prompt."""
+    return min(triton.next_power_of_2(max_tq), 8192)
+
+
 def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, seqs, context_len, S, max_tq, out):
     q, k_nope, k_pe, v = _expanded(q, latent, w_kv_b, kv_lora_rank, nope_dim)
     Tq, Ha, _ = q.shape
@@ -193,7 +200,7 @@ def _launch(q, latent, w_kv_b, kv_lora_rank, nope_dim, scale, tiles, grid_seqs, 
     kernel, tiles = (_mla_prefill_tuned, {}) if tiles is None else (_mla_prefill_kernel, tiles)
     kernel[lambda meta: (triton.cdiv(max_tq, meta["BLOCK_M"]), Ha, grid_seqs)](
         q, k_nope, k_pe, v, out, seqs if seqs is not None else out, context_len, Tq, S, scale,
-        min(triton.next_power_of_2(max_tq), 8192),
+        tq_bucket(max_tq),
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         DN=nope_dim, DR=dr, DV=dv, DN_P=_padded(nope_dim), DR_P=_padded(dr), DV_P=_padded(dv),

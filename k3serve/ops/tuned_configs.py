@@ -14,6 +14,10 @@ or candidate list falls back to tuning, never to a stale tile); keys not in the 
 Shipped: the H200 with Triton 3.6 (57 keys: kimi-linear-48b and the K3 slice, 32K context), which
 took kimi-linear-48b's cold start on a fresh machine from 166-204 s to 86 s (RESULTS.md twentieth
 session); tests/test_tuned_configs.py checks that every shipped entry of ours names a live config.
+An entry whose kernel's key has since changed (another output dtype, a new key argument) is never
+looked up: that key tunes at first use on every fresh machine, and its tiles, so its numerics, then
+follow that machine's timing (kimi-linear's MLA prefill with a bf16 output until the fifty-fourth
+session); ``python -m bench.tune_configs --merge`` tunes just the keys the file lacks and adds them.
 """
 
 from __future__ import annotations
@@ -103,6 +107,20 @@ def dump(path: Path, device_name: str, prefixes: tuple[str, ...] = MODULE_PREFIX
     return sum(len(v) for v in kernels.values())
 
 
+_APPLIED: set[tuple[int, tuple]] = set()  # (id of the autotuner, key) put in by ``apply`` in this process
+
+
+def unshipped(prefixes: tuple[str, ...] = MODULE_PREFIXES) -> dict[str, list[tuple]]:
+    """The keys this process's autotuners hold that ``apply`` did not put in: tuned here, by this
+    machine's timing (a shipped file missing them, or one whose kernel's key has since changed)."""
+    out = {}
+    for name, tuner in autotuners(prefixes).items():
+        keys = [k for k in tuner.cache if (id(tuner), k) not in _APPLIED]
+        if keys:
+            out[name] = keys
+    return out
+
+
 def apply(device: torch.device | str | None = None, path: Path | None = None) -> dict[str, int]:
     """Pre-fill the loaded autotuners' caches from the shipped file for ``device`` (or ``path``):
     {"applied": entries put in, "stale": entries whose kernel or config no longer exists}. On a
@@ -134,6 +152,7 @@ def apply(device: torch.device | str | None = None, path: Path | None = None) ->
                     (c for c in tuner.configs if _config_record(c) == entry["config"]), None)
                 if match is not None:
                     tuner.cache.setdefault(_key(entry["key"]), match)
+                    _APPLIED.add((id(tuner), _key(entry["key"])))
             except (KeyError, TypeError):  # a malformed entry
                 match = None
             applied += match is not None
