@@ -154,10 +154,10 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
     whose grid or block differ from the static eager step's are printed: the MLA prefill's tiles
     are tuned per ``tq_bucket`` of the longest prompt, which in a static step is the bucket's token
     count and in the flat step the longest chunk, so where those buckets differ (the row's
-    ``mla_tq_buckets``) the two steps may run other tiles, by the autotuner's pick on that machine."""
-    from k3serve.ops.mla_prefill_triton import tq_bucket
+    ``mla_tq_buckets``) the two steps may run other tiles (the H200's shipped ones do at 512 / 256)."""
     from k3serve.engine import transfer
     from k3serve.engine.prefill_graphs import PrefillGraphs
+    from k3serve.ops.mla_prefill_triton import tq_bucket
 
     pool = UnifiedPool(model.config, pool_bytes, model.dtype, "cuda", PAGE)
     bystander = prefill(model, pool, [100], rng)[0]
