@@ -162,8 +162,8 @@ class LLMEngine:
         if shipped:  # (sizing and captures reach most keys a server meets)
             tuned_here = tuned_configs.unshipped()
             if tuned_here:
-                log.warning("autotuned at start, not in the shipped file (tiles, so numerics, follow this machine's "
-                            "timing; `python -m bench.tune_configs --merge` adds them): %s",
+                log.warning("autotuner keys met at start that the shipped file lacks (timed here, so their tiles and "
+                            "numerics follow this machine; `python -m bench.tune_configs --merge` adds them): %s",
                             {name.rpartition(".")[2]: len(keys) for name, keys in tuned_here.items()})
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
