@@ -631,8 +631,9 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
 
 def main() -> int:
     """Every check; ``--no-gluon``: all but the Gluon kernels' rows; ``--gluon FAMILY``: one
-    family of those alone; ``--copy-staged``: the step boundary's staged-input copy alone; ``--mla-decode``: the MLA decode rows alone, Triton and Gluon; ``--norms``:
-    the layer boundary's norms alone."""
+    family of those alone; ``--copy-staged``: the step boundary's staged-input copy alone;
+    ``--mla-decode``: the MLA decode rows alone, Triton and Gluon; ``--norms``: the layer
+    boundary's norms alone."""
     from bench import check_attn_res
 
     gen = torch.Generator(device=DEV).manual_seed(0)

@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import json
 import os
+import sys
 import time
 from pathlib import Path
 
-import sys  # noqa: E402
-
 if "--merge" not in sys.argv:
     os.environ["K3SERVE_TUNED_CONFIGS"] = "0"
-
-import json  # noqa: E402
 
 import torch  # noqa: E402
 
