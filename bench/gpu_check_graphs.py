@@ -192,7 +192,8 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
         # length on a spare slot, holding as many pages as the static block table is wide (kernel
         # choices follow the token count, MLA decode's split count the table's width; the step's
         # own bits then match)
-        pad = graphs.bucket_for(sum(lens), decodes) - sum(lens)
+        bucket = graphs.bucket_for(sum(lens), decodes)
+        pad = bucket - sum(lens)
         filler = SeqChunk([0] * pad, 0, pool.alloc_slot(), [pool.alloc_page() for _ in range(graphs.max_pages)])
         same_shape, flat_launches = launches(lambda t=twins[2]: eager_step(model, t, pad_rows + chunks + [filler]))
         same_shape = same_shape[len(pad_rows):len(pad_rows) + len(chunks)]
@@ -205,8 +206,8 @@ def prefill_graphs_check(model, rng, cases, pool_bytes, iters, **graph_kw) -> li
         static = graphs.run(chunks).clone()
         one_shot = eager_step(model, twins[0], whole) if context else None  # (fresh slots and pages)
         slot, pages, _ = bystander
-        row = {"prompts": lens, "decodes": decodes, "context": context, "bucket": graphs.bucket_for(sum(lens), decodes),
-               "mla_tq_buckets": (tq_bucket(pad + sum(lens)), tq_bucket(max(lens + [pad]))),  # (static, same-shape flat)
+        row = {"prompts": lens, "decodes": decodes, "context": context, "bucket": bucket,
+               "mla_tq_buckets": (tq_bucket(bucket), tq_bucket(max(lens + [pad]))),  # (static, same-shape flat)
                "vs_static_eager_max_rel_err": rel(static, static_eager),
                "state_equal_to_static_eager": all(
                    torch.equal(pool.slot_bytes_of(c.kda_slot), twins[1].slot_bytes_of(c.kda_slot))
