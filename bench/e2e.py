@@ -154,9 +154,12 @@ def slice_prefill(model, lengths, mm_ceiling) -> list[dict]:
     return rows
 
 
+QUANTIZATION: str | None = None  # every engine part's --quantization (main sets it from the flag)
+
+
 def engine_48b(max_seqs: int, max_model_len: int, prefill_graphs: str, **config) -> LLMEngine:
     return LLMEngine.from_pretrained(None, preset="kimi-linear-48b", dtype="bfloat16", device="cuda",
-                                     load_format="dummy", config=EngineConfig(**(dict(
+                                     load_format="dummy", quantization=QUANTIZATION, config=EngineConfig(**(dict(
                                          max_num_seqs=max_seqs, max_model_len=max_model_len,
                                          # (whole prompts in a step; a server's 1M context keeps 8,192)
                                          max_num_batched_tokens=max(8192, max_model_len) if max_model_len <= 65536
@@ -202,7 +205,8 @@ def engine_generate(batches, prompt_len, new_tokens, prefill_graphs: str = "auto
                     t_first = time.perf_counter()
             t_end = time.perf_counter()
         dec = (t_end - t_first) / (new_tokens - 1)
-        rows.append({"batch": B, "prompt": prompt_len, "new": new_tokens, "max_model_len": eng.max_model_len,
+        rows.append({"batch": B, "experts": eng.model.config.expert_format, "prompt": prompt_len, "new": new_tokens,
+                     "max_model_len": eng.max_model_len,
                      "max_num_seqs": eng.config.max_num_seqs, "sampling": ",".join(f"{k}={v}" for k, v in
                                                                                   (sampling or {}).items()) or "greedy",
                      "ttft_s": round(t_first - t0, 3),
@@ -493,10 +497,14 @@ def main() -> None:
     ap.add_argument("--sampling", default="", help="the engine part's sampling, SamplingParams fields "
                     "'temperature=0.7,top_p=0.95' (empty: greedy)")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="the engine part's max_num_seqs (0: its largest batch)")
+    ap.add_argument("--quantization", choices=["mxfp4"], default=None,
+                    help="the engine parts' routed experts quantised at load (k3serve --quantization)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--set", default="", help="module constants for the whole run, 'module.CONST=value,...' "
                     "(e.g. k3serve.model.mla.VARLEN_PREFILL=True: the engine's TTFT with an opt-in path)")
     args = ap.parse_args()
+    global QUANTIZATION
+    QUANTIZATION = args.quantization
     logging.basicConfig(level=os.environ.get("K3SERVE_LOG", "WARNING"))  # INFO: the graphs' capture times
     if args.set:
         from bench.overrides import set_constants

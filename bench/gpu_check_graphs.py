@@ -569,6 +569,7 @@ FAMILIES = (("attn_res", ("attn_res",)), ("glu", ("_glu_kernel",)),
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="kimi-linear-48b")
+    ap.add_argument("--quantization", choices=["mxfp4"], default=None, help="routed experts quantised at load")
     ap.add_argument("--pool-gib", type=float, default=12.0, help="pool of the timing runs (128 x 4096 tokens)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -605,7 +606,8 @@ def main() -> None:
     if args.ab.startswith("@"):
         args.ab = ";".join(line.strip() for line in Path(args.ab[1:]).read_text().splitlines() if line.strip())
     rng = random.Random(0)
-    model = load_model(preset=args.preset, dtype="bfloat16", device="cuda", seed=0, progress=False)
+    model = load_model(preset=args.preset, dtype="bfloat16", device="cuda", seed=0, progress=False,
+                       quantization=args.quantization)
     # the shipped tiles, as the engine applies them at start: its numerics, the same in every process
     # (the autotuner's picks otherwise vary from one fresh machine to the next)
     print("shipped autotuning results", tuned_configs.apply("cuda"), flush=True)

@@ -160,18 +160,21 @@ def compare_models(name: str, ref_model_fn, test_model_fn, lens, steps: int) -> 
     torch.cuda.empty_cache()
 
 
-def kimi_linear_small(device, dtype) -> "K3ForCausalLM":
+def kimi_linear_small(device, dtype, quantization: str | None = None) -> "K3ForCausalLM":
     """kimi-linear-48b's config at small widths: the layer path the tiny preset does not take (no
     AttnRes: pre-norm residual adds, fused into the sublayers' last kernels at decode; one expert
     group: the router launch routes; bf16 experts with the shared one joined; low-rank KDA gates).
-    Dummy weights drawn on the CPU, as the tiny preset's (both runs see the same weights)."""
+    Dummy weights drawn on the CPU, as the tiny preset's (both runs see the same weights).
+    ``quantization="mxfp4"``: its bf16 experts quantised as they load (``--quantization mxfp4``:
+    MXFP4 experts beside a bf16 shared expert that cannot join them, no latent projections)."""
     raw = preset_config("kimi-linear-48b")
     raw.update(vocab_size=2048, hidden_size=256, num_hidden_layers=5, intermediate_size=512, num_attention_heads=4,
                num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                num_experts=32, num_experts_per_token=4, moe_intermediate_size=128, bos_token_id=1900,
                eos_token_id=1902, pad_token_id=2047)
     raw["linear_attn_config"].update(kda_layers=[1, 2, 4], full_attn_layers=[3, 5], num_heads=4, head_dim=64)
-    net = K3ForCausalLM(ModelConfig.from_dict(raw), resolve_dtype(dtype, torch.device("cpu")), "cpu")
+    cfg = ModelConfig.from_dict(raw).with_quantization(quantization)
+    net = K3ForCausalLM(cfg, resolve_dtype(dtype, torch.device("cpu")), "cpu")
     load_dummy(net, 0)
     net.fuse_projections()
     return net.eval().to(device)
@@ -286,13 +289,15 @@ def main() -> None:
             print(ROWS[-1], flush=True)
         sublayer_errors(label, with_backend(tiny, "cpu", "float32", "torch"),
                         with_backend(tiny, "cuda", "bfloat16", "auto"), 150)
-    for backend in () if args.skip_linear_small else backends:
-        compare_models(f"kimi-linear-small [{backend}]", with_backend(kimi_linear_small, "cpu", "float32", "torch"),
-                       with_backend(kimi_linear_small, "cuda", "bfloat16", backend), [13, 100, 41], 8)
-        print(ROWS[-1], flush=True)
-    if not args.skip_linear_small:
-        sublayer_errors("kimi-linear-small", with_backend(kimi_linear_small, "cpu", "float32", "torch"),
-                        with_backend(kimi_linear_small, "cuda", "bfloat16", "auto"), 150)
+    for q in () if args.skip_linear_small else (None, "mxfp4"):
+        small = lambda dev, dt, q=q: kimi_linear_small(dev, dt, q)  # noqa: E731
+        label = f"kimi-linear-small{' -q ' + q if q else ''}"
+        for backend in backends:
+            compare_models(f"{label} [{backend}]", with_backend(small, "cpu", "float32", "torch"),
+                           with_backend(small, "cuda", "bfloat16", backend), [13, 100, 41], 8)
+            print(ROWS[-1], flush=True)
+        sublayer_errors(label, with_backend(small, "cpu", "float32", "torch"),
+                        with_backend(small, "cuda", "bfloat16", "auto"), 150)
     if not args.skip_slice:
         sl = lambda dev, dt: load_model(preset="k3-slice", device=dev, dtype=dt, seed=0)  # noqa: E731
         for backend in backends:

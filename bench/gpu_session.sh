@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: table, stateprobe, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, sideab, samestep, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: table, stateprobe, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, quant48, sideab, samestep, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -462,6 +462,13 @@ while True:
     step e2e_engine "$(left 580)" python3 -m bench.e2e --parts engine --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_engine.log"
     grep -m3 "shipped file lacks" "$OUT/e2e_engine.log" || echo "every autotuner key met at start was shipped" ;;
+  quant48)  # --quantization mxfp4: kimi-linear at small widths (bf16 and quantised experts) vs its fp32 reference,
+            # then kimi-linear-48b's engine run with its experts quantised at load (the engine48 section's shape)
+    step model "$(left 240)" python3 bench/gpu_check_model.py --skip-slice --skip-kda --skip-tiny --out /tmp/gpu_work
+    grep "^| kimi" "$OUT/model.log"
+    step e2e_quant "$(left 580)" python3 -m bench.e2e --parts engine --quantization mxfp4 --out /tmp/gpu_work
+    grep -A6 "### engine_48b" "$OUT/e2e_quant.log"
+    grep -m3 "shipped file lacks" "$OUT/e2e_quant.log" || echo "every autotuner key met at start was shipped" ;;
   moe)  # the MoE tile sweep alone (K3 MXFP4, Kimi bf16 prefill), autotuned table
     step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe $MOE_ARGS
     grep -v "failed" "$OUT/moe.log" | tail -c 9000 ;;

@@ -29,11 +29,13 @@ def _check(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     model = load_model(args.model and resolve_model(args.model), preset=args.preset, load_format=args.load_format,
-                       dtype=args.dtype, device=args.device, seed=args.seed, verify_checksums=args.verify_checksums)
+                       dtype=args.dtype, device=args.device, seed=args.seed, verify_checksums=args.verify_checksums,
+                       quantization=args.quantization)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
     print(f"loaded {cfg.model_type}: {cfg.num_hidden_layers} layers ({cfg.num_kda_layers} KDA, {cfg.num_mla_layers} MLA), "
-          f"{n_params / 1e6:.1f}M stored parameters, experts {cfg.expert_format}, {model.dtype}, "
+          f"{n_params / 1e6:.1f}M stored parameters, experts {cfg.expert_format}"
+          f"{' (quantised at load)' if cfg.experts_quantized_at_load else ''}, {model.dtype}, "
           f"{time.perf_counter() - t0:.1f}s")
     device = next(model.parameters()).device
     page = 64
@@ -57,6 +59,11 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", "-q", choices=["mxfp4"], default=None,
+                   help="mxfp4: serve bf16 routed experts as MXFP4 (W4A16, K3's format), quantised at load")
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     """Flags shared by every command that runs the engine (vLLM's names where the concept matches)."""
     src = p.add_mutually_exclusive_group(required=model_required)
@@ -68,6 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--device", default=None)
     p.add_argument("--weights-seed", type=int, default=0, help="seed of dummy / preset weights")
     p.add_argument("--verify-checksums", action="store_true")
+    add_quantization_arg(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
@@ -124,7 +132,7 @@ def engine_from_args(args: argparse.Namespace):
     cfg = engine_config_from_args(args)
     return LLMEngine.from_pretrained(args.model, preset=args.preset, config=cfg, load_format=args.load_format,
                                      dtype=args.dtype, device=args.device, seed=args.weights_seed,
-                                     verify_checksums=args.verify_checksums)
+                                     verify_checksums=args.verify_checksums, quantization=args.quantization)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -299,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--prompt-len", type=int, default=32)
     ck.add_argument("--steps", type=int, default=8)
     ck.add_argument("--verify-checksums", action="store_true")
+    add_quantization_arg(ck)
     ck.set_defaults(func=_check)
     return p
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,8 @@ class ModelConfig:
     topk_group: int = 1
     routed_expert_hidden_size: int | None = None
     latent_moe_use_norm: bool = False
-    expert_format: str = "bf16"  # "bf16" or "mxfp4" (routed experts only)
+    expert_format: str = "bf16"  # "bf16" or "mxfp4" (routed experts only), as served
+    experts_quantized_at_load: bool = False  # bf16 in the checkpoint, MXFP4 in memory (with_quantization)
     # Block Attention Residuals
     attn_res_block_size: int | None = None
     # Where the text model sits in the checkpoint ("model." or "language_model.model.")
@@ -126,6 +127,20 @@ class ModelConfig:
         if self.eos_token_id is None:
             return []
         return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    def with_quantization(self, method: str | None) -> "ModelConfig":
+        """The config served under ``--quantization``. None keeps the checkpoint's formats;
+        ``mxfp4`` serves the routed experts as W4A16 MXFP4 (K3's own format and kernels) and
+        quantises bf16 ones as they load: a quarter of the expert bytes each decode step reads,
+        for MXFP4's rounding error. A checkpoint already in MXFP4 is served as it is."""
+        if method is None or (method == "mxfp4" and self.expert_format == "mxfp4"):
+            return self
+        if method != "mxfp4":
+            raise ConfigError(f"unknown quantization {method!r}: k3serve quantises routed experts to 'mxfp4'")
+        if self.num_experts is None:
+            raise ConfigError("quantization 'mxfp4' applies to routed experts, and this model has none")
+        _check_mxfp4_widths(self.routed_expert_hidden_size or self.hidden_size, self.moe_intermediate_size)
+        return replace(self, expert_format="mxfp4", experts_quantized_at_load=True)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -314,10 +329,7 @@ def _parse_text_config(t: dict, wrapper: dict | None) -> ModelConfig:
     quant = t.get("quantization_config") or (wrapper or {}).get("quantization_config")
     expert_format = _expert_format(quant)
     if expert_format == "mxfp4":
-        din = dl if dl is not None else t["hidden_size"]
-        for name, width in (("expert input width", din), ("moe_intermediate_size", t.get("moe_intermediate_size", 0))):
-            if width % 32:
-                raise ConfigError(f"MXFP4 experts need {name}={width} divisible by the group size 32")
+        _check_mxfp4_widths(dl if dl is not None else t["hidden_size"], t.get("moe_intermediate_size", 0))
 
     situ_beta = t.get("activation_situ_beta")
     return ModelConfig(
@@ -370,6 +382,12 @@ def _parse_text_config(t: dict, wrapper: dict | None) -> ModelConfig:
         model_type="kimi_k3" if wrapper is not None else "kimi_linear",
         raw=dict(wrapper if wrapper is not None else t),
     )
+
+
+def _check_mxfp4_widths(din: int, inter: int) -> None:
+    for name, width in (("expert input width", din), ("moe_intermediate_size", inter)):
+        if width % 32:
+            raise ConfigError(f"MXFP4 experts need {name}={width} divisible by the group size 32")
 
 
 def _expert_format(quant: dict | None) -> str:

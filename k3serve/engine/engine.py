@@ -183,7 +183,8 @@ class LLMEngine:
         config = config or EngineConfig()
         if preset is None:  # a path, a bundled model's name, or nothing: the bundled default
             model = resolve_model(model)
-        validate_startup(model, preset, config, load_kw.get("device"))  # before any weight loads
+        validate_startup(model, preset, config, load_kw.get("device"),  # before any weight loads
+                         quantization=load_kw.get("quantization"))
         net = load_model(model, preset=preset, **load_kw)
         if tokenizer is None:
             tokenizer = tokenizer_or_none(model)
@@ -625,10 +626,12 @@ def tokenizer_or_none(model):
         return None
 
 
-def validate_startup(model, preset, config: EngineConfig, device=None, check_memory: bool = True) -> None:
+def validate_startup(model, preset, config: EngineConfig, device=None, check_memory: bool = True,
+                     quantization: str | None = None) -> None:
     """The planner's layout and memory checks and the kernel-backend environment, run before a
-    single weight is read. ``check_memory=False``: no CUDA call (a process that must not hold a
-    CUDA context: the server's, whose engine process checks again with memory)."""
+    single weight is read (memory counted as served: ``quantization`` shrinks the experts).
+    ``check_memory=False``: no CUDA call (a process that must not hold a CUDA context: the
+    server's, whose engine process checks again with memory)."""
     from ..config import ModelConfig
     from ..ops.backend import check_environment
     from ..plan import validate_layout
@@ -636,6 +639,7 @@ def validate_startup(model, preset, config: EngineConfig, device=None, check_mem
 
     check_environment()
     mcfg = ModelConfig.from_pretrained(model) if model is not None else ModelConfig.from_dict(preset_config(preset))
+    mcfg = mcfg.with_quantization(quantization)
     mem = None
     if check_memory:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..ops.mxfp4 import quantize_mxfp4
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Target:
     expert: int | None
     shape: tuple[int, ...]  # shape the checkpoint must have (after accepted layout variants)
     adapt: Callable[[torch.Tensor], torch.Tensor]  # checkpoint tensor -> parameter (slice)
+    scale: torch.Tensor | None = None  # quantised at load: param takes the MXFP4 codes, this the scales
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(w[123])(_packed|_scale)?$")
@@ -77,6 +79,13 @@ def checkpoint_targets(model: torch.nn.Module) -> dict[str, Target]:
         m = _EXPERT.match(inner)
         if m:
             base, w, kind = m.groups()
+            if cfg.experts_quantized_at_load:  # one bf16 tensor in the files fills both halves
+                if kind == "_packed":
+                    scale = getattr(owner, f"{w}_scale")
+                    for e in range(p.shape[0]):
+                        name = f"{prefix}{base}.{e}.{w}.weight"
+                        targets[name] = Target(p, e, (p.shape[1], 2 * p.shape[2]), lambda t: t, scale)
+                continue
             for e in range(p.shape[0]):
                 name = f"{prefix}{base}.{e}.{w}.{_SUFFIX[kind]}"
                 targets[name] = Target(p, e, tuple(p.shape[1:]), lambda t: t)
@@ -103,6 +112,9 @@ def _accept_layout(name: str, t: torch.Tensor, target: Target, cfg: ModelConfig)
 
 def _copy_into(name: str, t: torch.Tensor, target: Target, cfg: ModelConfig) -> None:
     t = target.adapt(_accept_layout(name, t, target, cfg))
+    if target.scale is not None:
+        _quantize_into(name, t, target)
+        return
     want_int = target.param.dtype == torch.uint8
     if want_int != (t.dtype == torch.uint8):
         raise CheckpointError(f"tensor {name}: dtype {t.dtype} in the checkpoint, expected "
@@ -111,6 +123,20 @@ def _copy_into(name: str, t: torch.Tensor, target: Target, cfg: ModelConfig) -> 
         raise CheckpointError(f"tensor {name}: E8M0 scale byte 255 (NaN) is not a valid MXFP4 scale")
     dst = target.param.data if target.expert is None else target.param.data[target.expert]
     dst.copy_(t)
+
+
+def _quantize_into(name: str, t: torch.Tensor, target: Target) -> None:
+    """One bf16 expert matrix -> its MXFP4 codes and scales, on the parameter's device (the GPU
+    quantises a 48B model's experts in seconds)."""
+    if not t.is_floating_point():
+        raise CheckpointError(f"tensor {name}: dtype {t.dtype} in the checkpoint, expected a floating-point "
+                              "expert weight to quantise to MXFP4")
+    try:
+        packed, scale = quantize_mxfp4(t.to(target.param.device))
+    except ValueError as exc:
+        raise CheckpointError(f"tensor {name}: {exc}") from exc
+    target.param.data[target.expert].copy_(packed)
+    target.scale.data[target.expert].copy_(scale)
 
 
 def _shards(model_dir: Path) -> list[Path]:

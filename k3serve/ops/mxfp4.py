@@ -158,8 +158,8 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     An all-zero block gets scale byte 0 (2^-127), which is what the clamp
     yields for log2(0) = -inf. Elements round to nearest E2M1, ties to even,
     saturating at +-6; the sign of zero is kept (negative tiny values -> -0).
-    Input is cast to fp32 first (exact for bf16/fp16). Used for tests and
-    offline tooling, not the serving hot path.
+    Input is cast to fp32 first (exact for bf16/fp16). Used by the loader
+    (``--quantization mxfp4``), tests and offline tooling; never per step.
     """
     if not w.is_floating_point():
         raise TypeError(f"w must be a floating tensor, got {w.dtype}")

@@ -20,7 +20,8 @@ def build_state(args: argparse.Namespace):
 
     model = None if args.preset else resolve_model(args.model)
     # Refused here, before the engine process starts (it checks again, with the GPU's memory).
-    validate_startup(model, args.preset, engine_config_from_args(args), args.device, check_memory=False)
+    validate_startup(model, args.preset, engine_config_from_args(args), args.device, check_memory=False,
+                     quantization=args.quantization)
     llm = AsyncLLM.start(args, args.max_queue)
     name = args.served_model_name or args.preset or model.name
     return ServerState(llm, name, tokenizer_or_none(model), args.api_key, args.reasoning_parser,
