@@ -196,7 +196,8 @@ def sublayer_errors(name: str, ref_model_fn, test_model_fn, length: int) -> None
     for i, layer in enumerate(ref.model.layers):
         if hasattr(layer, "block_sparse_moe"):
             hooks.append(layer.block_sparse_moe.gate.register_forward_hook(
-                lambda m, args, out, i=i: routes.__setitem__(i, out[1].sort(-1).values.cpu())))
+                lambda m, args, out, i=i: routes.__setitem__(  # (the routed choices: not a joined shared expert)
+                    i, out[1][:, :m.args["top_k"]].sort(-1).values.cpu())))
         for kind, mod in (("attn", layer.self_attn), ("ffn", _ffn(layer))):
             hooks.append(mod.register_forward_hook(
                 lambda m, args, out, i=i, kind=kind: captured.append((i, kind, args[0].float().cpu(), out.float().cpu()))))

@@ -709,7 +709,7 @@ def test_folded_scales_checked_once_at_the_mma_rewrite(din, inter, top_scale, fo
     from k3serve.model.moe import RoutedExperts
 
     cfg = SimpleNamespace(num_experts=4, moe_intermediate_size=inter, expert_format="mxfp4", hidden_act="silu",
-                          situ_beta=1.0, situ_linear_beta=None)
+                          situ_beta=1.0, situ_linear_beta=None, experts_quantized_at_load=False)
     ex = RoutedExperts(cfg, din, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     for n in ("w1", "w2", "w3"):

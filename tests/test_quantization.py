@@ -18,7 +18,8 @@ from k3serve.engine.sampling_params import SamplingParams
 from k3serve.make_model import make_model
 from k3serve.model.loader import load_model
 from k3serve.model.weights import CheckpointError
-from k3serve.ops.mxfp4 import quantize_mxfp4
+from k3serve.model.moe import MoE
+from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from k3serve.plan import checkpoint_bytes
 from k3serve.presets import MXFP4_QUANT, preset_config
 
@@ -144,3 +145,36 @@ def test_cli_flag(capsys):
         assert args.quantization == "mxfp4"
     assert main(["check", "--preset", "tiny", "--quantization", "mxfp4", "--prompt-len", "8", "--steps", "2"]) == 0
     assert "experts mxfp4 (quantised at load)" in capsys.readouterr().out
+
+
+def test_a_joinable_shared_expert_is_quantised_into_the_stacks():
+    """kimi-linear's shared MLP (the routed width, no latent projections) joins the quantised
+    stacks as expert E, so every batch reads it from there in MXFP4 and its bf16 MLP is dropped."""
+    cfg = dataclasses.replace(ModelConfig.from_dict(preset_config("kimi-linear-48b")), hidden_size=64,
+                              moe_intermediate_size=32, num_experts=12, num_experts_per_token=3)
+    cfg = cfg.with_quantization("mxfp4")
+    gen = torch.Generator().manual_seed(1)
+    moe = MoE(cfg, torch.float32)
+    for name, p in moe.named_parameters():
+        if name.endswith("_packed"):
+            p.data.copy_(torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8))
+        elif name.endswith("_scale"):
+            p.data.copy_(torch.randint(121, 125, p.shape, generator=gen, dtype=torch.uint8))
+        else:  # shared MLP weights MXFP4 can hold exactly: the join then loses nothing
+            w = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
+            p.data.copy_(dequantize_mxfp4(*quantize_mxfp4(w), torch.float32) if "shared" in name else w)
+    x = torch.randn(5, 64, generator=gen)
+    with torch.inference_mode():
+        ref = moe(x)  # shared MLP + routed experts apart
+        shared = [getattr(moe.shared_experts, n).weight.clone() for n in ("gate_proj", "up_proj", "down_proj")]
+        moe.join_shared_experts()
+        assert moe.shared_experts is None and moe.experts.num_shared == 1
+        for name, w in zip(("w1", "w3", "w2"), shared):
+            packed, scale = moe.experts.stack(name)
+            assert packed.shape[0] == 13 and torch.equal(dequantize_mxfp4(packed[12], scale[12], torch.float32), w)
+        joined = moe(x)
+        with torch.enable_grad():  # every path reads it from the stacks now
+            assert torch.allclose(moe(x), joined)
+    assert ((joined - ref).norm() / ref.norm()).item() < 1e-6
+    bf16 = dataclasses.replace(cfg, expert_format="mxfp4", experts_quantized_at_load=False)
+    assert not MoE(bf16, torch.float32).experts.join_shared(MoE(bf16, torch.float32).shared_experts)

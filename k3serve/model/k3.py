@@ -83,7 +83,7 @@ class K3ForCausalLM(nn.Module):
             if isinstance(m, MoE):
                 m.join_shared_experts()
                 m.experts.use_mma_layout_where_faster()
-                if m.experts.num_shared and m.experts.w1.is_cuda:
+                if m.experts.num_shared and m.experts.stack("w1")[0].is_cuda:
                     # each layer's stacks grow by one expert, so the blocks the old ones free never fit
                     # the next layer's: hand them back now (kimi-linear-48b left ~46 GiB cached otherwise)
                     torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.backend import triton_enabled
 from ..ops.moe_ref import experts_ref, route
-from ..ops.mxfp4 import MMA_MAX_SCALE, dequantize_mxfp4, from_mma_layout, to_mma_layout
+from ..ops.mxfp4 import MMA_MAX_SCALE, dequantize_mxfp4, from_mma_layout, quantize_mxfp4, to_mma_layout
 from .layers import Linear, LinearGroup, RMSNorm, glu_activation, norm_kernel_on
 
 # Decode-sized batches run the shared expert inside the routed grouped GEMMs once it has joined
@@ -94,6 +94,7 @@ class RoutedExperts(nn.Module):
         E, inter = cfg.num_experts, cfg.moe_intermediate_size
         self.num_experts, self.intermediate, self.out_features = E, inter, din
         self.mxfp4 = cfg.expert_format == "mxfp4"
+        self.quantized_at_load = cfg.experts_quantized_at_load  # (join_shared may then quantise the shared MLP)
         self.dtype = dtype
         self.act = (cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
         shapes = {"w1": (inter, din), "w2": (din, inter), "w3": (inter, din)}
@@ -115,16 +116,26 @@ class RoutedExperts(nn.Module):
         """Append the shared MLP to the stacks as expert E, so that with an always-on assignment of
         weight 1 the routed grouped GEMMs compute it too: at decode that saves the shared MLP's
         three launches a layer (gate/up GEMM, GLU, down GEMM) and its add. Only where it is the
-        same computation: bf16 stacks (not MXFP4), one shared expert of the routed width and
-        activation, no tensor parallelism. The shared weights become views of the joined stacks
-        (held once); the routed ones stay views too, so loads and the reference path see the
-        same memory. Returns whether it joined."""
+        same computation: one shared expert of the routed width and activation, no tensor
+        parallelism; bf16 stacks, or MXFP4 ones quantised at load (``--quantization mxfp4``: the
+        shared expert is then quantised too, and the caller drops its bf16 MLP). bf16: the shared
+        weights become views of the joined stacks (held once); the routed ones stay views too, so
+        loads and the reference path see the same memory. Returns whether it joined."""
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         I, d = self.intermediate, self.out_features
-        if (self.mxfp4 or self.num_shared or mlp.act != self.act or tuple(gate.weight.shape) != (I, d)
-                or tuple(down.weight.shape) != (d, I) or gate.weight.dtype != self.w1.dtype
-                or any(m.tp_size > 1 for m in (gate, up, down))):
+        if (self.num_shared or mlp.act != self.act or tuple(gate.weight.shape) != (I, d)
+                or tuple(down.weight.shape) != (d, I) or any(m.tp_size > 1 for m in (gate, up, down))
+                or (self.mxfp4 and (not self.quantized_at_load or self.mma_layout))
+                or (not self.mxfp4 and gate.weight.dtype != self.w1.dtype)):
             return False
+        if self.mxfp4:
+            for name, member in (("w1", gate), ("w3", up), ("w2", down)):
+                codes, scales = quantize_mxfp4(member.weight.detach())
+                for kind, t in (("packed", codes), ("scale", scales)):
+                    stack = getattr(self, f"{name}_{kind}")
+                    stack.data = torch.cat([stack.detach(), t[None]])
+            self.num_shared = 1
+            return True
         for name, member in (("w1", gate), ("w3", up), ("w2", down)):
             routed = getattr(self, name)
             stack = torch.cat([routed.detach(), member.weight.detach()[None]])
@@ -223,9 +234,11 @@ class MoE(nn.Module):
 
     def join_shared_experts(self) -> None:
         """For serving, before the linears fuse: the shared MLP joins the routed stacks where it
-        can (``RoutedExperts.join_shared``)."""
+        can (``RoutedExperts.join_shared``). A shared MLP quantised into MXFP4 stacks is dropped:
+        every batch then reads it from the stacks (``forward``)."""
         if self.shared_experts is not None and not self.latent:
-            self.experts.join_shared(self.shared_experts)
+            if self.experts.join_shared(self.shared_experts) and self.experts.mxfp4:
+                self.shared_experts = None
 
     def add_norm_route(self, h: torch.Tensor, delta: torch.Tensor,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -242,8 +255,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, logit_parts: torch.Tensor | None = None) -> torch.Tensor:
         """``logit_parts``: the router's partial logits of x, already computed (``add_norm_route``)."""
-        if (self.experts.num_shared and x.shape[0] <= SHARED_JOIN_MAX_TOKENS and not torch.is_grad_enabled()
-                and triton_enabled("MOE", x.device)):  # the shared expert runs inside the grouped GEMMs
+        if self.experts.num_shared and (self.shared_experts is None or (
+                x.shape[0] <= SHARED_JOIN_MAX_TOKENS and not torch.is_grad_enabled()
+                and triton_enabled("MOE", x.device))):  # the shared expert runs inside the grouped GEMMs
             weights, ids = self.gate(x, num_shared=self.experts.num_shared, logit_parts=logit_parts)
             return self.experts(x, weights, ids, out_dtype=x.dtype)
         weights, ids = self.gate(x, logit_parts=logit_parts)
