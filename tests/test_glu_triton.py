@@ -35,6 +35,15 @@ SCRIPT = textwrap.dedent('''
     out = glu_triton(gate, o, "sigmoid")
     assert out.dtype == torch.bfloat16 and torch.equal(glu_activation(gate, o, "sigmoid"), ref.bfloat16())
     worst = max(worst, ((out.float() - ref).norm() / ref.norm()).item() / 2.0 ** -8)
+    # a split-K GEMM's fp32 partials (row r's in rows r * split ..): summed in order, then the GLU, into out
+    for split, rows, n in [(2, 3, 64), (6, 9, 1024), (3, 1, 40)]:
+        parts = torch.randn(rows * split, 2 * n, generator=gen)
+        sums = parts.view(rows, split, 2 * n).sum(1)
+        for act, beta, lb in [("silu", 1.0, None), ("situ", 2.0, 3.0)]:
+            ref = glu_activation(sums[:, :n], sums[:, n:], act, beta, lb)
+            out = torch.full((rows, n), float("nan")).bfloat16()
+            assert glu_triton(parts[:, :n], parts[:, n:], act, beta, lb, split=split, out=out) is out
+            worst = max(worst, ((out.float() - ref).norm() / ref.norm()).item() / 2.0 ** -8)
     print(worst)
 ''')
 
@@ -51,3 +60,5 @@ def test_unknown_activation_is_an_error():
 
     with pytest.raises(ValueError, match="unknown activation"):
         glu_triton(torch.zeros(2, 4), torch.zeros(2, 4), "gelu")
+    with pytest.raises(ValueError, match="split=4 must divide the 6 rows"):
+        glu_triton(torch.zeros(6, 4), torch.zeros(6, 4), "silu", split=4)

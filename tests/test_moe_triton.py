@@ -764,3 +764,25 @@ def test_route_kernel_warps_follow_the_expert_count(monkeypatch):
     assert [moe_triton.route_warps(e) for e in (8, 64, 256, 300, 896, 4096)] == [1, 1, 1, 2, 4, 8]
     monkeypatch.setattr(moe_triton, "ROUTE_WARPS", 2)
     assert moe_triton.route_warps(896) == 2
+
+
+def test_gluon_split_k_only_where_programs_are_too_few(monkeypatch):
+    """K is split only while a decode GEMM's programs cannot fill the GPU: kimi-linear's experts
+    quantised at load at one token (9 x 16 and 9 x 36 programs), never K3's (16 x 48) or a batch
+    of 4; always into an equal number of whole K steps."""
+    import torch
+
+    from k3serve.ops import moe_triton
+    from k3serve.ops.moe_triton import grouped_gemm, gluon_split_k
+
+    cpu = torch.device("cpu")  # (sm_count: an H200's 132 off the GPU)
+    assert gluon_split_k(9, 1024, 2304, cpu) == 6 and gluon_split_k(9, 2304, 1024, cpu) == 2
+    assert gluon_split_k(18, 1024, 2304, cpu) == 3 and gluon_split_k(27, 1024, 2304, cpu) == 2
+    assert gluon_split_k(36, 1024, 2304, cpu) == 1 and gluon_split_k(16, 3072, 3584, cpu) == 1
+    assert gluon_split_k(1, 1024, 384, cpu) == 3  # K steps 3: whole steps, not the room's 16
+    monkeypatch.setattr(moe_triton, "GLUON_SPLIT_K_PER_SM", 0)
+    assert gluon_split_k(9, 1024, 2304, cpu) == 1
+    x = torch.zeros(1, 64)
+    with pytest.raises(ValueError, match="split_k is the Gluon kernel's"):
+        grouped_gemm(x, torch.zeros(16, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 1, 1,
+                     torch.zeros(2, 32, 64), None, 32, split_k=2)

@@ -81,13 +81,15 @@ def test_mxfp4_mma_layout_grouped_gemm_keeps_weights_in_registers(block_n, warps
     assert "mul.rn.bf16x2" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
-@pytest.mark.parametrize("glu, block_m, warps", [(True, 16, 4), (False, 64, 4), (True, 64, 4), (False, 128, 4),
-                                                 (True, 8, 4), (True, 128, 8), (False, 128, 8), (True, 64, 8)])
-def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, warps):
+@pytest.mark.parametrize("glu, block_m, warps, split_k", [
+    (True, 16, 4, 1), (False, 64, 4, 1), (True, 64, 4, 1), (False, 128, 4, 1), (True, 8, 4, 1), (True, 128, 8, 1),
+    (False, 128, 8, 1), (True, 64, 8, 1), (True, 8, 4, 6), (False, 8, 4, 2)])
+def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, warps, split_k):
     """moe_gluon's kernel compiles for sm_90 (every layout conversion it asserts trivial is: the
     compile fails otherwise) and ptxas keeps wgmma groups in flight: a wait that leaves one or two
     outstanding, not every wait at zero (its serialisation, C7515), at decode and prefill row
-    blocks, and in the 8-warp STACKED form (one chain of 128 weight rows), nothing spilled. What it
+    blocks, in the 8-warp STACKED form (one chain of 128 weight rows) and split over K (decode steps
+    of few programs: fp32 partials, gate and up apart), nothing spilled. What it
     computes is checked on the GPU
     (bench/gpu_check_kernels.py)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -95,13 +97,14 @@ def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, wa
     from bench.sass_mix import sass_text
     from k3serve.ops import moe_gluon
 
-    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8", "OUT": "*bf16", "ROWS": "*i64",
+    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8",
+            "OUT": "*fp32" if split_k > 1 else "*bf16", "ROWS": "*i64",
             "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
     ints = {n: "i32" for n in ("num_assign", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se",
                                "stride_sn", "stride_on")}
     ints.update(beta="fp32", linear_beta="fp32")
     consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES,
-                  WARPS=warps, COLS_FIRST=block_m >= 64)
+                  WARPS=warps, COLS_FIRST=block_m >= 64, SPLIT_K=split_k)
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")

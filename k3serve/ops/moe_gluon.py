@@ -183,7 +183,7 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          num_assign, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
                          beta, linear_beta, GLU: gl.constexpr, SITU: gl.constexpr, LINEAR_CLIP: gl.constexpr,
                          HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         WARPS: gl.constexpr = 4, COLS_FIRST: gl.constexpr = False):
+                         WARPS: gl.constexpr = 4, COLS_FIRST: gl.constexpr = False, SPLIT_K: gl.constexpr = 1):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
     weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
@@ -192,7 +192,11 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     weight rows over two warpgroups, each warp upcasting one 16-row block of one matrix (with GLU
     warpgroup 0 the gate's 64 rows, 1 the same up rows, paired after the loop through shared
     memory; without, 128 output columns), so a program's row block of 128 fits (64 accumulator
-    registers a thread) and each upcast weight tile serves twice the rows of the 4-warp kernel's."""
+    registers a thread) and each upcast weight tile serves twice the rows of the 4-warp kernel's.
+    SPLIT_K > 1 (4 warps; decode steps whose programs are too few to fill the GPU): program
+    (.., .., split) runs the split's K / SPLIT_K and stores fp32 partials in row ``row * SPLIT_K +
+    split``, with GLU the gate's in columns [0, N) and the up's in [N, 2N), GLU not applied: the
+    caller sums them in a fixed order (``glu_triton``, ``moe_triton.combine_experts``)."""
     STACKED: gl.constexpr = WARPS == 8
     TWO: gl.constexpr = GLU and not STACKED
     COLS: gl.constexpr = 128 if STACKED and not GLU else 64  # output columns a program (BLOCK_N)
@@ -223,6 +227,7 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     pair_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [WARPS, 1, 1], [2, 1, 0])  # [col, row, gate | up]
     pid_m = gl.program_id(1 if COLS_FIRST else 0)
     pid_n = gl.program_id(0 if COLS_FIRST else 1)
+    pid_s = gl.program_id(2)
     # Row blocks of padding only (valid rows lead each block) stream no weights.
     if gl.load(ROWS + pid_m * BLOCK_M) < num_assign:
         e = gl.load(EXPERTS + pid_m).to(gl.int64)
@@ -259,7 +264,12 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         W_e, WU_e = W + w_at, W_UP + w_at
         up_at = (S_UP.to(gl.int64) - S.to(gl.int64)) // 16 * 16
         s_ptrs = S + s_at + gl.expand_dims((rws // COLS).to(gl.int64) * up_at, 1) + s_offs
-        n_steps = K // (32 * GROUPS)
+        n_steps = K // (32 * GROUPS) // SPLIT_K
+        if SPLIT_K > 1:  # this split's K steps: later groups of every 16-row block, scale bytes and activations
+            step0 = pid_s * n_steps
+            W_e, WU_e = W_e + step0 * (GROUPS * 256), WU_e + step0 * (GROUPS * 256)
+            x_ptrs = x_ptrs + step0 * (32 * GROUPS)
+            s_ptrs = s_ptrs + step0 * GROUPS
         for j in gl.static_range(STAGES - 1):
             _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO)
         acc = gl.zeros([16 * WARPS, BLOCK_M], gl.float32, layout=mma_l)
@@ -273,7 +283,7 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         async_copy.wait_group(0)
         if STACKED and GLU:  # rows r and r + 64 (gate and up of one column) into one thread: [64, BLOCK_M, 2]
             acc, acc_up = gl.split(gl.convert_layout(acc.reshape([2, 64, BLOCK_M]).permute([1, 2, 0]), pair_l))
-        if GLU:
+        if GLU and SPLIT_K == 1:
             acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
         y = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)  # [rows, cols]
         orow = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
@@ -282,8 +292,12 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         if HAS_ROW_SCALE:  # the routing weight of each assignment
             y = y * gl.expand_dims(gl.load(ROW_SCALE + gl.where(valid_o, rows_o, 0), mask=valid_o, other=0.0), 1)
         cols = pid_n * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, out_l))
-        gl.store(OUT + gl.expand_dims(rows_o, 1) * stride_on + gl.expand_dims(cols, 0), y.to(OUT.dtype.element_ty),
-                 mask=gl.expand_dims(valid_o, 1) & gl.expand_dims(cols < N, 0))
+        dst = OUT + gl.expand_dims(rows_o * SPLIT_K + pid_s, 1) * stride_on + gl.expand_dims(cols, 0)
+        omask = gl.expand_dims(valid_o, 1) & gl.expand_dims(cols < N, 0)
+        gl.store(dst, y.to(OUT.dtype.element_ty), mask=omask)
+        if GLU and SPLIT_K > 1:
+            gl.store(dst + N, gl.convert_layout(gl.permute(acc_up, [1, 0]), out_l).to(OUT.dtype.element_ty),
+                     mask=omask)
 
 
 def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int,
@@ -291,7 +305,8 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
                        up: tuple | None = None, act: tuple = ("silu", 1.0, None),
                        out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
                        stages: int = STAGES, maxnreg: int | None = None, warps: int = 4,
-                       out: torch.Tensor | None = None, cols_first: bool | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, cols_first: bool | None = None,
+                       split_k: int = 1) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
     (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``mxfp4.MMA_MAX_SCALE``: the caller's load-time check);
     ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy);
@@ -299,7 +314,8 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     of 64 or 128). With 4 warps, row blocks of 128 serve the single GEMM only (two accumulator
     chains of 64 x 128 do not fit). ``cols_first``: programs ordered column tile fastest (a row
     block's programs run together and share its gathered activations in L2), by default from row
-    blocks of ``COLS_FIRST_MIN_ROWS`` up."""
+    blocks of ``COLS_FIRST_MIN_ROWS`` up. ``split_k`` > 1 (4 warps, fp32 out): the kernel's SPLIT_K
+    partials, out [num_assign * split_k, n_out (x 2 with ``up``)], for the caller to sum."""
     K = x.shape[1]
     if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (8, 16, 32, 64, 128) or stages < 2:
         raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
@@ -307,6 +323,9 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     if warps not in (4, 8) or (warps == 8 and block_m not in (64, 128)):
         raise ValueError(f"the Gluon grouped GEMM runs 4 warps, or 8 at row blocks of 64 or 128 (got {warps} warps, "
                          f"row blocks of {block_m})")
+    if split_k < 1 or (K // BLOCK_K) % split_k or (split_k > 1 and (warps != 4 or out_dtype != torch.float32)):
+        raise ValueError(f"split_k={split_k}: K's {K // BLOCK_K} steps of {BLOCK_K} must split evenly, and a split "
+                         f"GEMM runs 4 warps into fp32 partials (got {warps} warps, {out_dtype})")
     if block_m == 128 and up is not None and warps == 4:
         raise ValueError("gate / up row blocks of 128 need 8 warps (two accumulator chains of 64 x 128 do not fit)")
     w_up, s_up = up if up is not None else (weight, scale)
@@ -318,19 +337,20 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
         raise ValueError("the Gluon grouped GEMM needs 16-byte aligned tensors with unit inner strides, activation "
                          "rows and expert weight stacks 8-byte aligned, scale rows 4-byte aligned, gate / up alike")
     if out is None:
-        out = torch.empty(num_assign, n_out, dtype=out_dtype, device=x.device)
+        width = n_out * (2 if up is not None and split_k > 1 else 1)
+        out = torch.empty(num_assign * split_k, width, dtype=out_dtype, device=x.device)
     kind, beta, linear_beta = act
     row_blocks = min(rows.numel() // block_m, num_assign)
     cols = 2 * BLOCK_N if warps == 8 and up is None else BLOCK_N  # output columns a program
     if cols_first is None:
         cols_first = COLS_FIRST_MIN_ROWS is not None and block_m >= COLS_FIRST_MIN_ROWS
-    grid = (row_blocks, triton.cdiv(n_out, cols))
+    tiles = triton.cdiv(n_out, cols)
     cols_first = cols_first and row_blocks < 65536  # (the grid's second dimension)
-    _grouped_gemm_kernel[grid[::-1] if cols_first else grid](
+    _grouped_gemm_kernel[(tiles, row_blocks, split_k) if cols_first else (row_blocks, tiles, split_k)](
         x, weight, scale, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, top_k, n_out, K, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, STAGES=stages, WARPS=warps, COLS_FIRST=cols_first, num_warps=warps,
+        BLOCK_M=block_m, STAGES=stages, WARPS=warps, COLS_FIRST=cols_first, SPLIT_K=split_k, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

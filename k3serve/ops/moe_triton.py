@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from . import norm_triton, pdl
-from .autotune import autotuned, interpreted
+from .autotune import autotuned, interpreted, sm_count
 from .expert_sort import one_row_blocks, sort_by_expert, sort_by_expert_sizes
-from .glu_triton import glu
+from .glu_triton import glu, glu_triton
 from .pdl import pdl_start
 from .tickets import last_arrival, tickets
 
@@ -819,7 +819,8 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
                  block_k: int | None = None, tiles: dict | None = None, up: tuple | None = None,
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
                  row_scale: torch.Tensor | None = None, mx_upcast: str | None = None,
-                 out: torch.Tensor | None = None, static_tail: int = 0, static_expert0: int = 0) -> torch.Tensor:
+                 out: torch.Tensor | None = None, static_tail: int = 0, static_expert0: int = 0,
+                 split_k: int = 1) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``, into ``out`` where given (only the rows of ``rows`` are written). ``weight``:
     bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale`` [E, N, K/32]. ``up`` = (weight,
@@ -835,9 +836,12 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     Gluon kernel's ``moe_gluon.COLS_FIRST_MIN_ROWS``). ``static_tail``: the last row blocks, one
     assignment each (a one-token layout), are of the experts static_expert0, static_expert0 + 1,
     ... whatever ``block_expert`` says, and run before the wait on the previous kernel (``rows``
-    must then be a constant, not written in the step: ``one_row_blocks``)."""
+    must then be a constant, not written in the step: ``one_row_blocks``). ``split_k`` (the Gluon
+    kernel's): fp32 partials for the caller to sum (``moe_gluon.gluon_grouped_gemm``)."""
     mx = scale is not None
     K = x.shape[1]
+    if split_k != 1 and not (mx and mx_upcast == "gluon"):
+        raise ValueError("split_k is the Gluon kernel's (MMA-layout MXFP4 weights, mx_upcast='gluon')")
     if mx and mx_upcast == "gluon":  # MMA-layout weights through the Gluon kernel (moe_gluon)
         from .moe_gluon import gluon_grouped_gemm
 
@@ -845,7 +849,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
         opts.update({k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg"), ("warps", "num_warps"),
                                               ("cols_first", "cols_first")) if tiles and t in tiles})
         return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
-                                  act=act, out_dtype=out_dtype, row_scale=row_scale, out=out, **opts)
+                                  act=act, out_dtype=out_dtype, row_scale=row_scale, out=out, split_k=split_k, **opts)
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
     rows_class = min(triton.next_power_of_2(num_assign), 4096)
     if tiles is None and (n_out, K, rows_class) in PINNED:
@@ -901,6 +905,24 @@ def row_block(assignments: int, num_experts: int, mma: bool, gluon_ok: bool) -> 
     return 128
 
 
+# Decode steps whose Gluon grouped GEMM has too few programs to fill the GPU split K over up to
+# this many programs an SM (0: never): kimi-linear's experts quantised at load (``--quantization
+# mxfp4``) at one token are 9 experts x 16 column tiles of 64 rows, 144 programs with 18 K steps
+# each; K3's at one token already 17 x 48. Partials in fp32, summed in a fixed order by the GLU and
+# the combine.
+GLUON_SPLIT_K_PER_SM = 8
+
+
+def gluon_split_k(row_blocks: int, n_out: int, K: int, device: torch.device) -> int:
+    """The largest divisor of the GEMM's K steps that keeps its programs within
+    ``GLUON_SPLIT_K_PER_SM`` an SM (1: no split)."""
+    from .moe_gluon import BLOCK_K, BLOCK_N
+
+    room = GLUON_SPLIT_K_PER_SM * sm_count(device) // max(row_blocks * triton.cdiv(n_out, BLOCK_N), 1)
+    steps = K // BLOCK_K
+    return max(d for d in range(1, min(room, steps) + 1) if steps % d == 0) if room > 1 else 1
+
+
 def mma_upcast(block_m: int, gluon_ok: bool) -> str:
     """The grouped GEMM for MMA-layout experts: moe_gluon's ("gluon") at decode row blocks (up to
     16, ``GLUON_DECODE``) and prefill ones (32 to 128, ``GLUON_PREFILL``); "mma" elsewhere."""
@@ -953,9 +975,15 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     stored = experts.stack
     w1, s1 = stored("w1")
     w2, s2 = stored("w2")
-    h = torch.empty(num_assign, experts.intermediate, dtype=experts.dtype, device=x.device)
+    I, D = experts.intermediate, experts.out_features
+    split_up = split_down = 1
+    if len(layouts) == 1 and gluon_ok and mma_upcast(layouts[0][0], gluon_ok) == "gluon" \
+            and blocks.get("mx_upcast") is None and layouts[0][0] <= 16:  # a decode step
+        row_blocks = min(layouts[0][1].numel() // layouts[0][0], num_assign)
+        split_up, split_down = (gluon_split_k(row_blocks, n, k, x.device) for n, k in ((I, x.shape[1]), (D, I)))
+    h = torch.empty(num_assign, I, dtype=experts.dtype, device=x.device)
     y_dtype = experts.dtype if num_assign >= ROWS_IN_ACTIVATION_DTYPE_FROM else torch.float32
-    y = torch.empty(num_assign, experts.out_features, dtype=y_dtype, device=x.device)
+    y = torch.empty(num_assign * split_down, D, dtype=y_dtype, device=x.device)
     row_scale = weights.float().flatten().contiguous()
     # a one-token step's joined shared experts (the last ids) run before its routing is known
     static = experts.num_shared if T == 1 and SHARED_BEFORE_WAIT and not block_sizes and s1 is None else 0
@@ -964,13 +992,18 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
         if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
             opts = dict(blocks, mx_upcast=mma_upcast(bm, gluon_ok))
         # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
-        grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, experts.intermediate, bm,
-                     up=stored("w3"), act=experts.act, out_dtype=experts.dtype, out=h, static_tail=static,
-                     static_expert0=experts.num_experts, **opts)
+        if split_up > 1:  # ... or after the split's partials are summed
+            parts = grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, I, bm, up=stored("w3"),
+                                 out_dtype=torch.float32, split_k=split_up, **opts)
+            glu_triton(parts[:, :I], parts[:, I:], experts.act[0], *experts.act[1:], split=split_up, out=h)
+        else:
+            grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, I, bm, up=stored("w3"), act=experts.act,
+                         out_dtype=experts.dtype, out=h, static_tail=static, static_expert0=experts.num_experts,
+                         **opts)
         # rows of h are assignments already; the routing weights scale the rows in the epilogue
-        grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, experts.out_features, bm,
-                     row_scale=row_scale, out=y, **opts)
-    return combine_experts(y, top_k, norm, add, out_dtype)
+        grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, D, bm, row_scale=row_scale, out=y,
+                     split_k=split_down, **opts)
+    return combine_experts(y, top_k * split_down, norm, add, out_dtype)
 
 
 @triton.jit
