@@ -280,25 +280,21 @@ def main() -> None:
             return model_fn(device, dtype)
         return make
 
+    def small_model_rows(label, model_fn):
+        """A small model's rows: whole, per backend, then teacher-forced sublayers; the fp32 reference on the CPU."""
+        for backend in backends:
+            compare_models(f"{label} [{backend}]", with_backend(model_fn, "cpu", "float32", "torch"),
+                           with_backend(model_fn, "cuda", "bfloat16", backend), [13, 100, 41], 8)
+            print(ROWS[-1], flush=True)
+        sublayer_errors(label, with_backend(model_fn, "cpu", "float32", "torch"),
+                        with_backend(model_fn, "cuda", "bfloat16", "auto"), 150)
+
     for mx in () if args.skip_tiny else (False, True):
         # Weights drawn on the CPU for both runs (CPU and CUDA generators give different streams).
-        tiny = lambda dev, dt, mx=mx: load_model(preset="tiny", device="cpu", dtype=dt, seed=0, mxfp4=mx).to(dev)  # noqa: E731
-        label = f"tiny{'-mxfp4' if mx else ''}"
-        for backend in backends:
-            compare_models(f"{label} [{backend}]", with_backend(tiny, "cpu", "float32", "torch"),
-                           with_backend(tiny, "cuda", "bfloat16", backend), [13, 100, 41], 8)
-            print(ROWS[-1], flush=True)
-        sublayer_errors(label, with_backend(tiny, "cpu", "float32", "torch"),
-                        with_backend(tiny, "cuda", "bfloat16", "auto"), 150)
+        small_model_rows(f"tiny{'-mxfp4' if mx else ''}", lambda dev, dt, mx=mx: load_model(
+            preset="tiny", device="cpu", dtype=dt, seed=0, mxfp4=mx).to(dev))
     for q in () if args.skip_linear_small else (None, "mxfp4"):
-        small = lambda dev, dt, q=q: kimi_linear_small(dev, dt, q)  # noqa: E731
-        label = f"kimi-linear-small{' -q ' + q if q else ''}"
-        for backend in backends:
-            compare_models(f"{label} [{backend}]", with_backend(small, "cpu", "float32", "torch"),
-                           with_backend(small, "cuda", "bfloat16", backend), [13, 100, 41], 8)
-            print(ROWS[-1], flush=True)
-        sublayer_errors(label, with_backend(small, "cpu", "float32", "torch"),
-                        with_backend(small, "cuda", "bfloat16", "auto"), 150)
+        small_model_rows(f"kimi-linear-small{' -q ' + q if q else ''}", lambda dev, dt, q=q: kimi_linear_small(dev, dt, q))
     if not args.skip_slice:
         sl = lambda dev, dt: load_model(preset="k3-slice", device=dev, dtype=dt, seed=0)  # noqa: E731
         for backend in backends:
