@@ -197,6 +197,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .cache.pool import parse_bytes
 
     cfg = ModelConfig.from_pretrained(resolve_model(args.model)) if args.model else ModelConfig.from_dict(preset_config(args.preset))
+    cfg = cfg.with_quantization(args.quantization)
     try:
         plan = make_plan(cfg, args.gpus, parse_bytes(args.gpu_memory) / 2**30, nodes=args.nodes,
                          context=_parse_tokens(args.context), concurrency=args.concurrency, reserve_gib=args.reserve_gib,
@@ -261,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prefix-block-size", type=int, default=512)
     pl.add_argument("--kda-checkpoint-interval", type=int, default=4096)
     pl.add_argument("--json", action="store_true")
+    add_quantization_arg(pl)
     pl.set_defaults(func=_plan)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled model)")

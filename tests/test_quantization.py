@@ -140,6 +140,12 @@ def test_memory_plan_counts_the_served_experts():
 
 
 def test_cli_flag(capsys):
+    plan = ["plan", "--preset", "kimi-linear-48b", "--gpus", "1", "--gpu-memory", "139GiB", "--json"]
+    assert main(plan) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert main(plan + ["-q", "mxfp4"]) == 0
+    q = json.loads(capsys.readouterr().out)
+    assert q["other_gib"] == bf16["other_gib"] and q["expert_gib"] == pytest.approx(bf16["expert_gib"] * 17 / 64, abs=0.01)
     for cmd in ("serve", "generate", "check"):
         args = build_parser().parse_args([cmd, "--preset", "tiny", "-q", "mxfp4"] + (["x"] if cmd == "generate" else []))
         assert args.quantization == "mxfp4"
