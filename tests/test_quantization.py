@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3serve.cli import build_parser, main
+from k3serve.cli import build_parser, engine_from_args, main
 from k3serve.config import ConfigError, ModelConfig
 from k3serve.engine.engine import LLM
 from k3serve.engine.sampling_params import SamplingParams
@@ -151,6 +151,9 @@ def test_cli_flag(capsys):
         assert args.quantization == "mxfp4"
     assert main(["check", "--preset", "tiny", "--quantization", "mxfp4", "--prompt-len", "8", "--steps", "2"]) == 0
     assert "experts mxfp4 (quantised at load)" in capsys.readouterr().out
+    # the server's engine process builds its engine from the same flags
+    args = build_parser().parse_args(["serve", "--preset", "tiny", "-q", "mxfp4", "--cache-memory", "64MiB"])
+    assert engine_from_args(args).model.config.experts_quantized_at_load
 
 
 def test_a_joinable_shared_expert_is_quantised_into_the_stacks():
