@@ -977,8 +977,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     w2, s2 = stored("w2")
     I, D = experts.intermediate, experts.out_features
     split_up = split_down = 1
-    if len(layouts) == 1 and gluon_ok and mma_upcast(layouts[0][0], gluon_ok) == "gluon" \
-            and blocks.get("mx_upcast") is None and layouts[0][0] <= 16:  # a decode step
+    if len(layouts) == 1 and layouts[0][0] <= 16 and mma_upcast(layouts[0][0], gluon_ok) == "gluon":  # decode
         row_blocks = min(layouts[0][1].numel() // layouts[0][0], num_assign)
         split_up, split_down = (gluon_split_k(row_blocks, n, k, x.device) for n, k in ((I, x.shape[1]), (D, I)))
     h = torch.empty(num_assign, I, dtype=experts.dtype, device=x.device)
