@@ -528,15 +528,17 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
                    rel(out, exact[glu]), 1e-4)
 
 
-def check_experts_split(T: int, gen: torch.Generator, E: int = 32, top: int = 9) -> None:
-    """kimi-linear's experts quantised at load (``--quantization mxfp4``; 9 a token, as with the
-    shared one joined) through ``experts_triton``: a decode step's split-K Gluon GEMMs (partials
-    summed by the GLU and the combine, ``moe_triton.GLUON_SPLIT_K_PER_SM``), then unsplit, against
-    float64 of the dequantised weights with the intermediate rounded to bf16 as the kernels store it."""
+def check_experts_split(T: int, gen: torch.Generator, E: int = 32, top: int = 9, shared: bool = False) -> None:
+    """kimi-linear's experts quantised at load (``--quantization mxfp4``; 9 a token) through
+    ``experts_triton``: a decode step's split-K Gluon GEMMs (partials summed by the GLU and the
+    combine, ``moe_triton.GLUON_SPLIT_K_PER_SM``), then unsplit, against float64 of the dequantised
+    weights with the intermediate rounded to bf16 as the kernels store it. ``shared``: the ninth is
+    a shared expert joined to the stacks, as served (at one token its programs run before the PDL
+    wait: ``moe_triton.SHARED_BEFORE_WAIT``), the routing weights' last column 1."""
     import dataclasses
 
     from k3serve.config import ModelConfig
-    from k3serve.model.moe import RoutedExperts
+    from k3serve.model.moe import GLUMLP, RoutedExperts
     from k3serve.presets import preset_config
 
     cfg = dataclasses.replace(ModelConfig.from_dict(preset_config("kimi-linear-48b")), num_experts=E)
@@ -545,10 +547,18 @@ def check_experts_split(T: int, gen: torch.Generator, E: int = 32, top: int = 9)
         p, s = getattr(ex, f"{n}_packed"), getattr(ex, f"{n}_scale")
         k = p.shape[2] * 2
         p.data, s.data = quantize_mxfp4(torch.randn(E, p.shape[1], k, device=DEV, generator=gen) * k ** -0.5)
+    if shared:
+        mlp = GLUMLP(cfg, cfg.hidden_size, ex.intermediate, torch.bfloat16, DEV)
+        for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            m.weight.data = (torch.randn(m.weight.shape, device=DEV, generator=gen) * m.weight.shape[1] ** -0.5).bfloat16()
+        assert ex.join_shared(mlp) and ex.num_shared == 1
     assert ex.use_mma_layout() and ex.folded_scales
     x = torch.randn(T, cfg.hidden_size, device=DEV, generator=gen).bfloat16()
-    ids = torch.rand(T, E, device=DEV, generator=gen).topk(top, dim=-1).indices
-    weights = torch.rand(T, top, device=DEV, generator=gen)
+    ids = torch.rand(T, E, device=DEV, generator=gen).topk(top - shared, dim=-1).indices
+    weights = torch.rand(T, top - shared, device=DEV, generator=gen)
+    if shared:
+        ids = torch.cat([ids, torch.full((T, 1), E, device=DEV, dtype=ids.dtype)], 1)
+        weights = torch.cat([weights, torch.ones(T, 1, device=DEV)], 1)
     ref = torch.zeros(T, cfg.hidden_size, dtype=torch.float64, device=DEV)
     for t in range(T):
         for j in range(top):
@@ -561,10 +571,12 @@ def check_experts_split(T: int, gen: torch.Generator, E: int = 32, top: int = 9)
             splits = [moe_triton.gluon_split_k(T * top, n, k, torch.device(DEV)) for n, k in
                       ((ex.intermediate, cfg.hidden_size), (cfg.hidden_size, ex.intermediate))] if per_sm else [1, 1]
             outs.append(moe_triton.experts_triton(x, weights, ids, ex))
-        record("MXFP4 experts quantised at load, Gluon" + (", split K" if per_sm else ""),
+        record("MXFP4 experts quantised at load, Gluon" + (", split K" if per_sm else "")
+               + (", shared joined" if shared else ""),
                f"T={T} E={E} top {top} d={cfg.hidden_size} I={ex.intermediate} splits gate/up {splits[0]}, down {splits[1]}",
                rel(outs[-1], ref), 1e-3)
-    record("MXFP4 experts quantised at load, split K vs unsplit", f"T={T}", rel(outs[0], outs[1].double()), 1e-3)
+    record("MXFP4 experts quantised at load, split K vs unsplit" + (", shared joined" if shared else ""), f"T={T}",
+           rel(outs[0], outs[1].double()), 1e-3)
 
 
 def check_bf16_grouped(T: int, E: int, N: int, K: int, top: int, gen: torch.Generator, block_m: int = 16) -> None:
@@ -666,6 +678,8 @@ def gluon_checks(family: str, gen: torch.Generator) -> None:
         check_mxfp4_mma(700, 16, 1024, 2304, 4, gen, "gluon", block_m=(16, 32, 64, 128))
         for T in (1, 2, 3, 4):  # split K: 6 / 2, 3 / 1, 2 / 1, 1 / 1 (gate / up, down)
             check_experts_split(T, gen)
+        for T in (1, 2):  # the shared expert joined: at one token its programs run before the PDL wait
+            check_experts_split(T, gen, shared=True)
     else:
         raise SystemExit(f"--gluon {family!r}: mla, kda or moe")
 

@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh engine    # engine check, then 256-request k3-slice throughput (Triton + graphs)
 #   bash bench/gpu_session.sh serve48   # kimi-linear-48b behind the HTTP server vs the engine alone (bench serve)
 #   bash bench/gpu_session.sh syncs     # no host sync inside a forward step (eager mixed steps and graphs)
-#   (also: table, stateprobe, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, quant48, sideab, samestep, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
+#   (also: table, stateprobe, flashkda, flashkdacheck, variantprobe, flashkdagraphs, safegate, sampling, attnres, attnressum, attnresdeep, checks1, checkskda, checks2, prefetch, prefillgraphs, prefillctx, ctxturns, defaults18, chain, ncutma, pgemv, hops, tune, startprof, calib, ctxdecodes, fladirect, debugtiny, quick48, graphdiag, pdlab, ncu, ncukda, dense, kda, gluon, mlagluon, engine48, quant48, gluonpdl, sideab, samestep, verify, ab, hostprefill, prefillon, prefillsmall, prefillstep, prefillab: see each case below)
 #   bash bench/gpu_session.sh agentic   # prefix caching on a trace-shaped workload (seed 002, scaled),
 #                                       # then greedy tokens with decode graphs on / off / off again
 set -o pipefail
@@ -469,6 +469,22 @@ while True:
     step e2e_quant "$(left 580)" python3 -m bench.e2e --parts engine --quantization mxfp4 --out /tmp/gpu_work
     grep -A6 "### engine_48b" "$OUT/e2e_quant.log"
     grep -m3 "shipped file lacks" "$OUT/e2e_quant.log" || echo "every autotuner key met at start was shipped" ;;
+  gluonpdl)  # the Gluon MoE kernel in the PDL chain (moe_gluon.PDL, PREFETCH; the joined shared expert before the
+             # wait): its checks, then kimi-linear-48b -q mxfp4 graph-replayed steps with each part off (AB_PRESET /
+             # AB_Q="" for bf16 or k3-slice)
+    if [ -z "$NO_CHECK" ]; then
+      step gluon_check "$(left 200)" python3 bench/gpu_check_kernels.py --gluon moe
+      grep "FAIL\|checks passed\|quantised at load" "$OUT/gluon_check.log"
+    fi
+    step ab "$(left "${AB_UNTIL:-580}")" python3 bench/gpu_check_graphs.py --preset "${AB_PRESET:-kimi-linear-48b}" \
+      ${AB_Q---quantization mxfp4} --parts "ab${AB_PARTS:-}" --ab-batches "${AB_BATCHES:-1,2}" \
+      --ab-rounds "${AB_ROUNDS:-3}" --iters 20 ${AB_EXTRA:-} --out /tmp/gpu_work --ab "${AB:-on:;off:k3serve.ops.moe_gluon.PDL=False;\
+noprefetch:k3serve.ops.moe_gluon.PREFETCH=False;nostatic:k3serve.ops.moe_triton.SHARED_BEFORE_WAIT=False}"
+    grep -A12 "| variant" "$OUT/ab.log"
+    if [ -n "$E2E" ]; then  # then the engine run with the experts quantised at load (quant48's)
+      step e2e_quant "$(left 580)" python3 -m bench.e2e --parts engine --quantization mxfp4 --out /tmp/gpu_work
+      grep -A6 "### engine_48b" "$OUT/e2e_quant.log"
+    fi ;;
   moe)  # the MoE tile sweep alone (K3 MXFP4, Kimi bf16 prefill), autotuned table
     step moe "$(left "${MOE_UNTIL:-580}")" python3 -m bench.kernels_moe $MOE_ARGS
     grep -v "failed" "$OUT/moe.log" | tail -c 9000 ;;

@@ -564,12 +564,18 @@ STATIC_TAIL_SCRIPT = textwrap.dedent('''
     gen = torch.Generator().manual_seed(int(sys.argv[1]))
     E, S, N, K, top = 6, 2, 48, 64, 3  # routed experts, then S static ones; top routed + S static assignments
     w, w_up = (torch.randn(E + S, N, K, generator=gen) * K ** -0.5 for _ in range(2))
+    s = s_up = None
+    if sys.argv[2] == "mxfp4":  # (MXFP4 stacks: kimi-linear's quantised at load with the shared expert joined)
+        from k3serve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+        (w, s), (w_up, s_up) = quantize_mxfp4(w), quantize_mxfp4(w_up)
     x = torch.randn(1, K, generator=gen)
     ids = torch.tensor([4, 0, 2, E, E + 1])
     rows = one_row_blocks(top + S, 16, x.device)
     stale = torch.tensor([4, 0, 2, 1, 3])  # the static blocks must not read their experts from here
-    out = grouped_gemm(x, rows, stale, top + S, top + S, w, None, N, 16, up=(w_up, None), static_tail=S,
+    out = grouped_gemm(x, rows, stale, top + S, top + S, w, s, N, 16, up=(w_up, s_up), static_tail=S,
                        static_expert0=E)
+    if s is not None:
+        w, w_up = dequantize_mxfp4(w, s, torch.float32), dequantize_mxfp4(w_up, s_up, torch.float32)
     ref = F.silu(torch.einsum("k,ank->an", x[0], w[ids])) * torch.einsum("k,ank->an", x[0], w_up[ids])
     print(((out - ref).norm() / ref.norm()).item())
 ''')
@@ -578,8 +584,9 @@ STATIC_TAIL_SCRIPT = textwrap.dedent('''
 def test_static_tail_blocks_take_their_experts_from_the_arguments():
     """A one-token layout's last blocks (joined shared experts) with constant experts: computed from
     static_expert0 on, whatever the block-expert array holds for them (it is the router's output,
-    not yet written when they run)."""
-    assert worst_error(STATIC_TAIL_SCRIPT, "0") < 1e-6
+    not yet written when they run); bf16 and MXFP4 stacks."""
+    assert worst_error(STATIC_TAIL_SCRIPT, "0", "bf16") < 1e-6
+    assert worst_error(STATIC_TAIL_SCRIPT, "0", "mxfp4") < 1e-5
 
 
 @pytest.mark.parametrize("groups", [1, 4])

@@ -81,6 +81,29 @@ def test_mxfp4_mma_layout_grouped_gemm_keeps_weights_in_registers(block_n, warps
     assert "mul.rn.bf16x2" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
+def _gluon_grouped_gemm(glu: bool, block_m: int, warps: int, split_k: int = 1, **pdl_consts):
+    """moe_gluon's kernel compiled for sm_90 (``pdl_consts``: USE_PDL, PREFETCH, STATIC_TAIL)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from k3serve.ops import moe_gluon
+
+    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8",
+            "OUT": "*fp32" if split_k > 1 else "*bf16", "ROWS": "*i64",
+            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
+    ints = {n: "i32" for n in ("num_assign", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se",
+                               "stride_sn", "stride_on")}
+    ints.update(beta="fp32", linear_beta="fp32", static_expert0="i32")
+    consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES,
+                  WARPS=warps, COLS_FIRST=block_m >= 64, SPLIT_K=split_k,
+                  **{"USE_PDL": False, "PREFETCH": False, "STATIC_TAIL": 0, **pdl_consts})
+    sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
+    names = list(sig)
+    divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = GluonASTSource(fn=moe_gluon._grouped_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=HOPPER, options=dict(num_warps=warps))
+
+
 @pytest.mark.parametrize("glu, block_m, warps, split_k", [
     (True, 16, 4, 1), (False, 64, 4, 1), (True, 64, 4, 1), (False, 128, 4, 1), (True, 8, 4, 1), (True, 128, 8, 1),
     (False, 128, 8, 1), (True, 64, 8, 1), (True, 8, 4, 6), (False, 8, 4, 2)])
@@ -92,29 +115,35 @@ def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, wa
     of few programs: fp32 partials, gate and up apart), nothing spilled. What it
     computes is checked on the GPU
     (bench/gpu_check_kernels.py)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from bench.sass_mix import sass_text
-    from k3serve.ops import moe_gluon
 
-    ptrs = {"X": "*bf16", "W": "*u8", "S": "*u8", "W_UP": "*u8", "S_UP": "*u8",
-            "OUT": "*fp32" if split_k > 1 else "*bf16", "ROWS": "*i64",
-            "EXPERTS": "*i64", "ROW_SCALE": "*fp32"}
-    ints = {n: "i32" for n in ("num_assign", "top_k", "N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se",
-                               "stride_sn", "stride_on")}
-    ints.update(beta="fp32", linear_beta="fp32")
-    consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m, STAGES=moe_gluon.STAGES,
-                  WARPS=warps, COLS_FIRST=block_m >= 64, SPLIT_K=split_k)
-    sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
-    names = list(sig)
-    divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = GluonASTSource(fn=moe_gluon._grouped_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=warps))
-    sass = sass_text(kernel)
+    sass = sass_text(_gluon_grouped_gemm(glu, block_m, warps, split_k))
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
     assert waits and set(waits) - {"0x0"}, waits
     assert "STL" not in sass
+
+
+def _copies_before_a_wait(ptx: str) -> int:
+    """The most cp.async copies in the PTX text between two PDL waits, or before the first (the
+    branches of a program that does not wait first are laid out in blocks of their own)."""
+    return max(len(re.findall(r"cp\.async\.c[ag]\.", part)) for part in ptx.split("griddepcontrol.wait")[:-1])
+
+
+@pytest.mark.parametrize("glu, split_k", [(False, 1), (False, 2), (True, 6)])
+def test_gluon_grouped_gemm_in_the_pdl_chain(glu, split_k):
+    """In the PDL chain every program waits (the next kernel's wait then covers the ones before):
+    plainly at once, before any copy; with PREFETCH (the down GEMM) after the first step's weight
+    and scale copies, the activations' after; with STATIC_TAIL (a one-token step's joined shared
+    expert) the tail's programs let the next kernel launch, copy and multiply first and wait to store."""
+    plain = _gluon_grouped_gemm(glu, 8, 4, split_k, USE_PDL=True).asm["ptx"]
+    assert _copies_before_a_wait(plain) == 0 and plain.count("griddepcontrol.wait") == 1
+    early = _gluon_grouped_gemm(glu, 8, 4, split_k, USE_PDL=True, PREFETCH=True).asm["ptx"]
+    weights = 4 * (2 if glu else 1) + 1  # (a step: GROUPS weight copies of gate and up, one of the scales)
+    assert _copies_before_a_wait(early) == weights
+    assert early.count("griddepcontrol.wait") == 2  # (and the row blocks of padding only)
+    tail = _gluon_grouped_gemm(glu, 8, 4, split_k, USE_PDL=True, STATIC_TAIL=1).asm["ptx"]
+    assert tail.count("griddepcontrol.wait") == 3 and tail.count("griddepcontrol.launch_dependents") == 2
+    assert "griddepcontrol" not in _gluon_grouped_gemm(glu, 8, 4, split_k, PREFETCH=True, STATIC_TAIL=1).asm["ptx"]
 
 
 def test_gluon_kda_decode_compiles_with_warp_local_reductions():

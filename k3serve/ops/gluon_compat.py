@@ -21,11 +21,23 @@ tma_load = _tma_load()
 
 
 @gluon.jit
-def gluon_pdl_start(USE_PDL: gl.constexpr):
-    """``pdl.pdl_start`` for Gluon kernels (which have no ``gdc_*`` builtins in 3.6): wait for the
-    previous kernel's completion and memory, then let the next kernel launch."""
+def gluon_pdl_wait(USE_PDL: gl.constexpr):
+    """Wait for the previous kernel's completion and memory (Gluon has no ``gdc_*`` builtins in 3.6)."""
     if USE_PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
+
+
+@gluon.jit
+def gluon_pdl_launch_dependents(USE_PDL: gl.constexpr):
+    """Let the next kernel launch (once every program of this one has said so or exited)."""
+    if USE_PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
+
+
+@gluon.jit
+def gluon_pdl_start(USE_PDL: gl.constexpr):
+    """``pdl.pdl_start`` for Gluon kernels: wait for the previous kernel, then let the next one launch."""
+    gluon_pdl_wait(USE_PDL)
+    gluon_pdl_launch_dependents(USE_PDL)

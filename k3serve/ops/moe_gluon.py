@@ -49,7 +49,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_compat import async_load, cta_barrier
+from . import pdl
+from .gluon_compat import async_load, cta_barrier, gluon_pdl_launch_dependents, gluon_pdl_start, gluon_pdl_wait
 
 from .glu_triton import glu
 from .moe_triton import _E2M1_WORD_TO_BF16_ASM
@@ -72,6 +73,11 @@ STAGES = 2  # K steps in the copy ring (H200, K3 decode: 2 beat 3, 4 and 5 by 12
 # to DRAM; column tile fastest they hold a few. K3 on the H200 (fifteenth session): 8K tokens 24.4
 # ms against 28.2, 256 tokens (row blocks of 16) 4.50 against 4.92; None: row block fastest always.
 COLS_FIRST_MIN_ROWS = 16
+# Launched in the decode step's PDL chain (ops/pdl.py; False: plain launches, for A/B timing), and
+# where the caller allows (``gluon_grouped_gemm(prefetch=)``: the down GEMM) with the weights'
+# first ring steps copied before the wait.
+PDL = True
+PREFETCH = True
 
 
 @gluon.jit
@@ -90,24 +96,30 @@ def _weight_group(packed, scale, BLOCKS: gl.constexpr, word_l: gl.constexpr, mul
 
 
 @gluon.jit
-def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO: gl.constexpr):
+def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO: gl.constexpr,
+               WHAT: gl.constexpr = 0):
     """Start the asynchronous copies of K step i (GROUPS 32-code groups) into ring slot ``slot``:
     each group's gathered activations [BLOCK_M, 32], the weight words each thread later reads
     itself (its own bytes: no barrier needed for them), and the step's E8M0 bytes of the 64 gate
     and up rows (4 a row, one copy each). A step past the end copies nothing (masked) but still
     commits its group, so the wait counts stay uniform. Every copy of a step lands in its own
     allocation (``bufs``: activations, gate and up words a group, scales), so the compiler puts no
-    barrier between them."""
+    barrier between them. WHAT: 0 all of it, 1 the weights and scales only, 2 the activations only
+    (PREFETCH: a step's weights before the PDL wait, its activations after)."""
     xs, ws, wus, ss = bufs
     live = i < n_steps
     for g in gl.static_range(GROUPS):
         kk = i * (32 * GROUPS) + 32 * g
-        async_load(xs[g].index(slot), x_ptrs + kk, mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
-        w_at = (i * GROUPS + g) * 256
-        async_load(ws[g].index(slot), W_e + w_offs + w_at, mask=wmask & live)
-        if TWO:
-            async_load(wus[g].index(slot), WU_e + w_offs + w_at, mask=wmask & live)
-    async_load(ss.index(slot), s_ptrs + i * GROUPS, mask=smask & live)
+        if WHAT != 1:
+            async_load(xs[g].index(slot), x_ptrs + kk,
+                       mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
+        if WHAT != 2:
+            w_at = (i * GROUPS + g) * 256
+            async_load(ws[g].index(slot), W_e + w_offs + w_at, mask=wmask & live)
+            if TWO:
+                async_load(wus[g].index(slot), WU_e + w_offs + w_at, mask=wmask & live)
+    if WHAT != 2:
+        async_load(ss.index(slot), s_ptrs + i * GROUPS, mask=smask & live)
     async_copy.commit_group()
 
 
@@ -181,9 +193,11 @@ def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smas
 @gluon.jit
 def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          num_assign, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
-                         beta, linear_beta, GLU: gl.constexpr, SITU: gl.constexpr, LINEAR_CLIP: gl.constexpr,
-                         HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         WARPS: gl.constexpr = 4, COLS_FIRST: gl.constexpr = False, SPLIT_K: gl.constexpr = 1):
+                         beta, linear_beta, static_expert0, GLU: gl.constexpr, SITU: gl.constexpr,
+                         LINEAR_CLIP: gl.constexpr, HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+                         STAGES: gl.constexpr, WARPS: gl.constexpr = 4, COLS_FIRST: gl.constexpr = False,
+                         SPLIT_K: gl.constexpr = 1, USE_PDL: gl.constexpr = False, PREFETCH: gl.constexpr = False,
+                         STATIC_TAIL: gl.constexpr = 0):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
     weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
@@ -196,7 +210,14 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     SPLIT_K > 1 (4 warps; decode steps whose programs are too few to fill the GPU): program
     (.., .., split) runs the split's K / SPLIT_K and stores fp32 partials in row ``row * SPLIT_K +
     split``, with GLU the gate's in columns [0, N) and the up's in [N, 2N), GLU not applied: the
-    caller sums them in a fixed order (``glu_triton``, ``moe_triton.combine_experts``)."""
+    caller sums them in a fixed order (``glu_triton``, ``moe_triton.combine_experts``).
+
+    In a PDL chain (USE_PDL; ops/pdl.py says what may be read before the wait): PREFETCH (the
+    caller's word that ROWS and EXPERTS were written two or more launches back: the down GEMM)
+    starts the first STAGES - 1 steps' weight and scale copies before the wait, the activations'
+    after it; STATIC_TAIL (``moe_triton.grouped_gemm``'s: the last row blocks are one assignment
+    each of the constant experts static_expert0, ...) runs those blocks' whole K loop before the
+    wait, which they take only to store."""
     STACKED: gl.constexpr = WARPS == 8
     TWO: gl.constexpr = GLU and not STACKED
     COLS: gl.constexpr = 128 if STACKED and not GLU else 64  # output columns a program (BLOCK_N)
@@ -228,9 +249,21 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
     pid_m = gl.program_id(1 if COLS_FIRST else 0)
     pid_n = gl.program_id(0 if COLS_FIRST else 1)
     pid_s = gl.program_id(2)
+    if STATIC_TAIL:
+        first_static = gl.num_programs(1 if COLS_FIRST else 0) - STATIC_TAIL
+        static = pid_m >= first_static
+        if static:  # (its wait comes before its store)
+            gluon_pdl_launch_dependents(USE_PDL)
+        else:
+            gluon_pdl_start(USE_PDL)
+        e = gl.where(static, static_expert0 + pid_m - first_static,
+                     gl.load(EXPERTS + pid_m, mask=pid_m < first_static, other=0)).to(gl.int64)
+    else:
+        if not PREFETCH:
+            gluon_pdl_start(USE_PDL)
+        e = gl.load(EXPERTS + pid_m).to(gl.int64)
     # Row blocks of padding only (valid rows lead each block) stream no weights.
     if gl.load(ROWS + pid_m * BLOCK_M) < num_assign:
-        e = gl.load(EXPERTS + pid_m).to(gl.int64)
         rows = gl.load(ROWS + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l)))
         # Padding rows read token 0 (their columns of the product are never stored).
         tok = gl.where(rows < num_assign, rows // top_k, 0).to(gl.int64)
@@ -270,8 +303,15 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
             W_e, WU_e = W_e + step0 * (GROUPS * 256), WU_e + step0 * (GROUPS * 256)
             x_ptrs = x_ptrs + step0 * (32 * GROUPS)
             s_ptrs = s_ptrs + step0 * GROUPS
-        for j in gl.static_range(STAGES - 1):
-            _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO)
+        if PREFETCH:  # the weights' first steps in flight before the wait, the activations' after
+            for j in gl.static_range(STAGES - 1):
+                _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO, 1)
+            gluon_pdl_start(USE_PDL)
+            for j in gl.static_range(STAGES - 1):  # (groups complete in order: step 0's wait covers them)
+                _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO, 2)
+        else:
+            for j in gl.static_range(STAGES - 1):
+                _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO)
         acc = gl.zeros([16 * WARPS, BLOCK_M], gl.float32, layout=mma_l)
         acc_up = gl.zeros([16 * WARPS, BLOCK_M], gl.float32, layout=mma_l)
         acc, acc_up = _k_step(acc, acc_up, 0, 0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
@@ -294,10 +334,19 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         cols = pid_n * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, out_l))
         dst = OUT + gl.expand_dims(rows_o * SPLIT_K + pid_s, 1) * stride_on + gl.expand_dims(cols, 0)
         omask = gl.expand_dims(valid_o, 1) & gl.expand_dims(cols < N, 0)
+        if STATIC_TAIL:
+            if static:  # (the output may be memory the previous kernel still reads)
+                gluon_pdl_wait(USE_PDL)
         gl.store(dst, y.to(OUT.dtype.element_ty), mask=omask)
         if GLU and SPLIT_K > 1:
             gl.store(dst + N, gl.convert_layout(gl.permute(acc_up, [1, 0]), out_l).to(OUT.dtype.element_ty),
                      mask=omask)
+    else:  # (every program waits, so the next kernel's wait covers every kernel before this one)
+        if PREFETCH:
+            gluon_pdl_start(USE_PDL)
+        if STATIC_TAIL:
+            if static:
+                gluon_pdl_wait(USE_PDL)
 
 
 def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor, num_assign: int,
@@ -306,7 +355,8 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
                        out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
                        stages: int = STAGES, maxnreg: int | None = None, warps: int = 4,
                        out: torch.Tensor | None = None, cols_first: bool | None = None,
-                       split_k: int = 1) -> torch.Tensor:
+                       split_k: int = 1, prefetch: bool = False, static_tail: int = 0,
+                       static_expert0: int = 0) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
     (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``mxfp4.MMA_MAX_SCALE``: the caller's load-time check);
     ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy);
@@ -315,7 +365,10 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     chains of 64 x 128 do not fit). ``cols_first``: programs ordered column tile fastest (a row
     block's programs run together and share its gathered activations in L2), by default from row
     blocks of ``COLS_FIRST_MIN_ROWS`` up. ``split_k`` > 1 (4 warps, fp32 out): the kernel's SPLIT_K
-    partials, out [num_assign * split_k, n_out (x 2 with ``up``)], for the caller to sum."""
+    partials, out [num_assign * split_k, n_out (x 2 with ``up``)], for the caller to sum. In the
+    decode step's PDL chain (``PDL``): ``prefetch``, the weights' first copies before the wait
+    (``rows`` and ``block_expert`` written two or more launches back); ``static_tail``,
+    ``static_expert0``: as ``moe_triton.grouped_gemm``'s."""
     K = x.shape[1]
     if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (8, 16, 32, 64, 128) or stages < 2:
         raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
@@ -349,8 +402,9 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     _grouped_gemm_kernel[(tiles, row_blocks, split_k) if cols_first else (row_blocks, tiles, split_k)](
         x, weight, scale, w_up, s_up, out, rows, block_expert, row_scale if row_scale is not None else out,
         num_assign, top_k, n_out, K, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
-        scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), GLU=up is not None,
+        scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), static_expert0, GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, STAGES=stages, WARPS=warps, COLS_FIRST=cols_first, SPLIT_K=split_k, num_warps=warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        BLOCK_M=block_m, STAGES=stages, WARPS=warps, COLS_FIRST=cols_first, SPLIT_K=split_k,
+        PREFETCH=prefetch and PREFETCH, STATIC_TAIL=static_tail, num_warps=warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}), **(pdl.launch(out.device) if PDL else {}))
     return out

@@ -820,7 +820,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
                  act: tuple = ("silu", 1.0, None), out_dtype: torch.dtype = torch.float32,
                  row_scale: torch.Tensor | None = None, mx_upcast: str | None = None,
                  out: torch.Tensor | None = None, static_tail: int = 0, static_expert0: int = 0,
-                 split_k: int = 1) -> torch.Tensor:
+                 split_k: int = 1, prefetch: bool = False) -> torch.Tensor:
     """out[a] = W[expert(a)] @ x[a // top_k] for every assignment a: [num_assign, n_out] in
     ``out_dtype``, into ``out`` where given (only the rows of ``rows`` are written). ``weight``:
     bf16 [E, N, K] or MXFP4 packed uint8 [E, N, K/2] with ``scale`` [E, N, K/32]. ``up`` = (weight,
@@ -837,7 +837,9 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
     assignment each (a one-token layout), are of the experts static_expert0, static_expert0 + 1,
     ... whatever ``block_expert`` says, and run before the wait on the previous kernel (``rows``
     must then be a constant, not written in the step: ``one_row_blocks``). ``split_k`` (the Gluon
-    kernel's): fp32 partials for the caller to sum (``moe_gluon.gluon_grouped_gemm``)."""
+    kernel's): fp32 partials for the caller to sum (``moe_gluon.gluon_grouped_gemm``). ``prefetch``:
+    ``rows`` and ``block_expert`` were written two or more launches back, so the Gluon kernel may
+    start its weights' copies before the PDL wait."""
     mx = scale is not None
     K = x.shape[1]
     if split_k != 1 and not (mx and mx_upcast == "gluon"):
@@ -849,7 +851,8 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
         opts.update({k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg"), ("warps", "num_warps"),
                                               ("cols_first", "cols_first")) if tiles and t in tiles})
         return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
-                                  act=act, out_dtype=out_dtype, row_scale=row_scale, out=out, split_k=split_k, **opts)
+                                  act=act, out_dtype=out_dtype, row_scale=row_scale, out=out, split_k=split_k,
+                                  prefetch=prefetch, static_tail=static_tail, static_expert0=static_expert0, **opts)
     weights = weights_mode(mx, x.dtype, x.device, block_m, num_assign, mx_upcast)
     rows_class = min(triton.next_power_of_2(num_assign), 4096)
     if tiles is None and (n_out, K, rows_class) in PINNED:
@@ -985,7 +988,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     y = torch.empty(num_assign * split_down, D, dtype=y_dtype, device=x.device)
     row_scale = weights.float().flatten().contiguous()
     # a one-token step's joined shared experts (the last ids) run before its routing is known
-    static = experts.num_shared if T == 1 and SHARED_BEFORE_WAIT and not block_sizes and s1 is None else 0
+    static = experts.num_shared if T == 1 and SHARED_BEFORE_WAIT and not block_sizes else 0
     for bm, rows, block_expert in layouts:  # (each layout's rows are its own: h's rows are written, then read)
         opts = blocks
         if mma and blocks.get("mx_upcast") not in ("mma", "gluon"):  # (the checkpoint layout's upcasts cannot read it)
@@ -993,15 +996,17 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
         # gate and up GEMMs share the activation tile; the GLU runs in the epilogue (no gate/up round trip)
         if split_up > 1:  # ... or after the split's partials are summed
             parts = grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, I, bm, up=stored("w3"),
-                                 out_dtype=torch.float32, split_k=split_up, **opts)
+                                 out_dtype=torch.float32, split_k=split_up, static_tail=static,
+                                 static_expert0=experts.num_experts, **opts)
             glu_triton(parts[:, :I], parts[:, I:], experts.act[0], *experts.act[1:], split=split_up, out=h)
         else:
             grouped_gemm(x, rows, block_expert, num_assign, top_k, w1, s1, I, bm, up=stored("w3"), act=experts.act,
                          out_dtype=experts.dtype, out=h, static_tail=static, static_expert0=experts.num_experts,
                          **opts)
-        # rows of h are assignments already; the routing weights scale the rows in the epilogue
+        # rows of h are assignments already; the routing weights scale the rows in the epilogue; the
+        # routing or sort that wrote rows and block_expert is two or more launches back
         grouped_gemm(h, rows, block_expert, num_assign, 1, w2, s2, D, bm, row_scale=row_scale, out=y,
-                     split_k=split_down, **opts)
+                     split_k=split_down, prefetch=True, **opts)
     return combine_experts(y, top_k * split_down, norm, add, out_dtype)
 
 
