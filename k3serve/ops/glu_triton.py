@@ -58,6 +58,12 @@ def _glu_kernel(G, U, Y, n_cols, stride_g, stride_u, stride_y, beta, linear_beta
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+# Columns a program sums and activates where the rows are a split-K GEMM's partials (a decode step's:
+# kimi-linear -q mxfp4 at one token, 9 rows of 6 partials), so the few rows' partials are read by
+# more programs at once (RESULTS.md fifty-sixth session).
+SPLIT_BLOCK = 128
+
+
 def glu_triton(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0,
                linear_beta: float | None = None, split: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     """``glu_activation`` in one launch: gate, up [..., I] (rows may be strided, e.g. the two
@@ -75,7 +81,7 @@ def glu_triton(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0
     if out is None:
         out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
     if rows:
-        block = min(1024, triton.next_power_of_2(n))
+        block = min(SPLIT_BLOCK if split > 1 else 1024, triton.next_power_of_2(n))
         _glu_kernel[(rows, triton.cdiv(n, block))](
             g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0), float(beta), float(linear_beta or 1.0),
             SITU=act == "situ", LINEAR_CLIP=linear_beta is not None, SIGMOID=act == "sigmoid", BLOCK=block,

@@ -1060,6 +1060,8 @@ def _combine_store(acc, sq, NORM_W, ADD, OUT, t, cols, mask, D, stride_add, eps,
 # together; the k3-slice timeline charged it 14.5 us a call at batch 1, and 8 or 16 warps did not
 # help (RESULTS.md twenty-seventh session). 0: one program a token (A/B timing).
 COMBINE_NORM_BLOCK = 256
+# Columns a combine program takes without the norm (RESULTS.md fifty-sixth session).
+COMBINE_BLOCK = 256
 # Warps of a combine program that normalises a whole row alone (COMBINE_NORM_BLOCK = 0); None: 4 up
 # to 4,096 columns, else 8.
 COMBINE_NORM_WARPS: int | None = None
@@ -1080,11 +1082,11 @@ def combine_experts(y: torch.Tensor, top_k: int, norm=None, add: torch.Tensor | 
     if T:
         w = norm.weight if norm is not None else y
         a = add if add is not None else y
-        # Column blocks of 512 spread a decode step's few rows over more SMs (one program per row took
-        # 7 us a layer at batch 1 on kimi-linear, RESULTS.md sixth session); with the norm, blocks of
+        # Column blocks of COMBINE_BLOCK spread a decode step's few rows over more SMs (one program per
+        # row took 7 us a layer at batch 1 on kimi-linear, RESULTS.md sixth session); with the norm, blocks of
         # COMBINE_NORM_BLOCK, the row's last one normalising it.
         row = triton.next_power_of_2(D)
-        block = min(512, row) if norm is None else min(COMBINE_NORM_BLOCK or row, row)
+        block = min(COMBINE_BLOCK, row) if norm is None else min(COMBINE_NORM_BLOCK or row, row)
         split = triton.cdiv(D, block)
         norm_split = norm is not None and split > 1
         part = torch.empty(T, D + split, dtype=torch.float32, device=y.device) if norm_split else y
