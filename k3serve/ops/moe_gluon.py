@@ -77,6 +77,11 @@ COLS_FIRST_MIN_ROWS = 16
 # where the caller allows (``gluon_grouped_gemm(prefetch=)``: the down GEMM) with the weights'
 # first ring steps copied before the wait.
 PDL = True
+# The gate / up GEMM with its GLU epilogue (unsplit: K3's decode steps, kimi-linear -q past 3 tokens) stays
+# out of the chain: K3's at one token lost ~14 us a layer in it (k3-slice on the H200, the gate / up 250 against
+# 193 us a step charged, the down after it 141 against 120; RESULTS.md fifty-sixth session), where kimi-linear
+# -q's split gate / up gained ~1.2 us a layer.
+PDL_UNSPLIT_GLU = False
 PREFETCH = True
 
 
@@ -406,5 +411,6 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
         BLOCK_M=block_m, STAGES=stages, WARPS=warps, COLS_FIRST=cols_first, SPLIT_K=split_k,
         PREFETCH=prefetch and PREFETCH, STATIC_TAIL=static_tail, num_warps=warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}), **(pdl.launch(out.device) if PDL else {}))
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+        **(pdl.launch(out.device) if PDL and (PDL_UNSPLIT_GLU or up is None or split_k > 1) else {}))
     return out
