@@ -165,8 +165,11 @@ def kimi_linear_small(device, dtype, quantization: str | None = None) -> "K3ForC
     AttnRes: pre-norm residual adds, fused into the sublayers' last kernels at decode; one expert
     group: the router launch routes; bf16 experts with the shared one joined; low-rank KDA gates).
     Dummy weights drawn on the CPU, as the tiny preset's (both runs see the same weights).
-    ``quantization="mxfp4"``: its bf16 experts quantised as they load (``--quantization mxfp4``:
-    MXFP4 experts beside a bf16 shared expert that cannot join them, no latent projections)."""
+    ``quantization="mxfp4"``: its bf16 experts quantised as they load (``--quantization mxfp4``: the
+    shared expert quantised and joined to the MXFP4 stacks, no latent projections). Fused again on
+    the device, as an engine that loads there does: MXFP4 stacks take the MMA layout on Hopper, so
+    the quantised rows go through the Gluon kernel the server runs (before the fifty-sixth session's
+    fix they took the checkpoint layout's Triton upcasts)."""
     raw = preset_config("kimi-linear-48b")
     raw.update(vocab_size=2048, hidden_size=256, num_hidden_layers=5, intermediate_size=512, num_attention_heads=4,
                num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -177,7 +180,9 @@ def kimi_linear_small(device, dtype, quantization: str | None = None) -> "K3ForC
     net = K3ForCausalLM(cfg, resolve_dtype(dtype, torch.device("cpu")), "cpu")
     load_dummy(net, 0)
     net.fuse_projections()
-    return net.eval().to(device)
+    net = net.eval().to(device)
+    net.fuse_projections()  # (idempotent: on the GPU, the MMA layout of MXFP4 stacks)
+    return net
 
 
 def _ffn(layer):
