@@ -16,7 +16,8 @@ from a tensor the predecessor still reads). Where the predecessor is short and l
 pays: the router logits' weight tile (2.2 -> 1.1 us a call; with the add + norm before it, one
 launch: ``moe_triton.add_norm_router_logits``), the small-K GEMVs' one weight tile a program
 (``gemv_triton``, ``static_weight``), a one-token step's joined shared expert computed during the
-routing (``moe_triton`` STATIC_TAIL). Where it was tried against a bandwidth-bound or
+routing (``moe_triton`` STATIC_TAIL, and ``moe_gluon``'s), the MXFP4 down GEMM's first weight step
+(``moe_gluon`` PREFETCH). Where it was tried against a bandwidth-bound or
 register-hungry kernel it lost: weights hinted into L2 over whole slabs (L2 thrash), the mixers'
 o_proj rows hinted during the fused KDA step (that step +2.9 us a layer), a GEMV's first tile of
 several (a pipeline stage of shared memory), the fused KDA step's first state tile (registers held
