@@ -33,11 +33,13 @@ from k3serve.model.batch import CacheHandles, ForwardBatch, SeqChunk
 from k3serve.config import ModelConfig
 from k3serve.model.k3 import K3ForCausalLM
 from k3serve.model.loader import load_model, resolve_dtype
+from k3serve.model.moe import RoutedExperts
 from k3serve.model.weights import load_dummy
 from k3serve.presets import preset_config
 from k3serve.ops import backend as kernel_backend
 from k3serve.ops import fla_backend
 from k3serve.ops import kda as kda_ops
+from k3serve.ops import moe_triton
 from k3serve.ops.kda_ref import kda_gate, l2norm
 
 ROWS: list[dict] = []
@@ -182,6 +184,9 @@ def kimi_linear_small(device, dtype, quantization: str | None = None) -> "K3ForC
     net.fuse_projections()
     net = net.eval().to(device)
     net.fuse_projections()  # (idempotent: on the GPU, the MMA layout of MXFP4 stacks)
+    stacks = [m for m in net.modules() if isinstance(m, RoutedExperts) and m.mxfp4]
+    if stacks and moe_triton.has_bf16x2_mul(torch.device(device)):  # the served path, or the rows say nothing
+        assert all(m.mma_layout and m.folded_scales for m in stacks), "MXFP4 stacks not in the Gluon kernel's layout"
     return net
 
 
