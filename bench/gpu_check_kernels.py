@@ -535,18 +535,10 @@ def check_experts_split(T: int, gen: torch.Generator, E: int = 32, top: int = 9,
     weights with the intermediate rounded to bf16 as the kernels store it. ``shared``: the ninth is
     a shared expert joined to the stacks, as served (at one token its programs run before the PDL
     wait: ``moe_triton.SHARED_BEFORE_WAIT``), the routing weights' last column 1."""
-    import dataclasses
+    from bench.quantised_experts import kimi_quantised_experts
+    from k3serve.model.moe import GLUMLP
 
-    from k3serve.config import ModelConfig
-    from k3serve.model.moe import GLUMLP, RoutedExperts
-    from k3serve.presets import preset_config
-
-    cfg = dataclasses.replace(ModelConfig.from_dict(preset_config("kimi-linear-48b")), num_experts=E)
-    ex = RoutedExperts(cfg.with_quantization("mxfp4"), cfg.hidden_size, torch.bfloat16, DEV)
-    for n in ("w1", "w2", "w3"):
-        p, s = getattr(ex, f"{n}_packed"), getattr(ex, f"{n}_scale")
-        k = p.shape[2] * 2
-        p.data, s.data = quantize_mxfp4(torch.randn(E, p.shape[1], k, device=DEV, generator=gen) * k ** -0.5)
+    cfg, ex = kimi_quantised_experts(gen, E)
     if shared:
         mlp = GLUMLP(cfg, cfg.hidden_size, ex.intermediate, torch.bfloat16, DEV)
         for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):

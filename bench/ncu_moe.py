@@ -48,18 +48,10 @@ def main() -> None:
 
 def kimi_quantised(tokens: int) -> None:
     """kimi-linear's experts as ``--quantization mxfp4`` serves them (random MXFP4 codes), top 8."""
-    from k3serve.config import ModelConfig
-    from k3serve.model.moe import RoutedExperts
-    from k3serve.ops.mxfp4 import quantize_mxfp4
-    from k3serve.presets import preset_config
+    from .quantised_experts import kimi_quantised_experts
 
-    cfg = ModelConfig.from_dict(preset_config("kimi-linear-48b"))
-    ex = RoutedExperts(cfg.with_quantization("mxfp4"), cfg.hidden_size, torch.bfloat16, "cuda")
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    for n in ("w1", "w2", "w3"):
-        p, s = getattr(ex, f"{n}_packed"), getattr(ex, f"{n}_scale")
-        k = p.shape[2] * 2
-        p.data, s.data = quantize_mxfp4(torch.randn(ex.num_experts, p.shape[1], k, device="cuda", generator=g) * k ** -0.5)
+    cfg, ex = kimi_quantised_experts(g)
     assert ex.use_mma_layout() and ex.folded_scales
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", generator=g).bfloat16()
     ids = torch.rand(tokens, ex.num_experts, device="cuda", generator=g).topk(cfg.num_experts_per_token, -1).indices
