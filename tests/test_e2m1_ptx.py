@@ -75,6 +75,9 @@ def run_ptx(text: str, word: int) -> list[int]:
             r = (args[0] << args[1]) & MASK
         elif op == "shr.b32":
             r = args[0] >> args[1]
+        elif op == "shf.l.wrap.b32":  # funnel shift of (hi = args[1], lo = args[0]), amount mod 32
+            n = args[2] & 31
+            r = ((args[1] << n) | (args[0] >> (32 - n))) & MASK if n else args[1]
         elif op == "and.b32":
             r = args[0] & args[1]
         elif op == "or.b32":
@@ -149,4 +152,5 @@ def test_emulator_knows_every_instruction_of_the_mma_upcast():
 
     text = _E2M1_WORD_TO_BF16_ASM.value.replace("{", "").replace("}", "")
     ops = {s.strip().partition(" ")[0] for s in text.split(";")}
-    assert ops - {"", ".reg"} <= {"mov.b32", "shl.b32", "shr.b32", "and.b32", "or.b32", "mul.rn.bf16x2"}
+    assert ops - {"", ".reg"} <= {"mov.b32", "shl.b32", "shr.b32", "shf.l.wrap.b32", "and.b32", "or.b32",
+                                  "mul.rn.bf16x2"}

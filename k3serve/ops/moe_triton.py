@@ -26,6 +26,7 @@ from . import norm_triton, pdl
 from .autotune import autotuned, interpreted, sm_count
 from .expert_sort import one_row_blocks, sort_by_expert, sort_by_expert_sizes
 from .glu_triton import glu, glu_triton
+from .mxfp4 import MMA_PAIR_TERMS
 from .pdl import pdl_start
 from .tickets import last_arrival, tickets
 
@@ -124,27 +125,38 @@ def _mx_group_asm(X, W, S, tok, valid, e, cols, cmask, kk, stride_xt, stride_we,
 
 # One 32-bit word of the MMA layout (``mxfp4.to_mma_layout``: four bytes' codes with their bits
 # pre-arranged) -> its eight codes as four bf16x2 registers, each one byte's (low, high) nibble pair,
-# i.e. an MMA operand pair (k, k + 1): bytes 0-2's codes are masked out in place (after shifts of 0,
-# 3 and 6), byte 3's are gathered from three places; as in ``_E2M1_TO_BF16_ASM`` each masked pair is
-# the codes' values times 2^-126 (the +/-0.5 codes subnormal), made exact by one mul.bf16x2 by
-# 2^126. $0..$3: bytes 0..3; $4: the word. Checked by executing this text (tests/test_e2m1_ptx.py).
-_E2M1_WORD_TO_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 a, b, c, two126;
-mov.b32 two126, 0x7E807E80;
-and.b32 a, $4, 0x81C081C0;
-mul.rn.bf16x2 $0, a, two126;
-shl.b32 a, $4, 3; and.b32 a, a, 0x81C081C0;
-mul.rn.bf16x2 $1, a, two126;
-shl.b32 a, $4, 6; and.b32 a, a, 0x81C081C0;
-mul.rn.bf16x2 $2, a, two126;
-shl.b32 a, $4, 1; and.b32 a, a, 0x80008000;
-shr.b32 b, $4, 3; and.b32 b, b, 0x01800180;
-shr.b32 c, $4, 7; and.b32 c, c, 0x00400040;
-or.b32 a, a, b; or.b32 a, a, c;
-mul.rn.bf16x2 $3, a, two126;
-}
-""")
+# i.e. an MMA operand pair (k, k + 1): register i is the OR of ``mxfp4.MMA_PAIR_TERMS[i]`` (the word
+# rotated, masked; a rotation whose kept bits do not wrap is a plain shift), so the layout and this
+# text come from one table; as in ``_E2M1_TO_BF16_ASM`` each masked pair is the codes' values times
+# 2^-126 (the +/-0.5 codes subnormal), made exact by one mul.bf16x2 by 2^126 (moe_gluon replaces it
+# by the block's scale). $0..$3: bytes 0..3; $4: the word. Checked by executing this text
+# (tests/test_e2m1_ptx.py).
+
+
+def _masked_rotation_ptx(reg: str, r: int, m: int) -> str:
+    kept = [t for t in range(32) if m >> t & 1]
+    if r == 0:
+        return f"and.b32 {reg}, $4, 0x{m:08X};"
+    if all(t >= r for t in kept):
+        shift = f"shl.b32 {reg}, $4, {r};"
+    elif all(t < r for t in kept):
+        shift = f"shr.b32 {reg}, $4, {32 - r};"
+    else:
+        shift = f"shf.l.wrap.b32 {reg}, $4, $4, {r};"
+    return f"{shift} and.b32 {reg}, {reg}, 0x{m:08X};"
+
+
+def _word_upcast_ptx() -> str:
+    lines = ["{", ".reg .b32 a, b, two126;", "mov.b32 two126, 0x7E807E80;"]
+    for i, terms in enumerate(MMA_PAIR_TERMS):
+        lines += [_masked_rotation_ptx(reg, r, m) for reg, (r, m) in zip("ab", terms)]
+        lines += ["or.b32 a, a, b;"] * (len(terms) - 1) + [f"mul.rn.bf16x2 ${i}, a, two126;"]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+assert all(len(terms) <= 2 for terms in MMA_PAIR_TERMS)
+_E2M1_WORD_TO_BF16_ASM = tl.constexpr(_word_upcast_ptx())
+_PAIR_TERMS = tl.constexpr(MMA_PAIR_TERMS)
 
 
 @triton.jit
@@ -169,10 +181,13 @@ def _mma_words_to_values(packed, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         b = packed.to(tl.uint32).reshape(packed.shape[:-1] + [2, 4])
         word = tl.sum(b << (8 * tl.arange(0, 4).to(tl.uint32)), len(b.shape) - 1)  # bytes are disjoint bits
-        r0 = word & 0x81C081C0
-        r1 = (word << 3) & 0x81C081C0
-        r2 = (word << 6) & 0x81C081C0
-        r3 = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+        regs = []
+        for terms in _PAIR_TERMS.value:  # (the interpreter runs this loop in Python)
+            reg = word & 0
+            for r, m in terms:
+                reg = reg | (((word << r) | (word >> (32 - r))) & m if r else word & m)
+            regs.append(reg)
+        r0, r1, r2, r3 = regs
         # output o at byte position p = 2 q1 + q0: half q0 of register 2 o + q1; dims (s, q0, q1) -> (s, q1, q0)
         out0 = tl.join(tl.join(_half_value(r0, False), _half_value(r0, True)),
                        tl.join(_half_value(r1, False), _half_value(r1, True)))

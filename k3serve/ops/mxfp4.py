@@ -207,42 +207,75 @@ def mxfp4_bytes(n: int, k: int) -> int:
 # and re-pairs nibbles in registers (RESULTS.md eleventh session: LDS 179 + PRMT 316 of the K
 # loop's 1,545 instructions). Here each 16-row block is rewritten, once at load time, so that a
 # lane's bytes of one 32-code scale group are 8 contiguous bytes (two 32-bit words, one per k
-# slice) whose bits are pre-arranged for a ~2-instruction-a-code upcast: in each 16-bit half,
-# byte 0's code sits at the bf16 sign / low exponent / top mantissa bits (15, 8-6), byte 1's three
-# places lower (12, 5-3), byte 2's six (9, 2-0), byte 3's in the bits left (14, 11-10, 13); the
-# low half holds the low nibbles (even k), the high half the high ones. The bit arrangement is the
-# one OpenAI's triton_kernels uses for Hopper ("HopperMXValueLayout"); the block / lane order here
-# is our own. Same shape and size as the checkpoint layout [..., N, K/2] (a permutation within
-# each 16-row block), so N may be sliced in multiples of 16 after the rewrite.
+# slice) whose bits are pre-arranged for a ~1.6-instruction-a-code upcast (below), and the low half
+# of each bf16x2 register holds a byte's low nibble (even k), the high half its high nibble. Same
+# shape and size as the checkpoint layout [..., N, K/2] (a permutation within each 16-row block), so
+# N may be sliced in multiples of 16 after the rewrite.
+#
+# The bits of a word. The upcast wants byte i's two codes in register i with each sign at bf16 bit
+# 15 (31) and each magnitude at bits 8-6 (24-22) (``_MMA_TARGET``: the code's value times 2^-126,
+# made exact by one mul.bf16x2, which the Gluon kernel also gives the block scale), and gets register i as the OR of
+# ``MMA_PAIR_TERMS[i]``: (r, m) = the word rotated left by r, masked by m. Registers 0-2 take one
+# rotation each (0, 4, 10), register 3 the bits left, from two (a right shift by 2 and a left shift
+# by 6): 9 integer instructions a word (sm_90 SASS: 5 LOP3, 2 IMAD.SHL, 2 SHF) where the Hopper
+# layout of OpenAI's triton_kernels ("HopperMXValueLayout": shifts 0, 3, 6 and byte 3 gathered from
+# three places) takes 11. A search over every such layout (fifty-ninth session, bench/RESULTS.md)
+# found none with one rotation a register (the fourth always needs two) and none with plain shifts
+# only. The words are written and read back through these terms, so the kernels' PTX, the
+# interpreter's emulation and this rewrite cannot disagree.
 
 _MMA_ROWS = 16
+_MMA_TARGET = 0x81C081C0  # sign 15, magnitude 8-6 of each bf16 half
+MMA_PAIR_TERMS: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((0, _MMA_TARGET),),
+    ((4, _MMA_TARGET),),
+    ((10, _MMA_TARGET),),
+    ((30, 0x01000100), (6, 0x80C080C0)),
+)
+
+
+def _rotl(x: torch.Tensor, r: int) -> torch.Tensor:
+    """32-bit left rotation of int64 words in [0, 2^32)."""
+    return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF if r else x
+
+
+def _check_terms() -> None:
+    """Each register's terms cover its target bits once, and the four registers' sources are the
+    word's 32 bits once each (so the layout is a bit permutation: it round-trips)."""
+    sources = []
+    for terms in MMA_PAIR_TERMS:
+        assert sum(bin(m).count("1") for _, m in terms) == 8 and (
+            sum(m for _, m in terms) == _MMA_TARGET), terms
+        sources += [(t - r) % 32 for r, m in terms for t in range(32) if m >> t & 1]
+    assert sorted(sources) == list(range(32)), sources
+
+
+_check_terms()
 
 
 def _interleave_words(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 4] (bytes B0..B3 of a word) -> uint8 [..., 4], the bit layout above. (int32
-    throughout, every shift to the left: a bit may land in the sign but is never shifted back.)"""
-    b = b.to(torch.int32)
-    word = torch.zeros(b.shape[:-1], dtype=torch.int32, device=b.device)
-    for half, codes in ((0, b & 15), (16, b >> 4)):
-        for i in range(3):  # sign to bit 15 - 3i, magnitude to bits 8-6 minus 3i
-            c = codes[..., i]
-            word |= (((c & 8) << (12 - 3 * i)) | ((c & 7) << (6 - 3 * i))) << half
-        c = codes[..., 3]  # sign to 14, magnitude bits 2-1 to 11-10, bit 0 to 13
-        word |= (((c & 8) << 11) | ((c & 6) << 9) | ((c & 1) << 13)) << half
+    """uint8 [..., 4] (bytes B0..B3 of a word) -> uint8 [..., 4], the bit layout above."""
+    b = b.to(torch.int64)
+    word = torch.zeros(b.shape[:-1], dtype=torch.int64, device=b.device)
+    for i, terms in enumerate(MMA_PAIR_TERMS):
+        c = b[..., i]  # low nibble to the low half, high nibble to the high half: sign 15, magnitude 8-6
+        reg = ((c & 8) << 12) | ((c & 7) << 6) | ((c & 0x80) << 24) | ((c & 0x70) << 18)
+        for r, m in terms:
+            word |= _rotl(reg & m, (32 - r) % 32)
     return torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
 
 
 def _deinterleave_words(w: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``_interleave_words`` (each right shift is masked, so int32 sign fill is harmless)."""
-    w = w.to(torch.int32)
+    """Inverse of ``_interleave_words``: the upcast's own terms, then each half's code read back."""
+    w = w.to(torch.int64)
     word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
-    regs = [word, word << 3, word << 6,
-            ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)]
-
-    def code(r):  # sign at bit 15, magnitude at bits 8-6 of a half
-        return ((r >> 12) & 8) | ((r >> 6) & 7)
-
-    return torch.stack([code(r) | (code(r >> 16) << 4) for r in regs], -1).to(torch.uint8)
+    out = []
+    for terms in MMA_PAIR_TERMS:
+        reg = torch.zeros_like(word)
+        for r, m in terms:
+            reg |= _rotl(word, r) & m
+        out.append(((reg >> 12) & 8) | ((reg >> 6) & 7) | ((reg >> 24) & 0x80) | ((reg >> 18) & 0x70))
+    return torch.stack(out, -1).to(torch.uint8)
 
 
 # Largest E8M0 byte whose 2^(E8M0 - 1) is a finite bf16: the bound for folding the block scale into
