@@ -46,7 +46,8 @@ DECODE_VARIANTS = [(16, 64, False, 128, 4, 3), (16, 32, True, 256, 2, 4), (16, 3
 # sweep (64 / 128 / 256 wide, 4 / 8 warps, 2-5 stages: RESULTS.md twelfth and thirteenth sessions)
 # the two best stay as the Gluon kernel's yardstick.
 DECODE_VARIANTS += [(16, bn, True, bk, w, st, "mma") for bn, bk, w, st in ((64, 128, 4, 2), (64, 64, 4, 3))]
-# The same layout through moe_gluon's kernel (64 weight rows, 4 warps, K steps of 128; stages: its copy ring).
+# The same layout through moe_gluon's kernel (64 weight rows, 4 warps, K steps of 128; stages: its copy ring,
+# two slots fixed since the fifty-ninth session, the field ignored).
 # Thirteenth session: 2 stages best (70 % of copy at 16 tokens; 3: 61 %); 78 registers, 25.6 KB:
 # 6 programs an SM; register caps of 80 (the same) and 72 (slower) are out of the sweep. Fourteenth:
 # row blocks of 8 (wgmma N = 8, 66 registers) beat 16 at 1 / 16 / 64 tokens (63 / 77 / 71 % of copy
@@ -61,7 +62,7 @@ DECODE_VARIANTS += [(bm, 64, True, 128, 4, 2, "gluon", {"cols_first": c}) for bm
 PREFILL_VARIANTS = [(128, 128, False, 128, 8, 3), (128, 128, False, 128, 8, 4), (64, 128, False, 64, 4, 3)] + [
     (bm, bn, True, bk, w, st, "mma") for bm, bn, bk, w, st in (  # (the best two of the twelfth session's seven)
         (64, 64, 128, 4, 2), (128, 128, 128, 8, 3))] + [
-    (64, 64, True, 128, 4, st, "gluon") for st in (2, 3)] + [
+    (64, 64, True, 128, 4, 2, "gluon")] + [  # (its K steps a double buffer since the fifty-ninth session)
     (bm, 64, True, 128, 8, 2, "gluon") for bm in (64, 128)] + [  # 8 warps: moe_gluon's STACKED form
     # row blocks of mixed sizes (expert_sort.sort_by_expert_sizes), each size at its default warps
     (sizes, 64, True, 128, None, 2, "gluon", opts) for sizes in ((32, 64, 128), (16, 32, 64, 128))

@@ -8,12 +8,15 @@ dequantisation by bench/gpu_check_kernels.py, compiled for sm_90 on CPU by
 tests/test_sm90_compile.py (Triton 3.6 and 3.9).
 
 Why it is faster (RESULTS.md twelfth and thirteenth sessions; ``bench/gluon_probe.py``):
-- a ring of STAGES K steps of cp.async copies (activations, weight words, E8M0 bytes) keeps the
+- a double buffer of K steps of cp.async copies (activations, weight words, E8M0 bytes) keeps the
   next step's bytes in flight while this one computes; the first version without it, loads
   issued at use, was slower than "mx_mma" (43 % at 16 tokens), and a register prefetch carried
   the bytes one per register (132 registers a thread). Each thread copies and later reads its
-  own weight words and scale bytes, so only the activations need a barrier (one a step); every
-  copy of a step lands in its own allocation, so the compiler adds none between them;
+  own weight words and scale bytes, so only the activations need a barrier, one a step: each slot
+  of the buffer is its own allocations (so the compiler proves the copies into one and the reads of
+  the other disjoint), and every wgmma of a step retires at its end, so the refill of the other
+  slot starts right after that barrier (fifty-ninth session: the ring of two slots indexed at run
+  time had three barriers a step; K3's experts at 1 / 16 / 64 / 256 tokens 5-10 % faster);
 - the weight words load in a [16-row block, lane, byte] layout, one warp a block, and the
   upcast tile converts to the wgmma register operand with ``assert_trivial=True``;
 - the E8M0 scale is folded into the upcast's exact multiply (2^(E8M0 - 1) per row, two rows a
@@ -67,7 +70,7 @@ _SCALED_WORD_TO_BF16_ASM = gl.constexpr(_text)
 BLOCK_N = 64  # weight rows a program: four 16-row blocks, one a warp
 GROUPS = gl.constexpr(4)  # 32-code groups a K step (a row's E8M0 bytes of a step: one 4-byte copy)
 BLOCK_K = 32 * GROUPS.value
-STAGES = 2  # K steps in the copy ring (H200, K3 decode: 2 beat 3, 4 and 5 by 12-20 %)
+# (a ring of 3-5 K steps lost to 2 by 12-20 % on K3's decode, twelfth-fourteenth sessions; so two slots, fixed)
 # Row blocks read their gathered activations once per column tile: ordered row block fastest, the
 # ~260 programs in flight hold ~260 row blocks' (K3 prefill: ~240 MB, past L2) and the re-reads go
 # to DRAM; column tile fastest they hold a few. K3 on the H200 (fifteenth session): 8K tokens 24.4
@@ -101,38 +104,47 @@ def _weight_group(packed, scale, BLOCKS: gl.constexpr, word_l: gl.constexpr, mul
 
 
 @gluon.jit
-def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO: gl.constexpr,
+def _copy_step(i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, n_steps, TWO: gl.constexpr,
                WHAT: gl.constexpr = 0):
-    """Start the asynchronous copies of K step i (GROUPS 32-code groups) into ring slot ``slot``:
-    each group's gathered activations [BLOCK_M, 32], the weight words each thread later reads
-    itself (its own bytes: no barrier needed for them), and the step's E8M0 bytes of the 64 gate
-    and up rows (4 a row, one copy each). A step past the end copies nothing (masked) but still
-    commits its group, so the wait counts stay uniform. Every copy of a step lands in its own
-    allocation (``bufs``: activations, gate and up words a group, scales), so the compiler puts no
-    barrier between them. WHAT: 0 all of it, 1 the weights and scales only, 2 the activations only
-    (PREFETCH: a step's weights before the PDL wait, its activations after)."""
-    xs, ws, wus, ss = bufs
+    """Start the asynchronous copies of K step i (GROUPS 32-code groups) into ``slot`` (``_slot``'s
+    buffers): each group's gathered activations [BLOCK_M, 32], the weight words each thread later
+    reads itself (its own bytes: no barrier needed for them), and the step's E8M0 bytes of the 64
+    gate and up rows (4 a row, one copy each). A step past the end copies nothing (masked) but still
+    commits its group, so the wait counts stay uniform. Every copy lands in its own allocation, so
+    the compiler puts no barrier between them. WHAT: 0 all of it, 1 the weights and scales only, 2
+    the activations only (PREFETCH: a step's weights before the PDL wait, its activations after)."""
+    xs, ws, wus, ss = slot
     live = i < n_steps
     for g in gl.static_range(GROUPS):
         kk = i * (32 * GROUPS) + 32 * g
         if WHAT != 1:
-            async_load(xs[g].index(slot), x_ptrs + kk,
+            async_load(xs[g], x_ptrs + kk,
                        mask=gl.full(x_ptrs.shape, 1, gl.int1, x_ptrs.type.layout) & live)
         if WHAT != 2:
             w_at = (i * GROUPS + g) * 256
-            async_load(ws[g].index(slot), W_e + w_offs + w_at, mask=wmask & live)
+            async_load(ws[g], W_e + w_offs + w_at, mask=wmask & live)
             if TWO:
-                async_load(wus[g].index(slot), WU_e + w_offs + w_at, mask=wmask & live)
+                async_load(wus[g], WU_e + w_offs + w_at, mask=wmask & live)
     if WHAT != 2:
-        async_load(ss.index(slot), s_ptrs + i * GROUPS, mask=smask & live)
+        async_load(ss, s_ptrs + i * GROUPS, mask=smask & live)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _ring(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+def _four(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
     """One allocation a group (GROUPS == 4): copies into different allocations need no barrier."""
     return (gl.allocate_shared_memory(dtype, shape, layout), gl.allocate_shared_memory(dtype, shape, layout),
             gl.allocate_shared_memory(dtype, shape, layout), gl.allocate_shared_memory(dtype, shape, layout))
+
+
+@gluon.jit
+def _slot(BLOCK_M: gl.constexpr, WARPS: gl.constexpr, TWO: gl.constexpr, x_s: gl.constexpr, flat: gl.constexpr,
+          flat2: gl.constexpr):
+    """One slot of the double buffer, all its own allocations: activations, gate and up words a
+    group (without TWO the gate's twice, the up's unused), the step's E8M0 bytes."""
+    ws = _four(gl.uint8, [WARPS, 32, 8], flat)
+    return (_four(gl.bfloat16, [BLOCK_M, 32], x_s), ws, _four(gl.uint8, [WARPS, 32, 8], flat) if TWO else ws,
+            gl.allocate_shared_memory(gl.uint8, [128, GROUPS], flat2))
 
 
 @gluon.jit
@@ -165,34 +177,32 @@ def _step_scales(rows, sg_l: gl.constexpr, scale_l: gl.constexpr, STACKED: gl.co
 
 
 @gluon.jit
-def _k_step(acc, acc_up, i, slot, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
-            STAGES: gl.constexpr, TWO: gl.constexpr, FIRST: gl.constexpr, word_l: gl.constexpr,
-            scale_l: gl.constexpr, sg_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr,
-            STACKED: gl.constexpr):
-    """K step i from ring slot ``slot``: wait for its copies, make the activations visible to the
-    wgmma (barrier + async-proxy fence), then per group upcast and issue the (gate's) wgmma, and
-    the up's with TWO chains, keeping this group's in flight. After the first group's wait every wgmma of the
-    previous step has completed, so its slot is refilled there with step i + STAGES - 1."""
-    xs, ws, wus, ss = bufs
-    async_copy.wait_group(STAGES - 2)
+def _k_step(acc, acc_up, i, cur, nxt, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, n_steps,
+            TWO: gl.constexpr, FIRST: gl.constexpr, word_l: gl.constexpr, scale_l: gl.constexpr,
+            sg_l: gl.constexpr, mult_l: gl.constexpr, a_l: gl.constexpr, STACKED: gl.constexpr):
+    """K step i from slot ``cur`` (``_slot``'s buffers): wait for its copies, make the activations
+    visible to the wgmma (barrier + async-proxy fence), start step i + 1's copies into the other slot
+    ``nxt`` (every wgmma that read it retired before each warp reached the barrier), then per group
+    upcast and issue the (gate's) wgmma, and the up's with TWO chains, keeping this group's in
+    flight, and retire them all at the end."""
+    xs, ws, wus, ss = cur
+    async_copy.wait_group(0)
     cta_barrier()  # (also: every thread's scale copies of this step landed)
     fence_async_shared()
+    _copy_step(i + 1, nxt, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, n_steps, TWO)
     BLOCKS: gl.constexpr = 8 if STACKED else 4
-    s_gate, s_up = _step_scales(ss.index(slot), sg_l, scale_l, STACKED)
+    s_gate, s_up = _step_scales(ss, sg_l, scale_l, STACKED)
     for g in gl.static_range(GROUPS):
-        xb = xs[g].index(slot).permute([1, 0])  # [32, BLOCK_M]
-        w = _weight_group(ws[g].index(slot).load(word_l), s_gate[g], BLOCKS, word_l, mult_l, a_l)
+        xb = xs[g].permute([1, 0])  # [32, BLOCK_M]
+        w = _weight_group(ws[g].load(word_l), s_gate[g], BLOCKS, word_l, mult_l, a_l)
         acc = warpgroup_mma(w, xb, acc, use_acc=not (FIRST and g == 0), is_async=True)
         if TWO:
-            wu = _weight_group(wus[g].index(slot).load(word_l), s_up[g], BLOCKS, word_l, mult_l, a_l)
+            wu = _weight_group(wus[g].load(word_l), s_up[g], BLOCKS, word_l, mult_l, a_l)
             acc_up = warpgroup_mma(wu, xb, acc_up, use_acc=not (FIRST and g == 0), is_async=True)
             acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_up])
         else:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        if g == 0:
-            _copy_step(i + STAGES - 1, (slot + STAGES - 1) % STAGES, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask,
-                       bufs, n_steps, TWO)
-    return acc, acc_up
+    return warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_up])
 
 
 @gluon.jit
@@ -200,13 +210,13 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          num_assign, top_k, N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_on,
                          beta, linear_beta, static_expert0, GLU: gl.constexpr, SITU: gl.constexpr,
                          LINEAR_CLIP: gl.constexpr, HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
-                         STAGES: gl.constexpr, WARPS: gl.constexpr = 4, COLS_FIRST: gl.constexpr = False,
+                         WARPS: gl.constexpr = 4, COLS_FIRST: gl.constexpr = False,
                          SPLIT_K: gl.constexpr = 1, USE_PDL: gl.constexpr = False, PREFETCH: gl.constexpr = False,
                          STATIC_TAIL: gl.constexpr = 0):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
     weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
-    operand streams through a ring of STAGES K steps of cp.async copies. GLU: two accumulator
+    operand streams through a double buffer of K steps of cp.async copies. GLU: two accumulator
     chains (gate, up) over the same 64 columns. WARPS = 8 (STACKED, prefill): one chain of 128
     weight rows over two warpgroups, each warp upcasting one 16-row block of one matrix (with GLU
     warpgroup 0 the gate's 64 rows, 1 the same up rows, paired after the loop through shared
@@ -219,7 +229,7 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
 
     In a PDL chain (USE_PDL; ops/pdl.py says what may be read before the wait): PREFETCH (the
     caller's word that ROWS and EXPERTS were written two or more launches back: the down GEMM)
-    starts the first STAGES - 1 steps' weight and scale copies before the wait, the activations'
+    starts the first step's weight and scale copies before the wait, the activations'
     after it; STATIC_TAIL (``moe_triton.grouped_gemm``'s: the last row blocks are one assignment
     each of the constant experts static_expert0, ...) runs those blocks' whole K loop before the
     wait, which they take only to store."""
@@ -294,9 +304,8 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         sj = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scp_l))
         s_offs = gl.expand_dims(srow * (stride_sn // 4) * 4, 1) + gl.expand_dims(sj, 0)
         smask = gl.expand_dims(srow < N, 1)
-        bufs = (_ring(gl.bfloat16, [STAGES, BLOCK_M, 32], x_s), _ring(gl.uint8, [STAGES, WARPS, 32, 8], flat),
-                _ring(gl.uint8, [STAGES, WARPS, 32, 8], flat) if TWO else None,
-                gl.allocate_shared_memory(gl.uint8, [STAGES, 128, GROUPS], flat2))
+        s0 = _slot(BLOCK_M, WARPS, TWO, x_s, flat, flat2)
+        s1 = _slot(BLOCK_M, WARPS, TWO, x_s, flat, flat2)
         # (strides rounded as the wrapper checked they are: the copies' 8- and 4-byte alignment)
         w_at, s_at = e * (stride_we // 8) * 8, e * (stride_se // 4) * 4
         W_e, WU_e = W + w_at, W_UP + w_at
@@ -308,23 +317,22 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
             W_e, WU_e = W_e + step0 * (GROUPS * 256), WU_e + step0 * (GROUPS * 256)
             x_ptrs = x_ptrs + step0 * (32 * GROUPS)
             s_ptrs = s_ptrs + step0 * GROUPS
-        if PREFETCH:  # the weights' first steps in flight before the wait, the activations' after
-            for j in gl.static_range(STAGES - 1):
-                _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO, 1)
+        if PREFETCH:  # the weights' first step in flight before the wait, the activations' after
+            _copy_step(0, s0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, n_steps, TWO, 1)
             gluon_pdl_start(USE_PDL)
-            for j in gl.static_range(STAGES - 1):  # (groups complete in order: step 0's wait covers them)
-                _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO, 2)
+            _copy_step(0, s0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, n_steps, TWO, 2)
         else:
-            for j in gl.static_range(STAGES - 1):
-                _copy_step(j, j, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps, TWO)
+            _copy_step(0, s0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, n_steps, TWO)
         acc = gl.zeros([16 * WARPS, BLOCK_M], gl.float32, layout=mma_l)
         acc_up = gl.zeros([16 * WARPS, BLOCK_M], gl.float32, layout=mma_l)
-        acc, acc_up = _k_step(acc, acc_up, 0, 0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs, n_steps,
-                              STAGES, TWO, True, word_l, scale_l, sg_l, mult_l, a_l, STACKED)
-        for i in range(1, n_steps):
-            acc, acc_up = _k_step(acc, acc_up, i, i % STAGES, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, bufs,
-                                  n_steps, STAGES, TWO, False, word_l, scale_l, sg_l, mult_l, a_l, STACKED)
-        acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_up])
+        acc, acc_up = _k_step(acc, acc_up, 0, s0, s1, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, n_steps,
+                              TWO, True, word_l, scale_l, sg_l, mult_l, a_l, STACKED)
+        for i in range(1, n_steps, 2):  # steps 1, 2, ... from slots 1, 0, ...: two steps a trip, static slots
+            acc, acc_up = _k_step(acc, acc_up, i, s1, s0, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask, n_steps,
+                                  TWO, False, word_l, scale_l, sg_l, mult_l, a_l, STACKED)
+            if i + 1 < n_steps:
+                acc, acc_up = _k_step(acc, acc_up, i + 1, s0, s1, W_e, WU_e, x_ptrs, w_offs, wmask, s_ptrs, smask,
+                                      n_steps, TWO, False, word_l, scale_l, sg_l, mult_l, a_l, STACKED)
         async_copy.wait_group(0)
         if STACKED and GLU:  # rows r and r + 64 (gate and up of one column) into one thread: [64, BLOCK_M, 2]
             acc, acc_up = gl.split(gl.convert_layout(acc.reshape([2, 64, BLOCK_M]).permute([1, 2, 0]), pair_l))
@@ -358,13 +366,13 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
                        top_k: int, weight: torch.Tensor, scale: torch.Tensor, n_out: int, block_m: int,
                        up: tuple | None = None, act: tuple = ("silu", 1.0, None),
                        out_dtype: torch.dtype = torch.float32, row_scale: torch.Tensor | None = None,
-                       stages: int = STAGES, maxnreg: int | None = None, warps: int = 4,
+                       maxnreg: int | None = None, warps: int = 4,
                        out: torch.Tensor | None = None, cols_first: bool | None = None,
                        split_k: int = 1, prefetch: bool = False, static_tail: int = 0,
                        static_expert0: int = 0) -> torch.Tensor:
     """``moe_triton.grouped_gemm``'s contract for MMA-layout MXFP4 weights and bf16 activations
     (K a multiple of ``BLOCK_K``, E8M0 bytes <= ``mxfp4.MMA_MAX_SCALE``: the caller's load-time check);
-    ``stages`` K steps in the copy ring (>= 2); ``maxnreg`` caps registers a thread (occupancy);
+    ``maxnreg`` caps registers a thread (occupancy);
     ``warps`` 8: the STACKED kernel (one chain of 128 weight rows over two warpgroups; row blocks
     of 64 or 128). With 4 warps, row blocks of 128 serve the single GEMM only (two accumulator
     chains of 64 x 128 do not fit). ``cols_first``: programs ordered column tile fastest (a row
@@ -375,9 +383,9 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
     (``rows`` and ``block_expert`` written two or more launches back); ``static_tail``,
     ``static_expert0``: as ``moe_triton.grouped_gemm``'s."""
     K = x.shape[1]
-    if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (8, 16, 32, 64, 128) or stages < 2:
-        raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0, row blocks of "
-                         f"8 to 128 and >= 2 stages (got {x.dtype}, K={K}, block_m={block_m}, stages={stages})")
+    if K % BLOCK_K or x.dtype != torch.bfloat16 or block_m not in (8, 16, 32, 64, 128):
+        raise ValueError(f"the Gluon grouped GEMM takes bf16 activations, K % {BLOCK_K} == 0 and row blocks of "
+                         f"8 to 128 (got {x.dtype}, K={K}, block_m={block_m})")
     if warps not in (4, 8) or (warps == 8 and block_m not in (64, 128)):
         raise ValueError(f"the Gluon grouped GEMM runs 4 warps, or 8 at row blocks of 64 or 128 (got {warps} warps, "
                          f"row blocks of {block_m})")
@@ -409,7 +417,7 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
         num_assign, top_k, n_out, K, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), static_expert0, GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, STAGES=stages, WARPS=warps, COLS_FIRST=cols_first, SPLIT_K=split_k,
+        BLOCK_M=block_m, WARPS=warps, COLS_FIRST=cols_first, SPLIT_K=split_k,
         PREFETCH=prefetch and PREFETCH, STATIC_TAIL=static_tail, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
         **(pdl.launch(out.device) if PDL and (PDL_UNSPLIT_GLU or up is None or split_k > 1) else {}))

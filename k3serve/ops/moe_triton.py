@@ -863,7 +863,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor
         from .moe_gluon import gluon_grouped_gemm
 
         opts = {"warps": GLUON_PREFILL_WARPS if block_m >= 64 else 4}
-        opts.update({k: tiles[t] for k, t in (("stages", "num_stages"), ("maxnreg", "maxnreg"), ("warps", "num_warps"),
+        opts.update({k: tiles[t] for k, t in (("maxnreg", "maxnreg"), ("warps", "num_warps"),
                                               ("cols_first", "cols_first")) if tiles and t in tiles})
         return gluon_grouped_gemm(x, rows, block_expert, num_assign, top_k, weight, scale, n_out, block_m, up=up,
                                   act=act, out_dtype=out_dtype, row_scale=row_scale, out=out, split_k=split_k,
