@@ -509,11 +509,11 @@ def check_mxfp4_mma(T: int, E: int, N: int, K: int, top: int, gen: torch.Generat
     a = ids.flatten()
     gate = torch.einsum("ak,ank->an", xa, dequantize_mxfp4(gp, gs)[a])
     exact = {False: gate, True: F.silu(gate) * torch.einsum("ak,ank->an", xa, dequantize_mxfp4(upk, us)[a])}
-    # every tuned Triton tile; the Gluon kernel's copy rings of 2, 3 and 4 K steps (its 4-warp
-    # gate / up chains do not fit row blocks of 128: the single GEMM only there), and at prefill
-    # row blocks its 8-warp STACKED form
+    # every tuned Triton tile; the Gluon kernel's 4 warps (its gate / up chains do not fit row
+    # blocks of 128: the single GEMM only there), and at prefill row blocks its 8-warp STACKED form
+    # (its K steps a double buffer: no stages to vary)
     tiles = [False, True] if sizes else sorted(moe_triton._MMA_TILES) if upcast == "mma" else [
-        (64, True, 4, st) for st in (2, 3, 4)] + ([(64, True, 8, 2)] if block_m >= 64 else [])
+        (64, True, 4, 2)] + ([(64, True, 8, 2)] if block_m >= 64 else [])
     for tile in tiles:
         for glu in (False, True) if upcast == "mma" or sizes or block_m < 128 or tile[2] == 8 else (False,):
             kw = dict(tiles=dict(BLOCK_N=tile[0], SWAP_AB=tile[1], num_warps=tile[2], num_stages=tile[3])
