@@ -220,9 +220,9 @@ def mxfp4_bytes(n: int, k: int) -> int:
 # Registers 0-2 take one rotation each (0, 4, 10), register 3 the bits left, from two (a right
 # shift by 2 and a left shift by 6): 9 integer instructions a word (sm_90 SASS: 5 LOP3, 2
 # IMAD.SHL, 2 SHF) where the Hopper layout of OpenAI's triton_kernels ("HopperMXValueLayout":
-# shifts 0, 3, 6 and byte 3 gathered from three places) takes 11. A search over every such layout (fifty-ninth session, bench/RESULTS.md)
-# found none with one rotation a register (the fourth always needs two) and none with plain shifts
-# only. The words are written and read back through these terms, so the kernels' PTX, the
+# shifts 0, 3, 6 and byte 3 gathered from three places) takes 11. A search over every such layout
+# (fifty-ninth session, bench/RESULTS.md) found none with one rotation a register (the fourth
+# always needs two) and none with plain shifts only. The words are written and read back through these terms, so the kernels' PTX, the
 # interpreter's emulation and this rewrite cannot disagree.
 
 _MMA_ROWS = 16
