@@ -222,8 +222,8 @@ def mxfp4_bytes(n: int, k: int) -> int:
 # IMAD.SHL, 2 SHF) where the Hopper layout of OpenAI's triton_kernels ("HopperMXValueLayout":
 # shifts 0, 3, 6 and byte 3 gathered from three places) takes 11. A search over every such layout
 # (fifty-ninth session, bench/RESULTS.md) found none with one rotation a register (the fourth
-# always needs two) and none with plain shifts only. The words are written and read back through these terms, so the kernels' PTX, the
-# interpreter's emulation and this rewrite cannot disagree.
+# always needs two) and none with plain shifts only. The words are written and read back through
+# these terms, so the kernels' PTX, the interpreter's emulation and this rewrite cannot disagree.
 
 _MMA_ROWS = 16
 _MMA_TARGET = 0x81C081C0  # sign 15, magnitude 8-6 of each bf16 half
