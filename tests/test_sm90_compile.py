@@ -95,7 +95,8 @@ def _gluon_grouped_gemm(glu: bool, block_m: int, warps: int, split_k: int = 1, *
     ints.update(beta="fp32", linear_beta="fp32", static_expert0="i32")
     consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m,
                   WARPS=warps, COLS_FIRST=block_m >= 64, SPLIT_K=split_k,
-                  **{"USE_PDL": False, "PREFETCH": False, "STATIC_TAIL": 0, **pdl_consts})
+                  **{"USE_PDL": False, "PREFETCH": False, "STATIC_TAIL": 0, "ACC_STORE": True, "EARLY_ROWS": True,
+                     **pdl_consts})
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
@@ -134,10 +135,33 @@ def test_gluon_mxfp4_grouped_gemm_compiles_with_wgmma_in_flight(glu, block_m, wa
     assert integer < 2.4 * steps.count("HMUL2"), (integer, steps.count("HMUL2"))
 
 
+@pytest.mark.parametrize("glu, split_k", [(True, 6), (False, 2), (True, 1), (False, 1)])
+def test_gluon_grouped_gemm_loads_its_rows_at_once_and_stores_partials_from_the_accumulator(glu, split_k):
+    """A program's expert id, its rows and its first row (the padding test) are loaded together,
+    before the test's exit, so the first copies wait for one load's latency after the PDL wait,
+    not two (EARLY_ROWS: the compiler sank the others behind the exit before); and split fp32
+    partials are stored straight from the wgmma accumulator's registers: no shared-memory
+    transposition after the last MMA (ACC_STORE; the bf16 rows keep theirs: 8-byte stores)."""
+    from bench.sass_mix import sass_text
+
+    def parts(**flags):
+        sass = sass_text(_gluon_grouped_gemm(glu, 8, 4, split_k, USE_PDL=True, **flags))
+        head = sass[:sass.index(" EXIT")]  # (not PREEXIT, the PDL launch of dependents)
+        tail = sass[sass.rindex("HGMMA"):]
+        return head.count("LDG.E"), tail.count("STS") + tail.count("LDS"), tail.count("BAR.SYNC")
+
+    early, late = parts(), parts(EARLY_ROWS=False, ACC_STORE=False)
+    assert early[0] == 3 and late[0] == 1, (early, late)
+    if split_k > 1:
+        assert early[1] == 0 < late[1] and early[2] < late[2], (early, late)
+    else:
+        assert early[1:] == late[1:] and early[1] > 0, (early, late)
+
+
 def _copies_before_a_wait(ptx: str) -> int:
-    """The most cp.async copies in the PTX text between two PDL waits, or before the first (the
-    branches of a program that does not wait first are laid out in blocks of their own)."""
-    return max(len(re.findall(r"cp\.async\.c[ag]\.", part)) for part in ptx.split("griddepcontrol.wait")[:-1])
+    """The cp.async copies in the PTX text before its first PDL wait (the entry block falls through
+    to the main path; the padding-only blocks' own wait is laid out after it or in a block apart)."""
+    return len(re.findall(r"cp\.async\.c[ag]\.", ptx.split("griddepcontrol.wait")[0]))
 
 
 @pytest.mark.parametrize("glu, split_k", [(False, 1), (False, 2), (True, 6)])

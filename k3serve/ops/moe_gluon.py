@@ -86,6 +86,12 @@ PDL = True
 # -q's split gate / up gained ~1.2 us a layer.
 PDL_UNSPLIT_GLU = False
 PREFETCH = True
+# Split partials stored from the wgmma accumulator's registers (False: through the bf16 path's shared-memory
+# transposition, for A/B timing).
+ACC_STORE = True
+# A program's expert and rows loaded with its first row (volatile: not sunk behind the padding test), so the
+# copies wait for one load's latency after the PDL wait, not two (False: as before, for A/B timing).
+EARLY_ROWS = True
 
 
 @gluon.jit
@@ -212,7 +218,8 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                          LINEAR_CLIP: gl.constexpr, HAS_ROW_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
                          WARPS: gl.constexpr = 4, COLS_FIRST: gl.constexpr = False,
                          SPLIT_K: gl.constexpr = 1, USE_PDL: gl.constexpr = False, PREFETCH: gl.constexpr = False,
-                         STATIC_TAIL: gl.constexpr = 0):
+                         STATIC_TAIL: gl.constexpr = 0, ACC_STORE: gl.constexpr = True,
+                         EARLY_ROWS: gl.constexpr = True):
     """out[rows, 64 cols] = (GLU of) x_rows @ W[e][cols]^T (scaled MXFP4, MMA layout), times the
     rows' routing weights with HAS_ROW_SCALE. Weight tiles are the wgmma's register operand (M =
     weight rows), the gathered activations its shared-memory operand (N = BLOCK_M rows); every
@@ -272,16 +279,18 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
         else:
             gluon_pdl_start(USE_PDL)
         e = gl.where(static, static_expert0 + pid_m - first_static,
-                     gl.load(EXPERTS + pid_m, mask=pid_m < first_static, other=0)).to(gl.int64)
+                     gl.load(EXPERTS + pid_m, mask=pid_m < first_static, other=0, volatile=EARLY_ROWS)).to(gl.int64)
     else:
         if not PREFETCH:
             gluon_pdl_start(USE_PDL)
-        e = gl.load(EXPERTS + pid_m).to(gl.int64)
+        e = gl.load(EXPERTS + pid_m, volatile=EARLY_ROWS).to(gl.int64)
+    # (its expert and rows loaded with its first row: one load's latency before the copies, not two; volatile, so
+    # the compiler does not sink them behind the test)
+    rows = gl.load(ROWS + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l)), volatile=EARLY_ROWS)
     # Row blocks of padding only (valid rows lead each block) stream no weights.
     if gl.load(ROWS + pid_m * BLOCK_M) < num_assign:
-        rows = gl.load(ROWS + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l)))
-        # Padding rows read token 0 (their columns of the product are never stored).
-        tok = gl.where(rows < num_assign, rows // top_k, 0).to(gl.int64)
+        # Padding rows read token 0 (their columns of the product are never stored); rows < num_assign fit 32 bits.
+        tok = gl.where(rows < num_assign, rows.to(gl.int32) // top_k, 0).to(gl.int64)
         xk = gl.arange(0, 32, layout=gl.SliceLayout(0, x_l))
         x_ptrs = X + gl.expand_dims(tok * (stride_xt // 4) * 4, 1) + gl.expand_dims(xk, 0)
         bi = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, word_l)))  # a warp's 16-row block
@@ -338,13 +347,18 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
             acc, acc_up = gl.split(gl.convert_layout(acc.reshape([2, 64, BLOCK_M]).permute([1, 2, 0]), pair_l))
         if GLU and SPLIT_K == 1:
             acc = glu(acc, acc_up, beta, linear_beta, SITU, LINEAR_CLIP, False)
-        y = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)  # [rows, cols]
-        orow = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
+        y = gl.permute(acc, [1, 0])  # [rows, cols]
+        if SPLIT_K == 1 or not ACC_STORE:  # bf16 rows: 8-byte stores, through shared memory
+            y = gl.convert_layout(y, out_l)
+        # (split fp32 partials straight from the accumulator's registers: a warp's stores still fill whole
+        # 32-byte sectors, and the epilogue takes no shared-memory transposition and its barriers)
+        y_l: gl.constexpr = y.type.layout
+        orow = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, y_l))
         rows_o = gl.load(ROWS + orow)
         valid_o = rows_o < num_assign
         if HAS_ROW_SCALE:  # the routing weight of each assignment
             y = y * gl.expand_dims(gl.load(ROW_SCALE + gl.where(valid_o, rows_o, 0), mask=valid_o, other=0.0), 1)
-        cols = pid_n * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, out_l))
+        cols = pid_n * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, y_l))
         dst = OUT + gl.expand_dims(rows_o * SPLIT_K + pid_s, 1) * stride_on + gl.expand_dims(cols, 0)
         omask = gl.expand_dims(valid_o, 1) & gl.expand_dims(cols < N, 0)
         if STATIC_TAIL:
@@ -352,7 +366,7 @@ def _grouped_gemm_kernel(X, W, S, W_UP, S_UP, OUT, ROWS, EXPERTS, ROW_SCALE,
                 gluon_pdl_wait(USE_PDL)
         gl.store(dst, y.to(OUT.dtype.element_ty), mask=omask)
         if GLU and SPLIT_K > 1:
-            gl.store(dst + N, gl.convert_layout(gl.permute(acc_up, [1, 0]), out_l).to(OUT.dtype.element_ty),
+            gl.store(dst + N, gl.convert_layout(gl.permute(acc_up, [1, 0]), y_l).to(OUT.dtype.element_ty),
                      mask=omask)
     else:  # (every program waits, so the next kernel's wait covers every kernel before this one)
         if PREFETCH:
@@ -418,7 +432,8 @@ def gluon_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, block_expert: torch.
         scale.stride(1), out.stride(0), float(beta), float(linear_beta or 1.0), static_expert0, GLU=up is not None,
         SITU=kind == "situ", LINEAR_CLIP=linear_beta is not None, HAS_ROW_SCALE=row_scale is not None,
         BLOCK_M=block_m, WARPS=warps, COLS_FIRST=cols_first, SPLIT_K=split_k,
-        PREFETCH=prefetch and PREFETCH, STATIC_TAIL=static_tail, num_warps=warps,
+        PREFETCH=prefetch and PREFETCH, STATIC_TAIL=static_tail, ACC_STORE=ACC_STORE,
+        EARLY_ROWS=EARLY_ROWS, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
         **(pdl.launch(out.device) if PDL and (PDL_UNSPLIT_GLU or up is None or split_k > 1) else {}))
     return out
