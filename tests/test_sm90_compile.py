@@ -82,7 +82,8 @@ def test_mxfp4_mma_layout_grouped_gemm_keeps_weights_in_registers(block_n, warps
 
 
 def _gluon_grouped_gemm(glu: bool, block_m: int, warps: int, split_k: int = 1, **pdl_consts):
-    """moe_gluon's kernel compiled for sm_90 (``pdl_consts``: USE_PDL, PREFETCH, STATIC_TAIL)."""
+    """moe_gluon's kernel compiled for sm_90 (``pdl_consts``: USE_PDL, PREFETCH, STATIC_TAIL, and the
+    served ACC_STORE / EARLY_ROWS overridden)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from k3serve.ops import moe_gluon
@@ -95,8 +96,8 @@ def _gluon_grouped_gemm(glu: bool, block_m: int, warps: int, split_k: int = 1, *
     ints.update(beta="fp32", linear_beta="fp32", static_expert0="i32")
     consts = dict(GLU=glu, SITU=True, LINEAR_CLIP=True, HAS_ROW_SCALE=not glu, BLOCK_M=block_m,
                   WARPS=warps, COLS_FIRST=block_m >= 64, SPLIT_K=split_k,
-                  **{"USE_PDL": False, "PREFETCH": False, "STATIC_TAIL": 0, "ACC_STORE": True, "EARLY_ROWS": True,
-                     **pdl_consts})
+                  **{"USE_PDL": False, "PREFETCH": False, "STATIC_TAIL": 0, "ACC_STORE": moe_gluon.ACC_STORE,
+                     "EARLY_ROWS": moe_gluon.EARLY_ROWS, **pdl_consts})
     sig = {**ptrs, **ints, **{k: "constexpr" for k in consts}}
     names = list(sig)
     divisible = tuple(ptrs) + ("N", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_on")
@@ -150,7 +151,7 @@ def test_gluon_grouped_gemm_loads_its_rows_at_once_and_stores_partials_from_the_
         tail = sass[sass.rindex("HGMMA"):]
         return head.count("LDG.E"), tail.count("STS") + tail.count("LDS"), tail.count("BAR.SYNC")
 
-    early, late = parts(), parts(EARLY_ROWS=False, ACC_STORE=False)
+    early, late = parts(EARLY_ROWS=True, ACC_STORE=True), parts(EARLY_ROWS=False, ACC_STORE=False)
     assert early[0] == 3 and late[0] == 1, (early, late)
     if split_k > 1:
         assert early[1] == 0 < late[1] and early[2] < late[2], (early, late)

@@ -86,12 +86,14 @@ PDL = True
 # -q's split gate / up gained ~1.2 us a layer.
 PDL_UNSPLIT_GLU = False
 PREFETCH = True
-# Split partials stored from the wgmma accumulator's registers (False: through the bf16 path's shared-memory
-# transposition, for A/B timing).
-ACC_STORE = True
-# A program's expert and rows loaded with its first row (volatile: not sunk behind the padding test), so the
-# copies wait for one load's latency after the PDL wait, not two (False: as before, for A/B timing).
-EARLY_ROWS = True
+# Split partials stored from the wgmma accumulator's registers, not through the bf16 rows' shared-memory
+# transposition (sm_90 SASS of kimi-linear -q's split gate / up: 4 -> 1 barriers, no shared-memory round trip);
+# and a program's expert and rows loaded with its first row (volatile: not sunk behind the padding test), so the
+# first copies wait for one load's latency after the PDL wait, not two. Both off until checked and timed on the
+# H200 (sixtieth session: compiled and inspected on CPU only, no device lent): `bash bench/gpu_session.sh
+# gluonpdl` with AB="on:k3serve.ops.moe_gluon.ACC_STORE=True,k3serve.ops.moe_gluon.EARLY_ROWS=True;off:".
+ACC_STORE = False
+EARLY_ROWS = False
 
 
 @gluon.jit
