@@ -289,6 +289,23 @@ def test_text_prompts_and_stop_strings(text_llm):
     assert inc.outputs[0].text == text[:cut + len(stop)]
 
 
+def test_a_stop_tokens_text_is_output_unless_special(text_llm):
+    """vLLM: "the returned output will contain the stop tokens unless they are special tokens"
+    (the text of a stop_token_ids hit was dropped while its token was counted)."""
+    tok = text_llm.engine.tokenizer
+    params = dict(max_tokens=24, temperature=0.0, ignore_eos=True, skip_special_tokens=True)
+    [ref] = text_llm.generate(["def main():"], SamplingParams(**params), use_tqdm=False)
+    ids = ref.outputs[0].token_ids
+    at = next(i for i, t in enumerate(ids) if i >= 3 and t not in ids[:i] and not tok.is_special(t)
+              and tok.decode([t]).strip())
+    [out] = text_llm.generate(["def main():"], SamplingParams(**params, stop_token_ids=[ids[at]]), use_tqdm=False)
+    o = out.outputs[0]
+    assert o.token_ids == ids[:at + 1] and o.finish_reason == "stop" and o.stop_reason == ids[at]
+    assert o.text == tok.decode(ids[:at + 1], skip_special_tokens=True) and o.text.endswith(tok.decode([ids[at]]))
+    special = next(iter(tok.all_special_ids))
+    assert text_llm.engine._special(special) and not text_llm.engine._special(ids[at])
+
+
 def test_logprobs_through_the_engine(text_llm):
     [out] = text_llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
                                                             ignore_eos=True), use_tqdm=False)

@@ -215,6 +215,27 @@ def test_logprobs_from_raw_logits():
     assert bool((out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all())
 
 
+def test_logprobs_of_masked_logits_are_the_models():
+    """A grammar masks the logits the sampler draws from; the logprobs reported stay the model's
+    (the mask's -inf is no logprob, and not valid JSON)."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
+    masked = torch.full_like(logits, float("-inf"))
+    masked[:, 7] = logits[:, 7]  # only token 7 allowed
+    out = Sampler()(masked, [row(temperature=0.0, logprobs=4), row(logprobs=4)], logprob_logits=logits)
+    raw = torch.log_softmax(logits, -1)
+    assert out.token_ids.tolist() == [7, 7]
+    assert torch.allclose(out.logprobs, raw[:, 7]) and torch.allclose(out.top_logprobs, raw.topk(4, -1).values)
+
+
+def test_min_tokens_leaves_the_stops_of_a_grammar_row():
+    """Under a grammar min_tokens does not mask the stops: the grammar's end may be the only token
+    it allows, and masking it too left nothing to sample."""
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])
+    free = row(output=[0], eos=[2], min_tokens=3, temperature=0.0)
+    ruled = SamplingRow(free.params, [], [0], [2], None, min_tokens_stops=False)
+    assert Sampler()(logits, [free]).token_ids.item() == 3 and Sampler()(logits, [ruled]).token_ids.item() == 2
+
+
 def test_logprobs_none_when_not_requested_and_zero_k():
     logits = torch.randn(2, 10)
     out = Sampler()(logits, [row(), row(temperature=0.0)])

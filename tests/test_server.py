@@ -128,6 +128,12 @@ def test_sampling_extras_and_n(client):
     ({"model": "tiny", "prompt": "word " * 600}, 400, "max_model_len"),
     ({"model": "tiny", "prompt": [999999]}, 400, "token ids"),
     ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "n": 100000}, 400, "max_num_seqs"),  # (it locked the engine up)
+    ({"model": "tiny", "prompt": [98] * 500, "max_tokens": 13}, 400, "maximum context length is 512"),
+    ({"model": "tiny", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": "tiny", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ({"model": "tiny", "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
 ])
 def test_bad_completion_requests(server, body, status, needle):
     data = body if isinstance(body, str) else json.dumps(body)
@@ -136,6 +142,28 @@ def test_bad_completion_requests(server, body, status, needle):
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
     assert httpx.get(server + "/health").status_code == 200  # and the server keeps serving
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be"),
+    ({"max_completion_tokens": 600}, "max_completion_tokens", "maximum context length"),
+    ({"max_tokens": 600}, "max_tokens", "maximum context length"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ({"tool_choice": "required"}, "messages", "needs 'tools'"),
+    ({"tools": [{"type": "function"}]}, "messages", "function.name"),
+    ({"messages": [{"role": "user", "content": "x " * 600}]}, "messages", "max_model_len"),
+])
+def test_bad_chat_fields_name_their_parameter(server, body, param, needle):
+    r = httpx.post(server + "/v1/chat/completions",
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["param"] == param, err
+
+
+def test_unknown_routes_get_openai_style_errors(server):
+    for r, status in ((httpx.get(server + "/v1/nothing"), 404), (httpx.get(server + "/v1/completions"), 405)):
+        assert r.status_code == status and r.json()["error"]["message"], r.text
 
 
 def test_bad_chat_requests(client):
@@ -301,7 +329,7 @@ def test_structured_output_json_schema_and_choice(client):
                                                "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     out = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "a person"}], max_tokens=200, temperature=0,
+        model="tiny", messages=[{"role": "user", "content": "a person"}], temperature=0,  # (to the context's end)
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
         extra_body={"max_whitespace": 1})
     text = out.choices[0].message.content
@@ -485,8 +513,18 @@ def test_logprobs(client):
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
 
+def _counter(server, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)", httpx.get(server + "/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_disconnect_during_non_streaming_request_returns_memory(server):
-    body = {"model": "tiny", "prompt": "b" * 80, "max_tokens": 450, "ignore_eos": True}
+    """The request is aborted at once, not run to its end (tokens arrive faster than the old
+    0.5 s disconnect poll, so it never looked), and nothing fails on the way (it logged a 500)."""
+    tokens0, errors0 = _counter(server, "k3serve_generation_tokens_total"), \
+        _counter(server, 'k3serve_request_errors_total{status="500"}')
+    body = {"model": "tiny", "prompt": [98] * 40, "max_tokens": 450, "n": 4,  # (within the 512 context)
+            "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/v1/completions", json=body, timeout=1.0)  # the client gives up mid-generation
     for _ in range(100):
@@ -494,4 +532,91 @@ def test_disconnect_during_non_streaming_request_returns_memory(server):
             break
         time.sleep(0.05)
     assert _pool_used(server) == 0
+    time.sleep(0.3)
+    assert _counter(server, "k3serve_generation_tokens_total") - tokens0 < 4 * 450 / 2
+    assert _counter(server, 'k3serve_request_errors_total{status="500"}') == errors0
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_logprobs_under_a_grammar_are_the_models(client):
+    """A grammar's mask made the reported logprobs -inf (a 500: not JSON); they are the model's."""
+    out = client.completions.create(model="tiny", prompt="Pick:", max_tokens=8, logprobs=3, temperature=0,
+                                    extra_body={"guided_regex": "[a-z]{3}"})
+    lp = out.choices[0].logprobs
+    assert re.fullmatch("[a-z]{3}", out.choices[0].text) and len(lp.token_logprobs) >= 1
+    assert all(-1e4 < v <= 0 for v in lp.token_logprobs) and all(
+        -1e4 < v <= 0 for alts in lp.top_logprobs for v in alts.values())
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=6,
+                                          response_format={"type": "json_object"}, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert content and all(-1e4 < c.logprob <= 0 and len(c.top_logprobs) == 2 for c in content)
+    # logprobs without top_logprobs: each token's own, no alternatives (it returned none at all)
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                           temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+    assert len(plain.choices[0].logprobs.content) == 3 and all(
+        c.top_logprobs == [] and isinstance(c.bytes, list) for c in plain.choices[0].logprobs.content)
+
+
+def test_min_tokens_does_not_break_a_grammar(client):
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], max_tokens=16,
+                                         extra_body={"guided_choice": ["yes", "no"], "min_tokens": 8})
+    assert out.choices[0].message.content in ("yes", "no") and out.choices[0].finish_reason == "stop"
+
+
+def _events(server, path, body) -> list[dict]:
+    with httpx.stream("POST", server + path, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_streamed_completions_carry_logprobs_echo_and_stop_reason(client, server):
+    body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+            "ignore_eos": True}
+    full = client.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                     extra_body={"ignore_eos": True}).choices[0]
+    chunks = [c["choices"][0] for c in _events(server, "/v1/completions", {**body, "stream": True}) if c["choices"]]
+    tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert tokens == full.logprobs.tokens and offsets == full.logprobs.text_offset
+    assert [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]] == pytest.approx(
+        full.logprobs.token_logprobs)
+    assert chunks[-1]["finish_reason"] == "length" and "stop_reason" in chunks[-1]
+    echoed = _events(server, "/v1/completions", {"model": "tiny", "prompt": "Once upon", "max_tokens": 4,
+                                                 "temperature": 0, "echo": True, "stream": True})
+    text = "".join(c["choices"][0]["text"] for c in echoed if c["choices"])
+    assert text.startswith("Once upon") and text == "Once upon" + client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=4, temperature=0).choices[0].text
+    chat = _events(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                    "max_tokens": 3, "temperature": 0, "logprobs": True,
+                                                    "top_logprobs": 1, "ignore_eos": True, "stream": True})
+    lps = [e for c in chat for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+    assert len(lps) == 3 and all(len(e["top_logprobs"]) == 1 for e in lps)
+    assert chat[-1]["choices"][0]["finish_reason"] == "length" and "stop_reason" in chat[-1]["choices"][0]
+
+
+def test_a_list_of_prompts_runs_together_and_streams(client, server):
+    prompts = ["def f():", "class A:", "x = 1"]
+    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, n=2, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    assert sorted(c.index for c in out.choices) == list(range(6))
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [t for t in alone for _ in range(2)]
+    events = _events(server, "/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": 5, "n": 2,
+                                                 "temperature": 0, "ignore_eos": True, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    texts: dict[int, str] = {}
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(6)] == [t for t in alone for _ in range(2)]
+    assert events[-1]["usage"]["completion_tokens"] == 30 == out.usage.completion_tokens
+
+
+def test_tokenize_honours_add_generation_prompt(server):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon a"}]
+    with_prompt = httpx.post(server + "/tokenize", json={"messages": msgs}).json()["count"]
+    without = httpx.post(server + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()["count"]
+    assert without < with_prompt

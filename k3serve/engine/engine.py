@@ -308,6 +308,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.check_admissible(len(prompt_ids))
+        if params.n > self.scheduler.max_num_seqs:  # (its samples fork and run together)
+            raise RequestRejected(f"n={params.n} is more than max_num_seqs ({self.scheduler.max_num_seqs}), the "
+                                  "sequences a step runs")
         req = new_request(request_id, prompt_ids, params, text, self.device)
         for seq in req.seqs:
             self._attach_text_state(seq)
@@ -452,11 +455,12 @@ class LLMEngine:
         if logit_rows != list(range(logits.shape[0])):  # forks repeat a row
             step_logits = logits[to_device(logit_rows, logits.device)]
         grammars = [q.grammar for q in rows_seqs]
+        masked = step_logits
         if any(g is not None for g in grammars):
             from ..serve.grammar import apply_masks
 
-            step_logits = apply_masks(step_logits, grammars)
-        out = self.sampler(step_logits, rows)
+            masked = apply_masks(step_logits, grammars)
+        out = self.sampler(masked, rows, logprob_logits=step_logits)  # (logprobs: the model's, not the mask's)
         launched = _Launched(rows_seqs, [], out.token_ids, _to_host(out))
         for j, seq in enumerate(rows_seqs):
             launched.positions.append(seq.num_tokens)
@@ -511,7 +515,7 @@ class LLMEngine:
         rep = p.repetition_penalty != 1.0
         needs_output = rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.min_tokens > 0
         return SamplingRow(p, q.token_ids[:q.num_prompt] if rep else [], q.output_ids if needs_output else [],
-                           self.eos_ids, q.generator)
+                           self.eos_ids, q.generator, min_tokens_stops=q.grammar is None)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """n > 1: the child starts from a copy of the parent's prompt state (no second prefill):
@@ -538,17 +542,18 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
         reason = None
-        if seq.num_output >= p.min_tokens:
-            if tok in p.stop_token_ids:
-                reason, seq.stop_reason = "stop", tok
-            elif not p.ignore_eos and tok in self.eos_ids:
-                reason, seq.stop_reason = "stop", None
+        by_token = seq.num_output >= p.min_tokens and tok in p.stop_token_ids
+        if by_token:
+            reason, seq.stop_reason = "stop", tok
+        elif seq.num_output >= p.min_tokens and not p.ignore_eos and tok in self.eos_ids:
+            reason, seq.stop_reason = "stop", None
         by_string = False
-        if reason is None and seq.detok is not None:
-            emit, by_string = seq.stopper.feed(seq.detok.push(tok))
+        # A stop token's own text is output unless it is a special token (vLLM), EOS's never.
+        if (reason is None or by_token) and seq.detok is not None:
+            emit, by_string = seq.stopper.feed(seq.detok.push(tok) if reason is None or not self._special(tok) else "")
             if emit:
                 seq.text_pieces.append(emit)
-            if by_string:
+            if by_string and reason is None:
                 reason, seq.stop_reason = "stop", seq.stopper.matched
         if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
             reason = "stop"  # the structured output is complete (also under ignore_eos)
@@ -561,6 +566,10 @@ class LLMEngine:
             if not by_string:
                 self._finalize_text(seq)
             self.scheduler.finish(seq, reason)
+
+    def _special(self, tok: int) -> bool:
+        is_special = getattr(self.tokenizer, "is_special", None)
+        return bool(is_special and is_special(tok))
 
     @staticmethod
     def _finalize_text(seq: Sequence) -> None:

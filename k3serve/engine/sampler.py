@@ -43,6 +43,9 @@ class SamplingRow:
     output_ids: list[int]  # presence/frequency penalties and min_tokens count these only
     eos_ids: list[int]  # masked while len(output_ids) < min_tokens (even with ignore_eos)
     generator: torch.Generator | None = None  # required when params.seed is set; on the logits' device
+    # min_tokens masks the stops (off under a grammar: the structured output's end wins, else its
+    # only allowed token would be masked too)
+    min_tokens_stops: bool = True
 
 
 @dataclass
@@ -113,7 +116,7 @@ def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     r_idx: list[int] = []
     t_idx: list[int] = []
     for i, r in enumerate(rows):
-        if len(r.output_ids) < r.params.min_tokens:
+        if r.min_tokens_stops and len(r.output_ids) < r.params.min_tokens:
             toks = [t for t in (*r.eos_ids, *r.params.stop_token_ids) if t < logits.shape[1]]
             r_idx += [i] * len(toks)
             t_idx += toks
@@ -158,14 +161,17 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 logprob_logits: torch.Tensor | None = None) -> SamplerOutput:
+        """``logprob_logits``: the model's logits where ``logits`` were already masked (a grammar's
+        -inf would otherwise be the logprobs reported, and not valid JSON)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "logits must be [B, V] with one row per request"
         logits = logits.float()
         dev = logits.device
 
         # 1. logprobs come from the raw model logits (vLLM's default), before any processing.
         ks = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        raw_logprobs = logits.log_softmax(dim=-1) if ks else None
+        raw_logprobs = (logits if logprob_logits is None else logprob_logits.float()).log_softmax(dim=-1) if ks else None
 
         # 2-3. penalties then min_tokens (both out of place: the caller's logits stay intact).
         processed = mask_min_tokens(apply_penalties(logits, rows), rows)

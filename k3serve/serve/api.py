@@ -6,7 +6,9 @@ that disconnects aborts its request and its cache memory returns at once.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncLLM, QueueFull
 from ..engine.engine import RequestOutput
@@ -105,6 +108,13 @@ def build_app(state: ServerState) -> FastAPI:
         metrics.errors.labels(str(exc.status)).inc()
         return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):  # unknown routes, wrong methods
+        metrics.errors.labels(str(exc.status_code)).inc()
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500 else
+                                       "internal_error", code=exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):
         metrics.errors.labels("500").inc()
@@ -141,7 +151,8 @@ def build_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         ids = (encode_prompt(state, body.prompt) if body.prompt is not None
-               else render_chat(state, ChatCompletionRequest(messages=body.messages)).token_ids)
+               else render_chat(state, ChatCompletionRequest(messages=body.messages,
+                                                             add_generation_prompt=body.add_generation_prompt)).token_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
     @app.post("/detokenize")
@@ -163,20 +174,28 @@ def build_app(state: ServerState) -> FastAPI:
             prompts = [prompts]
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
+        if body.suffix is not None:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+        if body.best_of not in (None, body.n):
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                           param="echo")
         prompt_ids = [encode_prompt(state, p) for p in prompts]
+        for ids in prompt_ids:
+            check_budget(state, ids, body.max_tokens, "max_tokens")
         params = make_params(body, body.max_tokens, body.logprobs, 16)
         grammar = grammar_spec(state, body)
+        gens = [start(state, request, ids, params, grammar) for ids in prompt_ids]
         if body.stream:
-            if len(prompt_ids) != 1:
-                raise APIError(400, "streaming supports one prompt per request", param="prompt")
-            gen = start(state, request, prompt_ids[0], params, grammar)
-            first = await _first(gen)
-            return StreamingResponse(_error_event_on_failure(stream_completion(state, body, prompt_ids[0], gen, first)),
+            try:
+                firsts = [await _first(gen) for gen in gens]
+            except BaseException:
+                await _close(gens)
+                raise
+            return StreamingResponse(_error_event_on_failure(stream_completion(state, body, prompt_ids, gens, firsts)),
                                      media_type="text/event-stream")
-        finals = []
-        for ids in prompt_ids:
-            finals.append(await collect(request, start(state, request, ids, params, grammar)))
-        return completion_response(state, body, prompt_ids, finals)
+        return completion_response(state, body, prompt_ids, await collect(request, gens))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -185,16 +204,20 @@ def build_app(state: ServerState) -> FastAPI:
         prompt = render_chat(state, body)
         ids = prompt.token_ids
         use_parsers = bool(state.reasoning_parser or (state.tool_call_parser and body.tools))
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = make_params(body, max_tokens, body.top_logprobs if body.logprobs else None,
-                             max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers)
+        given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(body, given)
+        check_budget(state, ids, max_tokens, given)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        params = make_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                             max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers, param=given)
         grammar = grammar_spec(state, body, prompt)
         gen = start(state, request, ids, params, grammar)
         if body.stream:
             first = await _first(gen)
             return StreamingResponse(_error_event_on_failure(stream_chat(state, body, prompt, gen, first)),
                                      media_type="text/event-stream")
-        final = await collect(request, gen)
+        final, = await collect(request, [gen])
         return chat_response(state, body, prompt, final)
 
     return app
@@ -216,15 +239,25 @@ def encode_prompt(state: ServerState, prompt) -> list[int]:
         vocab = state.info.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be integers in 0..{vocab - 1}", param="prompt")
-    check_length(state, ids)
+    check_length(state, ids, "prompt")
     return ids
 
 
-def check_length(state: ServerState, ids: list[int]) -> None:
+def check_length(state: ServerState, ids: list[int], param: str) -> None:
     try:
         state.llm.check_admissible(ids)
     except RequestRejected as exc:
-        raise APIError(400, str(exc), param="prompt" if ids else "messages") from None
+        raise APIError(400, str(exc), param=param) from None
+
+
+def check_budget(state: ServerState, ids: list[int], max_tokens, param: str) -> None:
+    """A prompt plus the tokens asked for past the context is refused, as vLLM does (not cut short
+    silently); left out, the request runs to the end of the context."""
+    limit = state.info.max_model_len
+    if isinstance(max_tokens, int) and max_tokens > 0 and len(ids) + max_tokens > limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens; you requested "
+                            f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} in the completion): "
+                            f"reduce the prompt or {param}", param=param)
 
 
 def render_chat(state: ServerState, body: ChatCompletionRequest):
@@ -240,15 +273,19 @@ def render_chat(state: ServerState, body: ChatCompletionRequest):
             add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs)
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from None
-    check_length(state, prompt.token_ids)
+    check_length(state, prompt.token_ids, "messages")
     return prompt
 
 
-def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool = False):
+def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool = False, param: str = "max_tokens"):
     try:
         params = body.sampling_params(max_tokens, logprobs, default_max)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+    except ValueError as exc:  # (SamplingParams' messages start with the field they are about)
+        msg = str(exc)
+        field = msg.split(" ", 1)[0]
+        if field == "max_tokens":
+            msg, field = param + msg[len(field):], param
+        raise APIError(400, msg, param=field if field.isidentifier() else None) from None
     if keep_special:
         params.skip_special_tokens = False  # the reasoning / tool parsers read the markers
     return params
@@ -332,25 +369,46 @@ async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
         raise APIError(400, str(exc)) from None
 
 
-async def collect(request: Request, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-    import asyncio
+async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    out = await _first(gen)
+    while not out.finished:
+        out = await gen.__anext__()
+    return out
 
-    final = await _first(gen)
-    task = None
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone: its body is read, so the next ASGI message is the
+    disconnect (what Starlette's streaming responses listen for)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _close(gens: list[AsyncIterator[RequestOutput]]) -> None:
+    """Closing a generation that has not finished aborts it: its memory returns now."""
+    for gen in gens:
+        await gen.aclose()
+
+
+async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The final outputs of a non-streaming request's generations, run together; the first
+    failure fails them all, and a client that disconnects aborts them at once, queued or running."""
+    tasks = [asyncio.ensure_future(_last(gen)) for gen in gens]
+    gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        while not final.finished:
-            task = asyncio.ensure_future(gen.__anext__())
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if not done and await request.is_disconnected():
-                    task.cancel()
-                    await gen.aclose()  # aborts the request: its memory returns now
-                    raise APIError(499, "client disconnected")
-            final = task.result()
-        return final
+        waiting = set(tasks)
+        while waiting:
+            done, _ = await asyncio.wait(waiting | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                raise APIError(499, "client disconnected")
+            for task in done:
+                task.result()  # (raises the failure)
+            waiting -= done
+        return [task.result() for task in tasks]
     finally:
-        if not final.finished:
-            await gen.aclose()
+        for task in (*tasks, gone):
+            task.cancel()
+        await asyncio.gather(*tasks, gone, return_exceptions=True)  # (before closing: none still runs)
+        await _close(gens)
 
 
 def _usage(prompt_len: int, outs: list[RequestOutput]) -> dict:
@@ -359,15 +417,35 @@ def _usage(prompt_len: int, outs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(state: ServerState, lps) -> dict | None:
+def _logprob(x: float) -> float:
+    """JSON has no -inf (vLLM's floor, for a token whose probability underflowed)."""
+    return max(x, -9999.0) if not math.isnan(x) else -9999.0
+
+
+def _completion_logprobs(state: ServerState, lps, offset: int = 0) -> dict | None:
+    """/v1/completions' logprobs of ``lps`` [(token, logprob, alternatives)], their text starting
+    at ``offset`` of the choice's text."""
     if lps is None:
         return None
     tok = state.tokenizer
     name = (lambda t: tok.decode([t])) if tok else str
     tokens = [name(t) for t, _, _ in lps]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in lps],
-            "top_logprobs": [{name(a): alp for a, alp in alts} for _, _, alts in lps], "text_offset": offsets}
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [_logprob(lp) for _, lp, _ in lps],
+            "top_logprobs": [{name(a): _logprob(alp) for a, alp in alts} for _, _, alts in lps], "text_offset": offsets}
+
+
+def _chat_logprobs(state: ServerState, lps) -> dict:
+    tok = state.tokenizer
+
+    def entry(t: int, lp: float) -> dict:
+        return {"token": tok.decode([t]), "logprob": _logprob(lp), "bytes": list(tok.token_bytes(t))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]} for t, lp, alts in lps]}
+
+
+def _prompt_text(state: ServerState, ids: list[int]) -> str:
+    return state.tokenizer.decode(ids) if state.tokenizer else ""
 
 
 def completion_response(state: ServerState, body, prompt_ids, finals) -> dict:
@@ -376,7 +454,7 @@ def completion_response(state: ServerState, body, prompt_ids, finals) -> dict:
         for o in out.outputs:
             text = o.text if state.tokenizer else " ".join(map(str, o.token_ids))
             if body.echo:
-                text = (state.tokenizer.decode(ids) if state.tokenizer else "") + text
+                text = _prompt_text(state, ids) + text
             choices.append({"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
                             "stop_reason": o.stop_reason, "logprobs": _completion_logprobs(state, o.logprobs)})
     usage = _usage(sum(len(p) for p in prompt_ids), finals)
@@ -384,26 +462,77 @@ def completion_response(state: ServerState, body, prompt_ids, finals) -> dict:
             "model": state.model_name, "choices": choices, "usage": usage}
 
 
-async def stream_completion(state: ServerState, body, prompt_ids, gen, first) -> AsyncIterator[str]:
-    created, rid = int(time.time()), first.request_id
-    out = first
+async def _merged(gens, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) of every generation as its outputs come; one generation runs inline
+    (the common stream: no task, no queue)."""
+    if len(gens) == 1:
+        out = firsts[0]
+        yield 0, out
+        while not out.finished:
+            out = await gens[0].__anext__()
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen, out) -> None:
+        try:
+            await queue.put((i, out))
+            while not out.finished:
+                out = await gen.__anext__()
+                await queue.put((i, out))
+        except Exception as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first) in enumerate(zip(gens, firsts))]
+    try:
+        running = len(gens)
+        while running:
+            i, out = await queue.get()
+            if isinstance(out, Exception):
+                raise out
+            running -= out.finished
+            yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def stream_completion(state: ServerState, body, prompt_ids, gens, firsts) -> AsyncIterator[str]:
+    """One SSE stream for every prompt's choices (index = prompt * n + choice), with each chunk's
+    logprobs, the prompt first under ``echo``, and the stop reason at the end."""
+    created, rid = int(time.time()), firsts[0].request_id
     reported: set[int] = set()
-    while True:
-        for o in out.outputs:
-            if o.index in reported or not (o.delta_text or o.delta_token_ids or o.finish_reason):
-                continue
-            text = o.delta_text if state.tokenizer else " ".join(map(str, o.delta_token_ids))
-            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                        "choices": [{"index": o.index, "text": text, "logprobs": None,
-                                     "finish_reason": o.finish_reason}]})
-            if o.finish_reason:
-                reported.add(o.index)
-        if out.finished:
-            break
-        out = await gen.__anext__()
+    sent_lps: dict[int, int] = {}
+    text_len: dict[int, int] = {}  # (as the whole response's text_offset: the token texts' lengths)
+    finals = list(firsts)
+    try:
+        async for i, out in _merged(gens, firsts):
+            finals[i] = out
+            for o in out.outputs:
+                key = i * body.n + o.index
+                if key in reported or not (o.delta_text or o.delta_token_ids or o.finish_reason):
+                    continue
+                text = o.delta_text if state.tokenizer else " ".join(map(str, o.delta_token_ids))
+                prefix = _prompt_text(state, prompt_ids[i]) if body.echo and key not in text_len else ""
+                text_len[key] = text_len.get(key, 0) + len(prefix)
+                lps = None
+                if o.logprobs is not None:
+                    lps = _completion_logprobs(state, o.logprobs[sent_lps.get(key, 0):], text_len[key])
+                    sent_lps[key] = len(o.logprobs)
+                    text_len[key] += sum(map(len, lps["tokens"]))
+                text = prefix + text
+                choice = {"index": key, "text": text, "logprobs": lps, "finish_reason": o.finish_reason}
+                if o.finish_reason:
+                    choice["stop_reason"] = o.stop_reason
+                    reported.add(key)
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                            "choices": [choice]})
+    finally:
+        await _close(gens)
     if body.stream_options and body.stream_options.include_usage:
         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                    "choices": [], "usage": _usage(len(prompt_ids), [out])})
+                    "choices": [], "usage": _usage(sum(len(p) for p in prompt_ids), finals)})
     yield _sse("[DONE]")
 
 
@@ -430,11 +559,7 @@ def chat_response(state: ServerState, body, prompt, final: RequestOutput) -> dic
         msg, has_tools = _chat_message(state, body, prompt, o.text)
         choice = {"index": o.index, "message": msg, "finish_reason": "tool_calls" if has_tools else o.finish_reason}
         if body.logprobs and o.logprobs is not None:
-            tok = state.tokenizer
-            choice["logprobs"] = {"content": [
-                {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.token_bytes(t)),
-                 "top_logprobs": [{"token": tok.decode([a]), "logprob": alp} for a, alp in alts]}
-                for t, lp, alts in o.logprobs]}
+            choice["logprobs"] = _chat_logprobs(state, o.logprobs)
         choices.append(choice)
     return {"id": final.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name, "choices": choices, "usage": _usage(len(prompt_ids), [final])}
@@ -449,6 +574,7 @@ async def stream_chat(state: ServerState, body, prompt, gen, first) -> AsyncIter
     use_parsers = state.reasoning_parser or (state.tool_call_parser and body.tools)
     parsers = {}
     reported: set[int] = set()
+    sent_lps: dict[int, int] = {}
     for o in first.outputs:
         yield _sse({**head, "choices": [{"index": o.index, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
@@ -462,11 +588,18 @@ async def stream_chat(state: ServerState, body, prompt, gen, first) -> AsyncIter
                 deltas = p.feed(o.delta_text) + (p.finish() if o.finish_reason else [])
             else:
                 deltas = [{"content": o.delta_text}] if o.delta_text else []
+            lps = None  # (the new tokens' logprobs ride on the output's first chunk)
+            if body.logprobs and o.logprobs is not None and len(o.logprobs) > sent_lps.get(o.index, 0):
+                lps = _chat_logprobs(state, o.logprobs[sent_lps.get(o.index, 0):])
+                sent_lps[o.index] = len(o.logprobs)
+                deltas = deltas or [{}]
             for d in deltas:
-                yield _sse({**head, "choices": [{"index": o.index, "delta": d, "finish_reason": None}]})
+                yield _sse({**head, "choices": [{"index": o.index, "delta": d, "logprobs": lps, "finish_reason": None}]})
+                lps = None
             if o.finish_reason and o.index not in reported:
                 reason = "tool_calls" if use_parsers and parsers[o.index].saw_tool_calls else o.finish_reason
-                yield _sse({**head, "choices": [{"index": o.index, "delta": {}, "finish_reason": reason}]})
+                yield _sse({**head, "choices": [{"index": o.index, "delta": {}, "finish_reason": reason,
+                                                 "stop_reason": o.stop_reason}]})
                 reported.add(o.index)
         if out.finished:
             break

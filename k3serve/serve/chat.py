@@ -255,7 +255,27 @@ def _check_tools(tools: Any) -> list | None:
     for i, t in enumerate(tools):
         if not isinstance(t, Mapping):
             raise ValueError(f"tools[{i}] must be an object")
+        if t.get("type", "function") == "function":
+            fn = t.get("function")
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn.get("name"):
+                raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+            if fn.get("parameters") is not None and not isinstance(fn.get("parameters"), Mapping):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
     return list(tools)
+
+
+def check_tool_choice(tools: Any, tool_choice: Any) -> None:
+    """tool_choice "required" or a named function needs declared tools (and that one among them)."""
+    if tool_choice == "required" or isinstance(tool_choice, Mapping):
+        if not tools:
+            raise ValueError(f"tool_choice {tool_choice!r} needs 'tools'")
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), Mapping) \
+            else None
+        if not isinstance(name, str) or not name:
+            raise ValueError("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if name not in {(t.get("function") or {}).get("name") for t in tools if isinstance(t, Mapping)}:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the declared tools")
 
 
 def _normalize_arguments(arguments: Any, where: str) -> tuple[dict, str | None]:
@@ -764,6 +784,7 @@ def build_chat_prompt(tokenizer, model_type: str, messages: Sequence[Mapping[str
         raise ValueError("'add_generation_prompt' must be a boolean")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("'messages' must be a non-empty list")
+    check_tool_choice(_check_tools(tools), tool_choice)
 
     if model_type in _K3_TYPES:
         thinking, effort = resolve_k3_thinking(thinking, enable_thinking, thinking_effort, reasoning_effort,

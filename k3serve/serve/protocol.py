@@ -55,7 +55,8 @@ class _SamplingFields(BaseModel):
             n=self.n, max_tokens=max_tokens if max_tokens is not None else default_max,
             min_tokens=self.min_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -67,6 +68,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
@@ -99,6 +101,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
