@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "requests come in bursts again (a lone client pays it once); default 5, 0: never wait")
     sv.add_argument("--reasoning-parser", choices=["kimi_k3"], default=None)
     sv.add_argument("--tool-call-parser", choices=["kimi_k3", "kimi_k2"], default=None)
+    sv.add_argument("--tool-call-text-limit", type=int, default=None, metavar="N",
+                    help="tool_choice required / named on K3: at most N characters of reasoning, response and "
+                         "each string argument (default: unbounded; for weak models that may never reach the call)")
     sv.add_argument("--no-structured-output", action="store_true")
     sv.add_argument("--log-level", default="info")
     sv.set_defaults(func=_serve)

@@ -42,6 +42,7 @@ class ServerState:
     api_key: str | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    tool_call_text_limit: int | None = None  # (tool_grammar: free text of a forced tool call, capped)
 
     @property
     def info(self):
@@ -317,7 +318,8 @@ def grammar_spec(state: ServerState, body, prompt=None):
             from .tool_grammar import tool_call_grammar
 
             spec = GrammarSpec("ebnf", tool_call_grammar(body.tools, body.tool_choice,
-                                                         bool(getattr(prompt, "prompt_ends_in_think", False))))
+                                                         bool(getattr(prompt, "prompt_ends_in_think", False)),
+                                                         state.tool_call_text_limit))
         return spec
     except (GrammarError, ValueError) as exc:
         raise APIError(400, f"invalid structured-output request: {exc}", param="response_format") from None

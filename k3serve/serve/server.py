@@ -25,7 +25,7 @@ def build_state(args: argparse.Namespace):
     llm = AsyncLLM.start(args, args.max_queue)
     name = args.served_model_name or args.preset or model.name
     return ServerState(llm, name, tokenizer_or_none(model), args.api_key, args.reasoning_parser,
-                       args.tool_call_parser)
+                       args.tool_call_parser, args.tool_call_text_limit)
 
 
 def serve(args: argparse.Namespace) -> int:
