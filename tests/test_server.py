@@ -619,5 +619,15 @@ def test_a_list_of_prompts_runs_together_and_streams(client, server):
 def test_tokenize_honours_add_generation_prompt(server):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon a"}]
     with_prompt = httpx.post(server + "/tokenize", json={"messages": msgs}).json()["count"]
-    without = httpx.post(server + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()["count"]
-    assert without < with_prompt
+    closed = httpx.post(server + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()["tokens"]
+    assert len(closed) < with_prompt
+    # continue_final_message: the assistant's text left open, so the model continues it (it was ignored)
+    body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    open_ = httpx.post(server + "/tokenize", json=body).json()["tokens"]
+    text = httpx.post(server + "/detokenize", json={"tokens": open_}).json()["prompt"]
+    assert text.endswith("Once upon a") and closed[:len(open_)] == open_ and len(open_) < len(closed)
+    out = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, **body})
+    assert out.status_code == 200 and out.json()["usage"]["prompt_tokens"] == len(open_)
+    for bad in ({**body, "add_generation_prompt": True}, {**body, "messages": msgs[:1]}):
+        r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, **bad})
+        assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"], r.text

@@ -152,8 +152,9 @@ def build_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         ids = (encode_prompt(state, body.prompt) if body.prompt is not None
-               else render_chat(state, ChatCompletionRequest(messages=body.messages,
-                                                             add_generation_prompt=body.add_generation_prompt)).token_ids)
+               else render_chat(state, ChatCompletionRequest(
+                   messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                   continue_final_message=body.continue_final_message)).token_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
     @app.post("/detokenize")
@@ -271,7 +272,8 @@ def render_chat(state: ServerState, body: ChatCompletionRequest):
             state.tokenizer, state.info.model_type,
             [m.model_dump(exclude_none=True) for m in body.messages], tools=body.tools, tool_choice=body.tool_choice,
             response_format=body.response_format, reasoning_effort=body.reasoning_effort,
-            add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs)
+            add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs,
+            continue_final_message=body.continue_final_message)
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from None
     check_length(state, prompt.token_ids, "messages")

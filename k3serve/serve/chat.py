@@ -774,8 +774,10 @@ def build_chat_prompt(tokenizer, model_type: str, messages: Sequence[Mapping[str
                       add_generation_prompt: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None,
                       thinking: Any = None, enable_thinking: Any = None, thinking_effort: Any = None,
                       default_thinking_effort: str | None = None, chat_template: str | None = None,
-                      **extra: Any) -> ChatPrompt:
-    """Render + encode a chat request; see :func:`apply_chat_template`."""
+                      continue_final_message: bool = False, **extra: Any) -> ChatPrompt:
+    """Render + encode a chat request; see :func:`apply_chat_template`. ``continue_final_message``
+    (vLLM's): the final assistant message is left open after its text, so the model continues it
+    (an assistant prefill); it excludes ``add_generation_prompt``."""
     kw = dict(chat_template_kwargs or {})
     thinking = kw.pop("thinking", thinking) if thinking is None else thinking
     enable_thinking = kw.pop("enable_thinking", enable_thinking) if enable_thinking is None else enable_thinking
@@ -785,16 +787,19 @@ def build_chat_prompt(tokenizer, model_type: str, messages: Sequence[Mapping[str
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("'messages' must be a non-empty list")
     check_tool_choice(_check_tools(tools), tool_choice)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    cut = _cut_after_final_message(messages) if continue_final_message else (lambda segs: segs)
 
     if model_type in _K3_TYPES:
         thinking, effort = resolve_k3_thinking(thinking, enable_thinking, thinking_effort, reasoning_effort,
                                                default_thinking_effort)
-        segs = render_k3(messages, tools, tool_choice, response_format, thinking, effort, add_generation_prompt,
-                         response_schema=kw.get("response_schema"),
-                         allow_images=IMAGE_PLACEHOLDER in tokenizer.special_tokens)
+        segs = cut(render_k3(messages, tools, tool_choice, response_format, thinking, effort, add_generation_prompt,
+                             response_schema=kw.get("response_schema"),
+                             allow_images=IMAGE_PLACEHOLDER in tokenizer.special_tokens))
         return ChatPrompt(encode_segments(tokenizer, segs), segs, model_type, thinking, effort,
                           prompt_ends_in_think=add_generation_prompt and thinking,
-                          prompt_ends_in_response=add_generation_prompt and not thinking,
+                          prompt_ends_in_response=continue_final_message or (add_generation_prompt and not thinking),
                           tool_call_start_index=count_tool_calls(messages))
     if model_type in _K2_TYPES:
         source = chat_template
@@ -807,9 +812,29 @@ def build_chat_prompt(tokenizer, model_type: str, messages: Sequence[Mapping[str
                                          add_generation_prompt, **context)
         else:
             segs = render_kimi_linear(messages, tools, add_generation_prompt)
+        segs = cut(segs)
         return ChatPrompt(encode_segments(tokenizer, segs), segs, model_type,
                           tool_call_start_index=count_tool_calls(messages))
     raise ValueError(f"no chat format for model_type {model_type!r} (known: {', '.join(_K3_TYPES + _K2_TYPES)})")
+
+
+def _cut_after_final_message(messages: Sequence[Mapping[str, Any]]):
+    """The rendered segments cut right after the final assistant message's text (what closes it
+    goes), as vLLM finds it: the last occurrence of that text."""
+    last = messages[-1]
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    if last.get("role") != "assistant" or not isinstance(content, str) or not content:
+        raise ValueError("continue_final_message needs a final assistant message with text content")
+
+    def cut(segs: list[Segment]) -> list[Segment]:
+        for i in range(len(segs) - 1, -1, -1):
+            at = segs[i][0].rfind(content)
+            if at >= 0:
+                return segs[:i] + [(segs[i][0][:at + len(content)], segs[i][1])]
+        raise ValueError("the final message's text is not in the rendered prompt")
+    return cut
 
 
 def apply_chat_template(tokenizer, model_type: str, messages: Sequence[Mapping[str, Any]], **kw: Any) -> list[int]:

@@ -93,6 +93,7 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(BaseModel):
@@ -102,6 +103,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(BaseModel):
