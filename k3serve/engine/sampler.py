@@ -171,7 +171,8 @@ class Sampler:
 
         # 1. logprobs come from the raw model logits (vLLM's default), before any processing.
         ks = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        raw_logprobs = (logits if logprob_logits is None else logprob_logits.float()).log_softmax(dim=-1) if ks else None
+        raw = logits if logprob_logits is None else logprob_logits.float()
+        raw_logprobs = raw.log_softmax(dim=-1) if ks else None
 
         # 2-3. penalties then min_tokens (both out of place: the caller's logits stay intact).
         processed = mask_min_tokens(apply_penalties(logits, rows), rows)

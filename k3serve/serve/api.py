@@ -598,7 +598,8 @@ async def stream_chat(state: ServerState, body, prompt, gen, first) -> AsyncIter
                 sent_lps[o.index] = len(o.logprobs)
                 deltas = deltas or [{}]
             for d in deltas:
-                yield _sse({**head, "choices": [{"index": o.index, "delta": d, "logprobs": lps, "finish_reason": None}]})
+                yield _sse({**head, "choices": [{"index": o.index, "delta": d, "logprobs": lps,
+                                                 "finish_reason": None}]})
                 lps = None
             if o.finish_reason and o.index not in reported:
                 reason = "tool_calls" if use_parsers and parsers[o.index].saw_tool_calls else o.finish_reason
