@@ -149,8 +149,9 @@ def test_bad_completion_requests(server, body, status, needle):
     ({"max_completion_tokens": 600}, "max_completion_tokens", "maximum context length"),
     ({"max_tokens": 600}, "max_tokens", "maximum context length"),
     ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
-    ({"tool_choice": "required"}, "messages", "needs 'tools'"),
-    ({"tools": [{"type": "function"}]}, "messages", "function.name"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": [{"type": "function"}]}, "tools", "function.name"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in 0..20"),
     ({"messages": [{"role": "user", "content": "x " * 600}]}, "messages", "max_model_len"),
 ])
 def test_bad_chat_fields_name_their_parameter(server, body, param, needle):
@@ -607,7 +608,11 @@ def test_a_list_of_prompts_runs_together_and_streams(client, server):
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [t for t in alone for _ in range(2)]
     events = _events(server, "/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": 5, "n": 2,
                                                  "temperature": 0, "ignore_eos": True, "stream": True,
-                                                 "stream_options": {"include_usage": True}})
+                                                 "stream_options": {"include_usage": True,
+                                                                    "continuous_usage_stats": True}})
+    running = [e["usage"]["completion_tokens"] for e in events]  # (usage on every chunk: so far, never less)
+    assert running == sorted(running) and running[0] > 0
+    assert len({e["usage"]["prompt_tokens"] for e in events}) == 1
     texts: dict[int, str] = {}
     for e in events:
         for c in e["choices"]:

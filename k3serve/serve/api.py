@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -212,7 +213,8 @@ def build_app(state: ServerState) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         params = make_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                             max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers, param=given)
+                             max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers, param=given,
+                             logprobs_param="top_logprobs")
         grammar = grammar_spec(state, body, prompt)
         gen = start(state, request, ids, params, grammar)
         if body.stream:
@@ -275,19 +277,22 @@ def render_chat(state: ServerState, body: ChatCompletionRequest):
             add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs,
             continue_final_message=body.continue_final_message)
     except (ValueError, TypeError, KeyError) as exc:
-        raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from None
+        field = re.search(r"\b(tool_choice|tools|continue_final_message|add_generation_prompt|reasoning_effort|"
+                          r"thinking_effort|response_format)\b", str(exc))
+        raise APIError(400, f"cannot render the conversation: {exc}", param=field[1] if field else "messages") from None
     check_length(state, prompt.token_ids, "messages")
     return prompt
 
 
-def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool = False, param: str = "max_tokens"):
+def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool = False, param: str = "max_tokens",
+                logprobs_param: str = "logprobs"):
     try:
         params = body.sampling_params(max_tokens, logprobs, default_max)
     except ValueError as exc:  # (SamplingParams' messages start with the field they are about)
         msg = str(exc)
         field = msg.split(" ", 1)[0]
-        if field == "max_tokens":
-            msg, field = param + msg[len(field):], param
+        named = {"max_tokens": param, "logprobs": logprobs_param}.get(field, field)  # (as the request named it)
+        msg, field = named + msg[len(field):], named
         raise APIError(400, msg, param=field if field.isidentifier() else None) from None
     if keep_special:
         params.skip_special_tokens = False  # the reasoning / tool parsers read the markers
@@ -415,6 +420,13 @@ async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) ->
         await _close(gens)
 
 
+def _with_usage(body, chunk: dict, prompt_len: int, outs: list[RequestOutput]) -> dict:
+    """A stream chunk, with the usage so far where the request asked for it on every chunk."""
+    if body.stream_options and body.stream_options.continuous_usage_stats:
+        chunk["usage"] = _usage(prompt_len, outs)
+    return chunk
+
+
 def _usage(prompt_len: int, outs: list[RequestOutput]) -> dict:
     completion = sum(len(o.token_ids) for r in outs for o in r.outputs)
     prompt = prompt_len
@@ -506,6 +518,7 @@ async def stream_completion(state: ServerState, body, prompt_ids, gens, firsts) 
     """One SSE stream for every prompt's choices (index = prompt * n + choice), with each chunk's
     logprobs, the prompt first under ``echo``, and the stop reason at the end."""
     created, rid = int(time.time()), firsts[0].request_id
+    prompt_len = sum(len(p) for p in prompt_ids)
     reported: set[int] = set()
     sent_lps: dict[int, int] = {}
     text_len: dict[int, int] = {}  # (as the whole response's text_offset: the token texts' lengths)
@@ -530,13 +543,13 @@ async def stream_completion(state: ServerState, body, prompt_ids, gens, firsts) 
                 if o.finish_reason:
                     choice["stop_reason"] = o.stop_reason
                     reported.add(key)
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                            "choices": [choice]})
+                yield _sse(_with_usage(body, {"id": rid, "object": "text_completion", "created": created,
+                                              "model": state.model_name, "choices": [choice]}, prompt_len, finals))
     finally:
         await _close(gens)
     if body.stream_options and body.stream_options.include_usage:
         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                    "choices": [], "usage": _usage(sum(len(p) for p in prompt_ids), finals)})
+                    "choices": [], "usage": _usage(prompt_len, finals)})
     yield _sse("[DONE]")
 
 
@@ -598,13 +611,13 @@ async def stream_chat(state: ServerState, body, prompt, gen, first) -> AsyncIter
                 sent_lps[o.index] = len(o.logprobs)
                 deltas = deltas or [{}]
             for d in deltas:
-                yield _sse({**head, "choices": [{"index": o.index, "delta": d, "logprobs": lps,
-                                                 "finish_reason": None}]})
+                yield _sse(_with_usage(body, {**head, "choices": [{"index": o.index, "delta": d, "logprobs": lps,
+                                                                   "finish_reason": None}]}, len(prompt_ids), [out]))
                 lps = None
             if o.finish_reason and o.index not in reported:
                 reason = "tool_calls" if use_parsers and parsers[o.index].saw_tool_calls else o.finish_reason
-                yield _sse({**head, "choices": [{"index": o.index, "delta": {}, "finish_reason": reason,
-                                                 "stop_reason": o.stop_reason}]})
+                last = {"index": o.index, "delta": {}, "finish_reason": reason, "stop_reason": o.stop_reason}
+                yield _sse(_with_usage(body, {**head, "choices": [last]}, len(prompt_ids), [out]))
                 reported.add(o.index)
         if out.finished:
             break

@@ -273,7 +273,7 @@ def check_tool_choice(tools: Any, tool_choice: Any) -> None:
         name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), Mapping) \
             else None
         if not isinstance(name, str) or not name:
-            raise ValueError("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise ValueError("tool_choice: a named one is {\"type\": \"function\", \"function\": {\"name\": ...}}")
         if name not in {(t.get("function") or {}).get("name") for t in tools if isinstance(t, Mapping)}:
             raise ValueError(f"tool_choice names {name!r}, which is not among the declared tools")
 

@@ -15,6 +15,7 @@ from ..engine.sampling_params import SamplingParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: usage so far on every chunk)
 
 
 class _SamplingFields(BaseModel):
