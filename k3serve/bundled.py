@@ -14,8 +14,11 @@ DEFAULT_MODEL = "tiny"
 def resolve_model(model: str | Path | None) -> Path:
     """A checkpoint directory for ``--model``: an existing path as given, a bundled model's name
     ("tiny", "tiny-mxfp4"), or the default bundled model when nothing is given."""
-    if model is not None and (Path(model).exists() or str(model) not in BUNDLED_MODELS):
-        return Path(model)  # a path (a missing one fails in the loader with its own message)
+    if model is not None and Path(model).exists():
+        return Path(model)
+    if model is not None and str(model) not in BUNDLED_MODELS:
+        raise FileNotFoundError(f"no model directory {str(model)!r}, and no bundled model of that name "
+                                f"(bundled: {', '.join(BUNDLED_MODELS)})")
     path = BUNDLED_MODELS[str(model or DEFAULT_MODEL)]
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the bundled model {path.name!r} is missing from this install ({path}); "

@@ -11,6 +11,17 @@ from .bundled import BUNDLED_MODELS, DEFAULT_MODEL, resolve_model
 from .presets import PRESETS
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: sizes, counts and parallel degrees are integers >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _make_model(args: argparse.Namespace) -> int:
     from .make_model import make_model
 
@@ -76,19 +87,19 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--weights-seed", type=int, default=0, help="seed of dummy / preset weights")
     p.add_argument("--verify-checksums", action="store_true")
     add_quantization_arg(p)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
-    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    p.add_argument("--expert-parallel-size", "-ep", type=_positive_int, default=1)
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=_positive_int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--page-size", type=_positive_int, default=64)
     p.add_argument("--cache-memory", default=None, help="cache pool size, e.g. 2GiB (default on CPU: 1GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-unified-memory", action="store_true", help="static split of the pool (baseline)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--prefix-block-size", type=int, default=512, help="tokens per prefix hash block")
-    p.add_argument("--kda-checkpoint-interval", type=int, default=4096,
+    p.add_argument("--prefix-block-size", type=_positive_int, default=512, help="tokens per prefix hash block")
+    p.add_argument("--kda-checkpoint-interval", type=_positive_int, default=4096,
                    help="KDA checkpoint every N tokens inside long prefills (multiple of the block size)")
     p.add_argument("--kda-fraction", type=float, default=0.5, help="KDA share of the pool with --no-unified-memory")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode or prefill steps)")
@@ -100,7 +111,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="prompts on up to this many cached tokens (prefix-cache hits) join such steps (0: off)")
     p.add_argument("--prefill-graph-context-decodes", action=argparse.BooleanOptionalAction, default=True,
                    help="... after decode rows too (another user's next turn while others decode)")
-    p.add_argument("--max-graph-batch", type=int, default=256, help="largest decode batch captured as a CUDA graph")
+    p.add_argument("--max-graph-batch", type=_positive_int, default=256, help="largest decode batch captured as a CUDA graph")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="overlap the host's scheduling and output processing with the GPU's step "
                         "(auto: on CUDA)")
@@ -238,14 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--prompts-file", help="one prompt per line")
     gen.add_argument("--token-ids", action="store_true", help="prompts are space-separated token ids")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=_positive_int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append")
-    gen.add_argument("-n", type=int, default=1)
+    gen.add_argument("-n", type=_positive_int, default=1)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
 
@@ -253,14 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     src = pl.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory or bundled model name (only config.json is read)")
     src.add_argument("--preset", choices=list(PRESETS))
-    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpus", type=_positive_int, required=True)
     pl.add_argument("--gpu-memory", required=True, help="usable memory per GPU, e.g. 80GiB or 80GB")
-    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--nodes", type=_positive_int, default=1)
     pl.add_argument("--context", default="128K", help="context length per request, e.g. 1M")
-    pl.add_argument("--concurrency", type=int, default=32)
+    pl.add_argument("--concurrency", type=_positive_int, default=32)
     pl.add_argument("--reserve-gib", type=float, default=8.0, help="runtime reserve (activations, graphs, framework)")
-    pl.add_argument("--prefix-block-size", type=int, default=512)
-    pl.add_argument("--kda-checkpoint-interval", type=int, default=4096)
+    pl.add_argument("--prefix-block-size", type=_positive_int, default=512)
+    pl.add_argument("--kda-checkpoint-interval", type=_positive_int, default=4096)
     pl.add_argument("--json", action="store_true")
     add_quantization_arg(pl)
     pl.set_defaults(func=_plan)
@@ -278,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "requests come in bursts again (a lone client pays it once); default 5, 0: never wait")
     sv.add_argument("--reasoning-parser", choices=["kimi_k3"], default=None)
     sv.add_argument("--tool-call-parser", choices=["kimi_k3", "kimi_k2"], default=None)
-    sv.add_argument("--tool-call-text-limit", type=int, default=None, metavar="N",
+    sv.add_argument("--tool-call-text-limit", type=_positive_int, default=None, metavar="N",
                     help="tool_choice required / named on K3: at most N characters of reasoning, response and "
                          "each string argument (default: unbounded; for weak models that may never reach the call)")
     sv.add_argument("--no-structured-output", action="store_true")
@@ -309,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--dtype", default="auto")
     ck.add_argument("--device", default=None)
     ck.add_argument("--seed", type=int, default=0)
-    ck.add_argument("--prompt-len", type=int, default=32)
-    ck.add_argument("--steps", type=int, default=8)
+    ck.add_argument("--prompt-len", type=_positive_int, default=32)
+    ck.add_argument("--steps", type=_positive_int, default=8)
     ck.add_argument("--verify-checksums", action="store_true")
     add_quantization_arg(ck)
     ck.set_defaults(func=_check)
@@ -318,8 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a flag's value, a model directory, a checkpoint, a layout, a prompt, an unreachable
+    server) ends in one line ``error: ...`` and exit 2, not a traceback (K3SERVE_TRACEBACK=1 shows it)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:  # ConfigError, CheckpointError, LayoutError, RequestRejected among them
+        if os.environ.get("K3SERVE_TRACEBACK"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if type(exc).__module__.startswith("httpx") and not os.environ.get("K3SERVE_TRACEBACK"):
+            print(f"error: {exc}", file=sys.stderr)  # (bench serve: the server is not there)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def test_bundled_checkpoints_have_every_k3_feature_and_fit_the_size_budget():
 def test_resolve_model_names_paths_and_default(tmp_path):
     assert resolve_model(None) == TINY and resolve_model("tiny-mxfp4") == BUNDLED_MODELS["tiny-mxfp4"]
     assert resolve_model(str(tmp_path)) == tmp_path  # a real path wins over a name
-    assert resolve_model("no/such/dir") == Path("no/such/dir")  # the loader reports it
+    with pytest.raises(FileNotFoundError, match="no model directory 'no/such/dir'.*bundled: tiny"):
+        resolve_model("no/such/dir")  # (named at once: the loader said only that config.json was missing)
 
 
 def test_cli_generate_defaults_to_the_bundled_model(capsys):

@@ -36,3 +36,41 @@ def test_generate_streams_and_batches(tmp_path, capsys):
     cap = capsys.readouterr()
     assert cap.out.count("--- req-") == 2 and "2 requests, 6 tokens" in cap.err
     assert main(["generate", "--model", str(out), "x", "--temperature", "-1"]) == 2
+
+
+def test_bad_input_is_one_error_line_not_a_traceback(tmp_path, capsys):
+    """A misspelt model, a missing file, a checkpoint in the wrong dtype, a bad value: exit 2 and
+    ``error: ...`` (they were tracebacks with exit 1)."""
+    import shutil
+
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "tiny"
+    assert main(["make-model", "--preset", "tiny", "--out", str(out)]) == 0
+    cases = [
+        (["generate", "--model", "tinyy", "x"], "no model directory 'tinyy', and no bundled model"),
+        (["check", "--model", str(tmp_path / "nope")], "no model directory"),
+        (["generate", "--model", str(out), "--prompts-file", str(tmp_path / "none.txt")], "none.txt"),
+        (["generate", "--model", str(out), "--token-ids", "1 2 abc"], "invalid literal"),
+        (["generate", "--model", str(out), "--token-ids", "1 2 999999"], "prompt token ids must be integers"),
+        (["generate", "--model", str(out), "--cache-memory", "abc", "x"], "abc"),
+    ]
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    shard = next(bad.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(k for k in tensors if k.endswith("up_proj.weight"))
+    tensors[name] = tensors[name].to(dtype=__import__("torch").int32)  # (an integer weight loaded silently)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    cases.append((["check", "--model", str(bad), "--steps", "1"], f"tensor {name}: dtype torch.int32"))
+    for argv, needle in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        last = err.replace("\r", "\n").strip().splitlines()[-1]  # (after any progress bar)
+        assert last.startswith("error: ") and needle in last and "Traceback" not in err, (argv, err)
+    for flag in ("-tp", "--max-num-seqs", "--max-tokens"):  # sizes and degrees: >= 1, refused by argparse
+        with pytest.raises(SystemExit) as exc:
+            main(["generate", "--model", str(out), flag, "0", "x"])
+        assert exc.value.code == 2 and "must be >= 1" in capsys.readouterr().err

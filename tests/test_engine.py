@@ -289,6 +289,46 @@ def test_text_prompts_and_stop_strings(text_llm):
     assert inc.outputs[0].text == text[:cut + len(stop)]
 
 
+def test_min_tokens_holds_back_stop_strings(text_llm):
+    """min_tokens: no stop of any kind before that many tokens (a stop string ended it after one)."""
+    params = dict(max_tokens=12, temperature=0.0, ignore_eos=True, skip_special_tokens=True)
+    [ref] = text_llm.generate(["def main():"], SamplingParams(**params), use_tqdm=False)
+    text = ref.outputs[0].text
+    stop = text[0]  # (completes with the first token that shows text)
+    assert stop != "\ufffd"
+    [early] = text_llm.generate(["def main():"], SamplingParams(**params, stop=[stop]), use_tqdm=False)
+    [held] = text_llm.generate(["def main():"], SamplingParams(**params, stop=[stop], min_tokens=8), use_tqdm=False)
+    assert len(early.outputs[0].token_ids) < 8 <= len(held.outputs[0].token_ids)
+
+
+def test_offline_api_as_vllm_users_call_it(text_llm):
+    """A refused prompt leaves none of its batch behind (they were computed by the next call);
+    vLLM's prompt dicts, ``chat`` and ``get_tokenizer``; non-integer token ids and bad seeds refused."""
+    eng = text_llm.engine
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match="max_model_len"):
+        text_llm.generate([[5, 6], [7, 8], [5] * (eng.max_model_len + 1)], params, use_tqdm=False)
+    assert not eng.has_unfinished_requests()
+    [by_dict] = text_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    [by_ids] = text_llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    [by_text] = text_llm.generate([{"prompt": "def f():"}], params, use_tqdm=False)
+    assert by_dict.outputs[0].token_ids == by_ids.outputs[0].token_ids and by_text.outputs[0].token_ids
+    assert text_llm.get_tokenizer() is eng.tokenizer
+    msgs = [{"role": "user", "content": "hi"}]
+    outs = text_llm.chat([msgs, msgs], params, use_tqdm=False)
+    from k3serve.serve.chat import build_chat_prompt
+
+    assert len(outs) == 2 and outs[0].prompt_token_ids == build_chat_prompt(
+        eng.tokenizer, eng.model.config.model_type, msgs).token_ids
+    with pytest.raises(ValueError, match="integers"):
+        text_llm.generate([[1.5, 5]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="params"):
+        text_llm.generate(["x"], (params,), use_tqdm=False)
+    for bad in (dict(seed="a"), dict(seed=2**70), dict(temperature=float("inf")), dict(temperature="hot")):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
 def test_a_stop_tokens_text_is_output_unless_special(text_llm):
     """vLLM: "the returned output will contain the stop tokens unless they are special tokens"
     (the text of a stop_token_ids hit was dropped while its token was counted)."""

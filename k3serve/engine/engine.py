@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,8 +303,8 @@ class LLMEngine:
         else:
             prompt_ids, text = list(prompt), prompt_text
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestRejected(f"prompt token ids must be in 0..{vocab - 1}")
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
+            raise RequestRejected(f"prompt token ids must be integers in 0..{vocab - 1}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -550,7 +551,9 @@ class LLMEngine:
         by_string = False
         # A stop token's own text is output unless it is a special token (vLLM), EOS's never.
         if (reason is None or by_token) and seq.detok is not None:
-            emit, by_string = seq.stopper.feed(seq.detok.push(tok) if reason is None or not self._special(tok) else "")
+            text = seq.detok.push(tok) if reason is None or not self._special(tok) else ""
+            # (min_tokens: no stop of any kind before that many tokens, stop strings included)
+            emit, by_string = seq.stopper.feed(text) if seq.num_output >= p.min_tokens else (text, False)
             if emit:
                 seq.text_pieces.append(emit)
             if by_string and reason is None:
@@ -657,6 +660,17 @@ def validate_startup(model, preset, config: EngineConfig, device=None, check_mem
                     config.decode_context_parallel_size, gpu_memory_gib=mem)
 
 
+def _prompt_of(prompt):
+    """A prompt as text or token ids; vLLM's prompt dicts ({"prompt": ...} / {"prompt_token_ids": ...}) too."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt["prompt_token_ids"]
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids' (got keys {sorted(prompt)})")
+    return prompt
+
+
 class LLM:
     """Offline batched generation: ``LLM(path).generate(prompts, params)``."""
 
@@ -672,14 +686,44 @@ class LLM:
         llm.engine = engine
         return llm
 
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             **chat_kw) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of OpenAI messages) or a list of them,
+        rendered in the model's chat format (serve.chat.build_chat_prompt; ``chat_kw``: tools,
+        tool_choice, reasoning_effort, add_generation_prompt, continue_final_message,
+        chat_template_kwargs, ...), then generated."""
+        from ..serve.chat import build_chat_prompt
+
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer: chat needs one")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [build_chat_prompt(self.engine.tokenizer, self.engine.model.config.model_type, conv,
+                                     **chat_kw).token_ids for conv in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: a prompt (text, token ids or a prompt dict) or a non-empty list of them")
+        if not (params is None or isinstance(params, SamplingParams) or
+                (isinstance(params, list) and all(isinstance(sp, SamplingParams) for sp in params))):
+            raise ValueError(f"params: a SamplingParams or a list of them (got {type(params).__name__})")
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(self.engine.add_request(_prompt_of(p), sp))
+        except BaseException:  # (as vLLM: a refused prompt leaves none of the batch behind)
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         finals: dict[str, RequestOutput] = {}
         from tqdm.auto import tqdm
 

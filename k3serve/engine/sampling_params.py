@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -43,6 +44,12 @@ class SamplingParams:
             if not cond:
                 raise ValueError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                 f"{name} must be a finite number, got {value!r}")
+        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and -2**63 <= self.seed < 2**64), f"seed must be a 64-bit integer, got {self.seed!r}")
         need(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

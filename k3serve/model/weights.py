@@ -116,7 +116,7 @@ def _copy_into(name: str, t: torch.Tensor, target: Target, cfg: ModelConfig) -> 
         _quantize_into(name, t, target)
         return
     want_int = target.param.dtype == torch.uint8
-    if want_int != (t.dtype == torch.uint8):
+    if want_int != (t.dtype == torch.uint8) or not (want_int or t.dtype.is_floating_point):
         raise CheckpointError(f"tensor {name}: dtype {t.dtype} in the checkpoint, expected "
                               f"{'uint8 (MXFP4)' if want_int else 'a floating-point dtype'}")
     if name.endswith(".weight_scale") and bool((t == 255).any()):
