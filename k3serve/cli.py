@@ -222,9 +222,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _parse_tokens(text: str) -> int:
-    """'1M' -> 1048576, '128K' -> 131072, '5000' -> 5000."""
+    """'1M' -> 1048576, '128K' -> 131072, '1G' -> 2^30, '5000' -> 5000."""
     t = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
@@ -249,15 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--prompts-file", help="one prompt per line")
     gen.add_argument("--token-ids", action="store_true", help="prompts are space-separated token ids")
-    gen.add_argument("--max-tokens", type=_positive_int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append")
-    gen.add_argument("-n", type=_positive_int, default=1)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens to generate a sample (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="default 0: greedy, so -n samples agree unless a temperature is given (SamplingParams' "
+                          "default is 1.0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="default 0: off")
+    gen.add_argument("--min-p", type=float, default=0.0, help="default 0: off")
+    gen.add_argument("--seed", type=int, default=None, help="reproducible sampling")
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("-n", type=_positive_int, default=1, help="samples a prompt (default 1)")
+    gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens past the end of text")
     gen.set_defaults(func=_generate)
 
     pl = sub.add_parser("plan", help="legal parallel layouts, memory budget and cache capacity")

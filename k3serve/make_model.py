@@ -58,6 +58,14 @@ def write_tokenizer(cfg: ModelConfig, out: Path) -> None:
 def write_checkpoint(raw_config: dict, out_dir: str | Path, seed: int = 0,
                      max_shard_bytes: int = 2 << 30, progress: bool = True) -> Path:
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a directory")
+    stale = sorted(p.name for p in out.glob("*.safetensors*")) if out.is_dir() else []
+    if stale:  # (a new checkpoint's shards beside an old one's do not load: a tensor "appears twice")
+        shown = ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else "")
+        raise FileExistsError(f"{out} already holds a checkpoint ({shown}): remove it or choose another --out")
+    if max_shard_bytes < 1:
+        raise ValueError(f"the shard size must be > 0 bytes, got {max_shard_bytes}")
     out.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig.from_dict(raw_config)
     (out / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")

@@ -158,7 +158,16 @@ def make_plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, nodes: int = 1
               concurrency: int = 32, reserve_gib: float = 8.0, dcp_options: tuple[int, ...] = (1, 2, 4, 8),
               hash_block: int = 512, checkpoint_interval: int = 4096, name: str = "") -> Plan:
     if gpus < 1 or nodes < 1 or gpus % nodes:
-        raise LayoutError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes")
+        raise LayoutError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes" if gpus >= 1 and nodes >= 1
+                          else f"--gpus and --nodes must be >= 1 (got {gpus}, {nodes})")
+    for what, value, low in (("--context", context, 1), ("--concurrency", concurrency, 1),
+                             ("--prefix-block-size", hash_block, 1), ("--gpu-memory (GiB)", gpu_memory_gib, 1e-9),
+                             ("--reserve-gib", reserve_gib, 0)):
+        if not value >= low:
+            raise LayoutError(f"{what} must be {'>= ' + str(low) if low != 1e-9 else '> 0'}, got {value}")
+    if checkpoint_interval < hash_block or checkpoint_interval % hash_block:
+        raise LayoutError(f"--kda-checkpoint-interval ({checkpoint_interval}) must be a multiple of "
+                          f"--prefix-block-size ({hash_block})")
     w = checkpoint_bytes(cfg)
     tps = tp_candidates(cfg, gpus)
     illegal_tp = {tp: r for tp in tps if (r := tp_reason(cfg, tp))}
@@ -182,7 +191,7 @@ def make_plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, nodes: int = 1
             per_req = kda + context * mla
             notes = []
             if tp > per_node:
-                notes.append(f"TP={tp} spans {tp // per_node} nodes: every token's all-reduce crosses the network")
+                notes.append(f"TP={tp} spans {-(-tp // per_node)} nodes: every token's all-reduce crosses the network")
             layouts.append(LayoutPlan(
                 tp=tp, ep=ep, dcp=dcp, weights_gib_per_gpu=round(weights / GIB, 2), fits=headroom > 0,
                 headroom_gib=round(headroom / GIB, 2), kda_mib_per_request=round(kda / 2**20, 2),

@@ -74,3 +74,15 @@ def test_bad_input_is_one_error_line_not_a_traceback(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             main(["generate", "--model", str(out), flag, "0", "x"])
         assert exc.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+
+
+def test_make_model_refuses_to_mix_checkpoints(tmp_path, capsys):
+    """A second checkpoint written over a first left both sets of shards (loading then failed with
+    a tensor that "appears twice")."""
+    out = tmp_path / "m"
+    assert main(["make-model", "--preset", "tiny", "--out", str(out), "--max-shard-gib", "0.001"]) == 0
+    capsys.readouterr()
+    assert main(["make-model", "--preset", "tiny", "--out", str(out)]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    assert main(["make-model", "--preset", "tiny", "--out", str(tmp_path / "f")]) == 2

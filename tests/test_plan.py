@@ -98,3 +98,22 @@ def test_cli_plan_json_and_startup_refusal(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: pytest.fail("weights were loaded"))
     assert main(["generate", "--model", str(tmp_path / "m"), "-tp", "3", "x"]) == 2
     assert "TP=3 does not divide" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(context=0), "--context must be >= 1"), (dict(context=-5), "--context"),
+    (dict(gpu_memory_gib=0.0), "--gpu-memory (GiB) must be > 0"), (dict(gpu_memory_gib=-80.0), "--gpu-memory"),
+    (dict(concurrency=0), "--concurrency"), (dict(checkpoint_interval=1000), "must be a multiple of"),
+    (dict(gpus=0), "--gpus and --nodes must be >= 1"),
+])
+def test_nonsense_plan_values_are_refused(kw, needle):
+    """They were accepted and printed numbers ("per-GPU budget at context -5 tokens ...")."""
+    args = dict(gpus=32, gpu_memory_gib=80.0, nodes=4, context=131072) | kw
+    with pytest.raises(LayoutError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        make_plan(K3, **args)
+
+
+def test_tp_spans_whole_nodes():
+    """40 GPUs on 4 nodes: TP 16 spans 2 nodes and TP 32 spans 4 (the notes said 1 and 3)."""
+    notes = {lp.tp: lp.notes for lp in make_plan(K3, gpus=40, gpu_memory_gib=80.0, nodes=4, context=4096).layouts}
+    assert any("TP=16 spans 2 nodes" in n for n in notes[16]) and any("TP=32 spans 4 nodes" in n for n in notes[32])
