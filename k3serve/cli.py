@@ -39,6 +39,14 @@ def _check(args: argparse.Namespace) -> int:
     from .model.loader import load_model
 
     t0 = time.perf_counter()
+    if torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
+        from .config import ModelConfig
+        from .engine.engine import check_host_memory
+        from .presets import preset_config
+
+        mcfg = (ModelConfig.from_dict(preset_config(args.preset)) if args.preset
+                else ModelConfig.from_pretrained(resolve_model(args.model)))
+        check_host_memory(mcfg.with_quantization(args.quantization), args.dtype)  # (before a weight loads)
     model = load_model(args.model and resolve_model(args.model), preset=args.preset, load_format=args.load_format,
                        dtype=args.dtype, device=args.device, seed=args.seed, verify_checksums=args.verify_checksums,
                        quantization=args.quantization)

@@ -86,3 +86,11 @@ def test_make_model_refuses_to_mix_checkpoints(tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
     (tmp_path / "f").write_text("x")
     assert main(["make-model", "--preset", "tiny", "--out", str(tmp_path / "f")]) == 2
+
+
+def test_a_model_larger_than_host_memory_is_refused_before_loading(capsys):
+    """K3 on CPU (~1.5 TiB as loaded) allocated until the machine ran out; now refused at once."""
+    for argv in (["check", "--preset", "k3", "--device", "cpu"],
+                 ["generate", "--preset", "k3", "--device", "cpu", "--token-ids", "1 2 3"]):
+        assert main(argv) == 2
+        assert "in host memory as loaded, more than the" in capsys.readouterr().err

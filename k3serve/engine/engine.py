@@ -185,7 +185,7 @@ class LLMEngine:
         if preset is None:  # a path, a bundled model's name, or nothing: the bundled default
             model = resolve_model(model)
         validate_startup(model, preset, config, load_kw.get("device"),  # before any weight loads
-                         quantization=load_kw.get("quantization"))
+                         quantization=load_kw.get("quantization"), dtype=load_kw.get("dtype"))
         net = load_model(model, preset=preset, **load_kw)
         if tokenizer is None:
             tokenizer = tokenizer_or_none(model)
@@ -639,7 +639,7 @@ def tokenizer_or_none(model):
 
 
 def validate_startup(model, preset, config: EngineConfig, device=None, check_memory: bool = True,
-                     quantization: str | None = None) -> None:
+                     quantization: str | None = None, dtype=None) -> None:
     """The planner's layout and memory checks and the kernel-backend environment, run before a
     single weight is read (memory counted as served: ``quantization`` shrinks the experts).
     ``check_memory=False``: no CUDA call (a process that must not hold a CUDA context: the
@@ -658,6 +658,28 @@ def validate_startup(model, preset, config: EngineConfig, device=None, check_mem
         mem = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else None
     validate_layout(mcfg, config.tensor_parallel_size, config.expert_parallel_size,
                     config.decode_context_parallel_size, gpu_memory_gib=mem)
+    if check_memory and dev.type == "cpu":
+        check_host_memory(mcfg, dtype)
+
+
+def check_host_memory(mcfg, dtype=None) -> None:
+    """A model larger than the host's available memory is refused before a weight loads (a large
+    preset on CPU allocated until the machine ran out). Counted as loaded: floating-point weights in
+    ``dtype`` (CPU's default fp32), MXFP4 experts as stored."""
+    from ..model.loader import resolve_dtype
+    from ..plan import LayoutError, checkpoint_bytes
+
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return  # (not Linux: unknown)
+    w = checkpoint_bytes(mcfg)
+    scale = torch.tensor([], dtype=resolve_dtype(dtype, torch.device("cpu"))).element_size() / 2  # (stored bf16)
+    need = w.other * scale + w.expert * (1 if mcfg.expert_format == "mxfp4" else scale)
+    if need > avail:
+        raise LayoutError(f"the weights need {need / 2**30:.1f} GiB in host memory as loaded, more than the "
+                          f"{avail / 2**30:.1f} GiB available; use a GPU, a smaller model or --dtype bfloat16")
 
 
 def _prompt_of(prompt):
