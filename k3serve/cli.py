@@ -95,7 +95,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--weights-seed", type=int, default=0, help="seed of dummy / preset weights")
     p.add_argument("--verify-checksums", action="store_true")
     add_quantization_arg(p)
-    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="checked against the model (legal degrees, memory) before loading; this engine serves one "
+                        "device so far, so > 1 is refused after the check (see `k3serve plan` for layouts)")
     p.add_argument("--expert-parallel-size", "-ep", type=_positive_int, default=1)
     p.add_argument("--decode-context-parallel-size", "-dcp", type=_positive_int, default=1)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
