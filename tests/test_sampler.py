@@ -227,13 +227,17 @@ def test_logprobs_of_masked_logits_are_the_models():
     assert torch.allclose(out.logprobs, raw[:, 7]) and torch.allclose(out.top_logprobs, raw.topk(4, -1).values)
 
 
-def test_min_tokens_leaves_the_stops_of_a_grammar_row():
-    """Under a grammar min_tokens does not mask the stops: the grammar's end may be the only token
-    it allows, and masking it too left nothing to sample."""
-    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])
-    free = row(output=[0], eos=[2], min_tokens=3, temperature=0.0)
-    ruled = SamplingRow(free.params, [], [0], [2], None, min_tokens_stops=False)
-    assert Sampler()(logits, [free]).token_ids.item() == 3 and Sampler()(logits, [ruled]).token_ids.item() == 2
+def test_min_tokens_under_a_grammar_yields_only_to_its_end():
+    """Under a grammar min_tokens masks the stops while the grammar allows anything else, not when
+    they are all it allows (its end: masking it too left nothing to sample)."""
+    inf = float("-inf")
+    allows_more = torch.tensor([[inf, inf, 9.0, 8.0, inf]])  # (a grammar's mask: 2 = EOS or 3)
+    only_end = torch.tensor([[inf, inf, 9.0, inf, inf]])
+    p = SamplingParams(min_tokens=3, temperature=0.0)
+    free, ruled = (SamplingRow(p, [], [0], [2], None, grammar=g) for g in (False, True))
+    assert Sampler()(allows_more, [ruled]).token_ids.item() == 3  # still held back
+    assert Sampler()(only_end, [ruled]).token_ids.item() == 2  # the grammar's end wins
+    assert not torch.isfinite(mask_min_tokens(only_end, [free])).any()  # (without the grammar flag)
 
 
 def test_logprobs_none_when_not_requested_and_zero_k():

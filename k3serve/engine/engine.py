@@ -516,7 +516,7 @@ class LLMEngine:
         rep = p.repetition_penalty != 1.0
         needs_output = rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.min_tokens > 0
         return SamplingRow(p, q.token_ids[:q.num_prompt] if rep else [], q.output_ids if needs_output else [],
-                           self.eos_ids, q.generator, min_tokens_stops=q.grammar is None)
+                           self.eos_ids, q.generator, grammar=q.grammar is not None)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """n > 1: the child starts from a copy of the parent's prompt state (no second prefill):

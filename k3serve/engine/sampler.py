@@ -43,9 +43,9 @@ class SamplingRow:
     output_ids: list[int]  # presence/frequency penalties and min_tokens count these only
     eos_ids: list[int]  # masked while len(output_ids) < min_tokens (even with ignore_eos)
     generator: torch.Generator | None = None  # required when params.seed is set; on the logits' device
-    # min_tokens masks the stops (off under a grammar: the structured output's end wins, else its
-    # only allowed token would be masked too)
-    min_tokens_stops: bool = True
+    # under a grammar: min_tokens masks the stops unless they are all the grammar allows (its end
+    # wins; masking it too left nothing to sample)
+    grammar: bool = False
 
 
 @dataclass
@@ -115,15 +115,21 @@ def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     """
     r_idx: list[int] = []
     t_idx: list[int] = []
+    ruled: list[int] = []
     for i, r in enumerate(rows):
-        if r.min_tokens_stops and len(r.output_ids) < r.params.min_tokens:
+        if len(r.output_ids) < r.params.min_tokens:
             toks = [t for t in (*r.eos_ids, *r.params.stop_token_ids) if t < logits.shape[1]]
             r_idx += [i] * len(toks)
             t_idx += toks
+            ruled += [i] if r.grammar and toks else []
     if r_idx:
         dev = logits.device
         index = (to_device(r_idx, dev), to_device(t_idx, dev))
-        logits = logits.index_put(index, torch.full((), float("-inf"), device=dev))
+        masked = logits.index_put(index, torch.full((), float("-inf"), device=dev))
+        if ruled:  # (on the device: no sync)
+            g = to_device(ruled, dev)
+            masked[g] = torch.where(torch.isfinite(masked[g]).any(dim=-1, keepdim=True), masked[g], logits[g])
+        logits = masked
     return logits
 
 
