@@ -35,18 +35,13 @@ def _check(args: argparse.Namespace) -> int:
     """Load a model (files or dummy), run one prefill + a few greedy decode steps, report."""
     import torch
 
+    from .engine.engine import EngineConfig, validate_startup
     from .model.batch import CacheHandles, ForwardBatch, SeqChunk
     from .model.loader import load_model
 
     t0 = time.perf_counter()
-    if torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
-        from .config import ModelConfig
-        from .engine.engine import check_host_memory
-        from .presets import preset_config
-
-        mcfg = (ModelConfig.from_dict(preset_config(args.preset)) if args.preset
-                else ModelConfig.from_pretrained(resolve_model(args.model)))
-        check_host_memory(mcfg.with_quantization(args.quantization), args.dtype)  # (before a weight loads)
+    validate_startup(None if args.preset else resolve_model(args.model), args.preset, EngineConfig(), args.device,
+                     quantization=args.quantization, dtype=args.dtype)  # (memory and kernels, before a weight loads)
     model = load_model(args.model and resolve_model(args.model), preset=args.preset, load_format=args.load_format,
                        dtype=args.dtype, device=args.device, seed=args.seed, verify_checksums=args.verify_checksums,
                        quantization=args.quantization)
@@ -160,13 +155,9 @@ def _generate(args: argparse.Namespace) -> int:
     from .engine.engine import LLM
     from .engine.sampling_params import SamplingParams
 
-    try:
-        params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
-                                ignore_eos=args.ignore_eos)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
+                            ignore_eos=args.ignore_eos)  # (a bad value: main's one-line error)
     prompts = list(args.prompts)
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -174,13 +165,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("error: give a prompt (or --prompts-file)", file=sys.stderr)
         return 2
-    from .plan import LayoutError
-
-    try:
-        engine = engine_from_args(args)
-    except (LayoutError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    engine = engine_from_args(args)
     if args.token_ids:
         prompts = [[int(t) for t in p.replace(",", " ").split()] for p in prompts]
     elif engine.tokenizer is None:
@@ -213,20 +198,16 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from .config import ModelConfig
-    from .plan import LayoutError, format_plan, make_plan
+    from .plan import format_plan, make_plan
     from .presets import preset_config
     from .cache.pool import parse_bytes
 
     cfg = ModelConfig.from_pretrained(resolve_model(args.model)) if args.model else ModelConfig.from_dict(preset_config(args.preset))
     cfg = cfg.with_quantization(args.quantization)
-    try:
-        plan = make_plan(cfg, args.gpus, parse_bytes(args.gpu_memory) / 2**30, nodes=args.nodes,
-                         context=_parse_tokens(args.context), concurrency=args.concurrency, reserve_gib=args.reserve_gib,
-                         hash_block=args.prefix_block_size, checkpoint_interval=args.kda_checkpoint_interval,
-                         name=args.model or args.preset)
-    except LayoutError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    plan = make_plan(cfg, args.gpus, parse_bytes(args.gpu_memory) / 2**30, nodes=args.nodes,
+                     context=_parse_tokens(args.context), concurrency=args.concurrency, reserve_gib=args.reserve_gib,
+                     hash_block=args.prefix_block_size, checkpoint_interval=args.kda_checkpoint_interval,
+                     name=args.model or args.preset)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
     return 0
 
@@ -239,15 +220,9 @@ def _parse_tokens(text: str) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .model.weights import CheckpointError
-    from .plan import LayoutError
     from .serve.server import serve
 
-    try:
-        return serve(args)
-    except (LayoutError, FileNotFoundError, CheckpointError) as exc:  # raised in the engine process too
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return serve(args)  # (LayoutError, CheckpointError, ... raised in the engine process too: main's error line)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,11 +160,12 @@ def make_plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, nodes: int = 1
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise LayoutError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes" if gpus >= 1 and nodes >= 1
                           else f"--gpus and --nodes must be >= 1 (got {gpus}, {nodes})")
-    for what, value, low in (("--context", context, 1), ("--concurrency", concurrency, 1),
-                             ("--prefix-block-size", hash_block, 1), ("--gpu-memory (GiB)", gpu_memory_gib, 1e-9),
-                             ("--reserve-gib", reserve_gib, 0)):
-        if not value >= low:
-            raise LayoutError(f"{what} must be {'>= ' + str(low) if low != 1e-9 else '> 0'}, got {value}")
+    for what, value, ok in (("--context", context, context >= 1), ("--concurrency", concurrency, concurrency >= 1),
+                            ("--prefix-block-size", hash_block, hash_block >= 1),
+                            ("--gpu-memory (GiB)", gpu_memory_gib, gpu_memory_gib > 0),
+                            ("--reserve-gib", reserve_gib, reserve_gib >= 0)):
+        if not ok:
+            raise LayoutError(f"{what} out of range: {value}")
     if checkpoint_interval < hash_block or checkpoint_interval % hash_block:
         raise LayoutError(f"--kda-checkpoint-interval ({checkpoint_interval}) must be a multiple of "
                           f"--prefix-block-size ({hash_block})")

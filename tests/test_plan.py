@@ -101,8 +101,8 @@ def test_cli_plan_json_and_startup_refusal(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, needle", [
-    (dict(context=0), "--context must be >= 1"), (dict(context=-5), "--context"),
-    (dict(gpu_memory_gib=0.0), "--gpu-memory (GiB) must be > 0"), (dict(gpu_memory_gib=-80.0), "--gpu-memory"),
+    (dict(context=0), "--context out of range: 0"), (dict(context=-5), "--context"),
+    (dict(gpu_memory_gib=0.0), "--gpu-memory (GiB) out of range"), (dict(gpu_memory_gib=-80.0), "--gpu-memory"),
     (dict(concurrency=0), "--concurrency"), (dict(checkpoint_interval=1000), "must be a multiple of"),
     (dict(gpus=0), "--gpus and --nodes must be >= 1"),
 ])
