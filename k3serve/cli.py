@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -76,6 +77,16 @@ def _check(args: argparse.Namespace) -> int:
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", choices=["mxfp4"], default=None,
                    help="mxfp4: serve bf16 routed experts as MXFP4 (W4A16, K3's format), quantised at load")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is needed")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -280,6 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tool_choice required / named on K3: at most N characters of reasoning, response and "
                          "each string argument (default: unbounded; for weak models that may never reach the call)")
     sv.add_argument("--no-structured-output", action="store_true")
+    sv.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                    help="sampling settings a request omits (temperature, top_p, top_k, min_p, repetition_penalty, "
+                         "max_new_tokens as max_tokens' default) from the model's generation_config.json (auto), "
+                         "from DIR's, or none (vllm), as vLLM")
+    sv.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                    help='e.g. \'{"temperature": 0.6}\': over the generation config\'s')
+    sv.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help='logprobs name tokens "token_id:N", not by their text (which may be a partial character); '
+                         "a request's return_tokens_as_token_ids overrides it")
     sv.add_argument("--log-level", default="info")
     sv.set_defaults(func=_serve)
 

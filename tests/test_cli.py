@@ -55,6 +55,9 @@ def test_bad_input_is_one_error_line_not_a_traceback(tmp_path, capsys):
         (["generate", "--model", str(out), "--token-ids", "1 2 abc"], "invalid literal"),
         (["generate", "--model", str(out), "--token-ids", "1 2 999999"], "prompt token ids must be integers"),
         (["generate", "--model", str(out), "--cache-memory", "abc", "x"], "abc"),
+        (["generate", "--model", str(out), "--device", "cuda:7", "x"], "--device cuda:7"),  # (CPU torch: was an
+    ]                                                                                       # AssertionError)
+    cases += [
     ]
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
@@ -64,6 +67,13 @@ def test_bad_input_is_one_error_line_not_a_traceback(tmp_path, capsys):
     tensors[name] = tensors[name].to(dtype=__import__("torch").int32)  # (an integer weight loaded silently)
     save_file(tensors, shard, metadata={"format": "pt"})
     cases.append((["check", "--model", str(bad), "--steps", "1"], f"tensor {name}: dtype torch.int32"))
+    nan = tmp_path / "nan"
+    shutil.copytree(out, nan)
+    tensors = load_file(shard := next(nan.glob("*.safetensors")))
+    name = next(k for k in tensors if k.endswith("q_proj.weight") or k.endswith("q_a_proj.weight"))
+    tensors[name][2, 3] = float("nan")  # (it loaded and ran: the logits came out NaN, no tensor named)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    cases.append((["check", "--model", str(nan), "--steps", "1"], f"tensor {name}: 1 non-finite values"))
     for argv, needle in cases:
         capsys.readouterr()
         assert main(argv) == 2, argv

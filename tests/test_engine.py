@@ -391,3 +391,47 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(text_llm, async_scheduling)
         assert deltas[key][0] == streamed[key][0] == text and deltas[key][1] == streamed[key][1] == ids
         assert deltas[key][2] == (lps or [])
     assert any(lps for _, _, lps, _ in finals.values())  # the logprobs request was compared
+
+
+def test_generation_config_defaults(tmp_path):
+    """vLLM's --generation-config: a model's generation_config.json sampling fields (max_new_tokens as
+    max_tokens) are what omitted settings default to; "vllm" ignores them, an override wins, and a bad
+    file or value is refused at start-up, naming it."""
+    import json
+
+    from k3serve.engine.sampling_params import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 3, "temperature": 0.3, "top_k": 5, "max_new_tokens": 7, "do_sample": True, "top_p": None}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.3, "top_k": 5, "max_tokens": 7}
+    assert generation_defaults(tmp_path, "vllm") == {} and generation_defaults(None) == {}
+    assert generation_defaults(None, str(tmp_path)) == generation_defaults(tmp_path)
+    assert generation_defaults(tmp_path, override={"temperature": 0.0, "min_p": 0.1}) == {
+        "temperature": 0.0, "top_k": 5, "max_tokens": 7, "min_p": 0.1}
+    for kw, needle in ((dict(override={"temprature": 1}), "temprature not among"),
+                       (dict(override={"top_p": 2.0}), "generation config: top_p must be in"),
+                       (dict(source=str(tmp_path / "none")), "no generation_config.json there")):
+        with pytest.raises(ValueError, match=needle):
+            generation_defaults(tmp_path, **kw)
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        generation_defaults(tmp_path)
+
+
+def test_offline_llm_samples_with_the_models_generation_config(tmp_path):
+    """LLM.generate without params uses the generation config (here: greedy, 5 tokens), as vLLM's."""
+    import json
+
+    from k3serve.engine.engine import LLM
+    from k3serve.make_model import make_model
+
+    make_model("tiny", tmp_path, seed=4, progress=False)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "max_new_tokens": 5}))
+    llm = LLM(tmp_path, dtype="float32", device="cpu", cache_memory="64MiB", page_size=16, progress=False)
+    assert llm.get_default_sampling_params().greedy and llm.get_default_sampling_params().max_tokens == 5
+    a, b = (llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0] for _ in range(2))
+    assert a.token_ids == b.token_ids and (len(a.token_ids) == 5 or a.finish_reason == "stop")
+    plain = LLM(tmp_path, dtype="float32", device="cpu", cache_memory="64MiB", page_size=16, progress=False,
+                generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()

@@ -80,7 +80,7 @@ def run_loop(engine, gap_s: float, arrival_times: list[float], busy_poll_s: floa
 
 
 def finished(sent) -> set[str]:
-    return {rid for m in sent if isinstance(m, StepOutputs) for rid, done, _ in m.outputs if done}
+    return {rid for m in sent if isinstance(m, StepOutputs) for rid, done, *_ in m.outputs if done}
 
 
 def test_an_idle_engine_waits_for_the_rest_of_a_burst(engine):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve.engine.sampler import Sampler, SamplingRow, apply_penalties, make_generator, mask_min_tokens
+from k3serve.engine.sampler import (Sampler, SamplingRow, apply_penalties, apply_token_biases, make_generator,
+                                    mask_min_tokens)
 from k3serve.engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -168,6 +169,36 @@ def test_penalties_only_touch_their_rows():
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert not torch.equal(out[1], logits[1])
     assert apply_penalties(logits, [row(), row(), row()]) is logits  # no penalties: no work
+
+
+def test_logit_bias_and_allowed_token_ids_exact():
+    """Bias added on its row's tokens (keys as OpenAI sends them: strings), allowed tokens kept and
+    every other -inf, other rows and the input untouched; then penalties see the biased logits."""
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(2))
+    rows = [row(logit_bias={"1": 5.0, 4: -100}), row(), row(allowed_token_ids=[2, 5], logit_bias={5: 1.5})]
+    out = apply_token_biases(logits, rows)
+    want = logits.clone()
+    want[0, 1] += 5.0
+    want[0, 4] -= 100
+    want[2] = float("-inf")
+    want[2, 2], want[2, 5] = logits[2, 2], logits[2, 5] + 1.5
+    assert torch.equal(out, want) and not torch.equal(out, logits)
+    assert apply_token_biases(logits, [row(), row(), row()]) is logits
+    # through the sampler: greedy follows the bias, sampling never leaves the allowed tokens
+    flat = torch.zeros(1, 50)
+    assert Sampler()(flat, [row(temperature=0.0, logit_bias={"17": 3.0})]).token_ids.item() == 17
+    drawn = draw(torch.randn(50), 400, allowed_token_ids=[3, 9, 41])
+    assert set(drawn.tolist()) == {3, 9, 41}
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(logit_bias={"x": 1.0}), "logit_bias must map token ids to numbers"),
+                                       (dict(logit_bias={3: 101}), "biases in [-100, 100]"),
+                                       (dict(logit_bias={-1: 1}), "biases in [-100, 100]"),
+                                       (dict(allowed_token_ids=[]), "allowed_token_ids must be"),
+                                       (dict(allowed_token_ids=[1, "2"]), "allowed_token_ids must be")])
+def test_bias_params_refused(kw, needle):
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(**kw)
 
 
 def test_presence_penalty_flips_greedy_choice():

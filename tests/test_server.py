@@ -72,6 +72,8 @@ def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/ping").status_code == 200 and httpx.post(server + "/ping").status_code == 200
+    assert httpx.get(server + "/version").json() == {"version": __import__("k3serve").__version__}
 
 
 def test_completion_usage_matches_tokens(client, server):
@@ -133,7 +135,12 @@ def test_sampling_extras_and_n(client):
     ({"model": "tiny", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"model": "tiny", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"model": "tiny", "prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ({"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be"),  # (0 only with echo)
+    ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 500}}, 400, "biases in [-100, 100]"),
+    ({"model": "tiny", "prompt": "hi", "logit_bias": {"9999999": 1}}, 400, "logit_bias: token ids must be"),
+    ({"model": "tiny", "prompt": "hi", "allowed_token_ids": [9999999]}, 400, "allowed_token_ids: token ids"),
+    ({"model": "tiny", "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs must be in 0..20"),
+    ({"model": "tiny", "prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "not available when streaming"),
 ])
 def test_bad_completion_requests(server, body, status, needle):
     data = body if isinstance(body, str) else json.dumps(body)
@@ -210,6 +217,13 @@ def test_disconnect_mid_stream_returns_memory(server):
                  for k in ("prefill", "decode")}
     prefill_steps = float(re.search(r"^k3serve_engine_prefill_steps (\S+)", metrics, re.M).group(1))
     assert scheduled["prefill"] >= 100 and scheduled["decode"] >= 3 and 1 <= prefill_steps <= eager
+    # vLLM's names for what its dashboards read: the same values, a model_name label
+    vllm = lambda name, labels="": float(re.search(  # noqa: E731
+        rf'^vllm:{name}\{{{labels}model_name="tiny"\}} (\S+)', metrics, re.M).group(1))
+    assert vllm("generation_tokens_total") == gen and vllm("time_to_first_token_seconds_count") == count
+    assert vllm("request_success_total", 'finished_reason="length",') >= 1
+    assert vllm("num_requests_running") == 0 and 0 <= vllm("kv_cache_usage_perc") <= 1
+    assert vllm("e2e_request_latency_seconds_bucket", r'le="\+Inf",') >= 1
 
 
 def test_api_key_and_queue_limit_and_sigterm(model_dir):
@@ -229,6 +243,28 @@ def test_api_key_and_queue_limit_and_sigterm(model_dir):
         proc.send_signal(signal.SIGTERM)
         # graceful: uvicorn drains, our shutdown hook aborts in-flight work, then it re-raises SIGTERM
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_generation_config_sets_omitted_settings(model_dir):
+    """--override-generation-config (over the model's generation_config.json): a request that omits
+    temperature and max_tokens samples greedily, 3 tokens; one that sets them gets its own."""
+    proc, url = _start(model_dir, "--override-generation-config", '{"temperature": 0, "max_new_tokens": 3}')
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        outs = [c.completions.create(model="tiny", prompt="x =", seed=s, extra_body={"ignore_eos": True})
+                for s in (1, 2)]
+        assert all(o.usage.completion_tokens == 3 for o in outs) and outs[0].choices[0].text == outs[1].choices[0].text
+        own = c.completions.create(model="tiny", prompt="x =", max_tokens=5, temperature=1.0,
+                                   extra_body={"ignore_eos": True})
+        assert own.usage.completion_tokens == 5
+        chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                         extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    with pytest.raises(RuntimeError, match="temprature not among"):
+        _start(model_dir, "--override-generation-config", '{"temprature": 0}')
 
 
 def test_sigterm_with_a_request_in_flight(model_dir):
@@ -344,6 +380,14 @@ def test_structured_output_json_schema_and_choice(client):
     out = client.completions.create(model="tiny", prompt="code:", max_tokens=10, temperature=0,
                                     extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"})
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", out.choices[0].text)
+    grammar = 'root ::= "ab" digit digit ("!" | "?")\ndigit ::= [0-9]'  # (vLLM's guided_grammar: EBNF)
+    for extra in ({"guided_grammar": grammar}, {"structured_outputs": {"grammar": grammar}}):
+        out = client.completions.create(model="tiny", prompt="g:", max_tokens=10, temperature=1.0, seed=4,
+                                        extra_body=extra)
+        assert re.fullmatch(r"ab[0-9]{2}[!?]", out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    out = client.completions.create(model="tiny", prompt="answer:", max_tokens=10, temperature=0.8, seed=3,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert out.choices[0].text in ("yes", "no")
 
 
 def test_invalid_schema_is_a_400(client):
@@ -353,6 +397,8 @@ def test_invalid_schema_is_a_400(client):
             response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"guided_regex": "(unclosed"})
+    with pytest.raises(openai.BadRequestError, match="invalid grammar"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"guided_grammar": "root ::= ("})
     assert client.models.list().data
 
 
@@ -371,12 +417,17 @@ def test_k3_chat_rendering_reaches_the_model(server):
 def test_reasoning_parser_splits_the_think_channel(model_dir):
     """With --reasoning-parser kimi_k3 and thinking on, a (random) model that never closes its
     think channel produces only reasoning_content; with reasoning_effort none only content."""
-    proc, url = _start(model_dir, "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3")
+    proc, url = _start(model_dir, "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3",
+                       "--return-tokens-as-token-ids")
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         msgs = [{"role": "user", "content": "think about it"}]
-        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, logprobs=True,
+                                      top_logprobs=1, extra_body={"ignore_eos": True})
+        assert all(re.fullmatch(r"token_id:\d+", e.token) for e in r.choices[0].logprobs.content)  # (the flag)
+        named = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, logprobs=True,
+                                          extra_body={"return_tokens_as_token_ids": False})
+        assert not any(e.token.startswith("token_id:") for e in named.choices[0].logprobs.content)
         m = r.choices[0].message
         assert m.reasoning_content and not m.content  # everything generated sits in the open think channel
         chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
@@ -513,6 +564,92 @@ def test_logprobs(client):
                                           temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_echo_scores_the_prompt(client, server):
+    """echo + logprobs (lm-eval's loglikelihood request, max_tokens 0 or 1): the prompt's tokens come
+    back with their logprobs (the first without). A generated token's logprob equals the same token's
+    when it is scored as part of the next prompt; streamed, the same entries."""
+    prompt = [5, 77, 301, 9, 1200, 44, 16]
+    gen = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                    extra_body={"ignore_eos": True})
+    lp = gen.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert gen.choices[0].text == "".join(lp.tokens)
+    as_ids = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                       echo=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    named = as_ids.choices[0].logprobs
+    assert named.tokens[:7] == [f"token_id:{t}" for t in prompt] and named.token_logprobs == lp.token_logprobs
+    assert named.text_offset == lp.text_offset and as_ids.choices[0].text == gen.choices[0].text
+    ids = [int(t.split(":")[1]) for t in named.tokens[7:]]
+    scored = client.completions.create(model="tiny", prompt=prompt + ids, max_tokens=0, logprobs=2, echo=True)
+    choice = scored.choices[0]
+    assert choice.text == gen.choices[0].text and scored.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == lp.tokens
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    for a, b in zip(choice.logprobs.top_logprobs[1:], lp.top_logprobs[1:]):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt + ids, max_tokens=0, logprobs=2, echo=True,
+                                            stream=True, stream_options={"include_usage": True}))
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in parts) == choice.text and chunks[-1].usage.completion_tokens == 0
+    assert [t for p in parts if p.logprobs for t in p.logprobs.token_logprobs] == choice.logprobs.token_logprobs
+    assert [o for p in parts if p.logprobs for o in p.logprobs.text_offset] == choice.logprobs.text_offset
+
+
+def test_logit_bias_and_allowed_token_ids(client):
+    """OpenAI's logit_bias (+100: that token every step, greedy or not) and vLLM's allowed_token_ids
+    (sampled tokens never leave the set), the tokens read back as ids."""
+    ids = lambda out: [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]  # noqa: E731
+    kw = dict(model="tiny", prompt="x", max_tokens=6, logprobs=0)
+    forced = client.completions.create(**kw, temperature=0.8, seed=2, logit_bias={"42": 100},
+                                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert ids(forced) == [42] * 6
+    allowed = client.completions.create(**kw, temperature=1.0, seed=3, n=4, extra_body={
+        "allowed_token_ids": [7, 300, 1100], "ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert {t for c in allowed.choices for t in [int(x.split(":")[1]) for x in c.logprobs.tokens]} <= {7, 300, 1100}
+
+
+def test_truncate_prompt_tokens(client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (the same output as sending them
+    alone); -1 fits a prompt past the context into it; on chat, the rendered conversation's end."""
+    prompt = [5, 77, 301, 9, 1200, 44, 16, 900]
+    kw = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    cut = client.completions.create(prompt=prompt, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                           "truncate_prompt_tokens": 3}})
+    alone = client.completions.create(prompt=prompt[-3:], **kw)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == alone.choices[0].text
+    long = client.completions.create(model="tiny", prompt=[98] * 700, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": -1})
+    assert long.usage.prompt_tokens == 511
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello " * 50}],
+                                          max_tokens=1, extra_body={"truncate_prompt_tokens": 10})
+    assert chat.usage.prompt_tokens == 10
+    for bad in (0, -2, 512):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be"):
+            client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"truncate_prompt_tokens": bad})
+
+
+def test_prompt_logprobs_field(client):
+    """vLLM's prompt_logprobs extra: the first token None, then the prompt token and its k likeliest
+    alternatives with ranks; on chat, over the rendered conversation."""
+    prompt = [5, 77, 301, 9, 1200]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    plp = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None
+    for tok, entry in zip(prompt[1:], plp[1:]):
+        assert str(tok) in entry and 2 <= len(entry) <= 3
+        ranks = sorted(e["rank"] for t, e in entry.items() if t != str(tok) or e["rank"] <= 2)
+        assert ranks[:2] == [1, 2] and all(e["logprob"] <= 0 for e in entry.values())
+        best = max(entry.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in plp[1:])
 
 
 def _counter(server, name: str) -> float:

@@ -39,8 +39,9 @@ class _Stream:
     pieces: dict[int, list[str]] = field(default_factory=dict)  # per sequence index: its text deltas
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # (sent once by the engine; every output after carries them)
 
-    def output(self, rid: str, finished: bool, seqs: list) -> RequestOutput:
+    def output(self, rid: str, finished: bool, seqs: list, prompt_logprobs: list | None) -> RequestOutput:
         """The request's output after one step's deltas. token_ids / logprobs are the stream's
         growing lists (no copy a step); ``text`` is the whole answer on the final output only
         (joined once, not re-copied every step: streams read ``delta_text``), "" before."""
@@ -56,7 +57,8 @@ class _Stream:
                 all_lps += lps
             outs.append(CompletionOutput(index, "".join(pieces) if finished else "", ids, finish_reason, stop_reason,
                                          all_lps, delta_text, delta_ids))
-        return RequestOutput(rid, self.prompt_text, self.prompt_ids, outs, finished)
+        self.prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs
+        return RequestOutput(rid, self.prompt_text, self.prompt_ids, outs, finished, self.prompt_logprobs)
 
 
 class AsyncLLM:
@@ -173,13 +175,13 @@ class AsyncLLM:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, msgs.StepOutputs):
             self._waiting, self._adds_seen = msg.waiting, msg.adds_seen
-            for rid, finished, seqs in msg.outputs:
+            for rid, finished, seqs, prompt_logprobs in msg.outputs:
                 stream = self._streams.get(rid)
                 if stream is None:  # its consumer went away: the abort is on its way
                     continue
                 if finished:
                     del self._streams[rid]
-                stream.queue.put_nowait(stream.output(rid, finished, seqs))
+                stream.queue.put_nowait(stream.output(rid, finished, seqs, prompt_logprobs))
         elif isinstance(msg, msgs.RequestFailed):
             stream = self._streams.pop(msg.request_id, None)
             if stream is not None:

@@ -84,6 +84,7 @@ class CompletionOutput:
     logprobs: list | None = None  # per token: (token_id, logprob, [(alt_id, alt_logprob), ...])
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None  # (with logprobs: the sum of the sampled tokens')
 
 
 @dataclass
@@ -93,6 +94,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # params.prompt_logprobs: one entry a prompt token, None for the first, else (token_id, logprob,
+    # [(alt_id, alt_logprob), ...], rank); once the prompt is computed (delta outputs: that once)
+    prompt_logprobs: list | None = None
 
 
 PLACEHOLDER = -1  # a sampled token not yet read back (overlap); the device holds the real one
@@ -305,6 +309,9 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
             raise RequestRejected(f"prompt token ids must be integers in 0..{vocab - 1}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            if any(t >= vocab for t in getattr(params, name) or ()):
+                raise RequestRejected(f"{name}: token ids must be in 0..{vocab - 1}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -498,6 +505,7 @@ class LLMEngine:
             if seq.params.logprobs is not None and lps is not None:
                 k = seq.params.logprobs
                 seq.logprobs.append((tok, lps[j], list(zip(top_ids[j][:k], top_lps[j][:k]))))
+                seq.cumulative_logprob += lps[j]
             if seq.grammar is not None:
                 seq.grammar.accept(tok)
             # A later step may already hold a placeholder for the next token: the stop checks
@@ -602,8 +610,13 @@ class LLMEngine:
                 text, ids, lps = delta_text, delta_ids, None if lps is None else lps[seq.emitted_tokens: end]
             seq.emitted_tokens, seq.emitted_pieces = end, len(seq.text_pieces)
             outs.append(CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason, lps,
-                                         delta_text, delta_ids))
-        return RequestOutput(req.request_id, req.prompt_text, req.prompt_ids, outs, req.finished)
+                                         delta_text, delta_ids,
+                                         seq.cumulative_logprob if seq.params.logprobs is not None else None))
+        prompt_lps = None
+        head = req.seqs[0]
+        if req.params.prompt_logprobs is not None and not head.scoring_prompt and (cumulative or not req.scored_sent):
+            prompt_lps, req.scored_sent = head.prompt_logprobs, True
+        return RequestOutput(req.request_id, req.prompt_text, req.prompt_ids, outs, req.finished, prompt_lps)
 
     def prefix_stats(self) -> dict:
         return self.prefix.stats_dict() if self.prefix is not None else {}
@@ -653,8 +666,13 @@ def validate_startup(model, preset, config: EngineConfig, device=None, check_mem
     mcfg = ModelConfig.from_pretrained(model) if model is not None else ModelConfig.from_dict(preset_config(preset))
     mcfg = mcfg.with_quantization(quantization)
     mem = None
+    dev = torch.device(device or "cpu")
+    if dev.type == "cuda" and not torch.backends.cuda.is_built():  # (asks no driver: the server's process too)
+        raise ValueError(f"--device {device}: this torch ({torch.__version__}) was built without CUDA")
     if check_memory:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+            raise ValueError(f"--device {device}: no such CUDA device ({torch.cuda.device_count()} visible)")
         mem = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else None
     validate_layout(mcfg, config.tensor_parallel_size, config.expert_parallel_size,
                     config.decode_context_parallel_size, gpu_memory_gib=mem)
@@ -697,16 +715,25 @@ class LLM:
     """Offline batched generation: ``LLM(path).generate(prompts, params)``."""
 
     def __init__(self, model: str | Path | None = None, *, preset: str | None = None, tokenizer=None,
-                 config: EngineConfig | None = None, **kw):
+                 config: EngineConfig | None = None, generation_config: str = "auto", **kw):
+        """``generation_config``: where ``generate``'s default SamplingParams come from (vLLM's
+        --generation-config: "auto" the model's generation_config.json, "vllm" none, or a directory)."""
+        from .sampling_params import generation_defaults
+
         engine_fields = set(EngineConfig.__dataclass_fields__)
         ecfg = config or EngineConfig(**{k: kw.pop(k) for k in list(kw) if k in engine_fields})
+        self.defaults = generation_defaults(None if preset else resolve_model(model), generation_config)
         self.engine = LLMEngine.from_pretrained(model, preset=preset, config=ecfg, tokenizer=tokenizer, **kw)
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: LLMEngine, defaults: dict | None = None) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine = engine
+        llm.engine, llm.defaults = engine, dict(defaults or {})
         return llm
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended settings (its generation config), as vLLM's."""
+        return SamplingParams(**self.defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -735,7 +762,8 @@ class LLM:
         if not (params is None or isinstance(params, SamplingParams) or
                 (isinstance(params, list) and all(isinstance(sp, SamplingParams) for sp in params))):
             raise ValueError(f"params: a SamplingParams or a list of them (got {type(params).__name__})")
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        one = params or self.get_default_sampling_params()
+        params_list = params if isinstance(params, list) else [one] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
         ids: list[str] = []

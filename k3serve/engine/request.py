@@ -45,6 +45,10 @@ class Sequence:
     emitted_tokens: int = 0
     emitted_pieces: int = 0
     logprobs: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # params.prompt_logprobs (sample 0, which computes the prompt): one entry a prompt token scored so
+    # far, None for the first, else (token_id, logprob, [(alt_id, alt_logprob), ...], rank)
+    prompt_logprobs: list = field(default_factory=list)
     detok: object | None = None
     stopper: object | None = None
     grammar: object | None = None  # per-sample grammar matcher state (structured output)
@@ -75,6 +79,11 @@ class Sequence:
         return self.status is Status.FINISHED
 
     @property
+    def scoring_prompt(self) -> bool:
+        """Prompt logprobs asked for and not all computed: its prompt must be computed here, whole."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and len(self.prompt_logprobs) < self.num_prompt
+
+    @property
     def is_decode(self) -> bool:
         return self.num_computed == self.num_tokens - 1
 
@@ -87,6 +96,7 @@ class Request:
     seqs: list[Sequence]
     prompt_text: str | None = None
     forked: bool = False  # n > 1: siblings received the prompt state
+    scored_sent: bool = False  # delta outputs: the prompt logprobs went out (they go once)
 
     @property
     def finished(self) -> bool:
@@ -102,4 +112,6 @@ def new_request(request_id: str, prompt_ids: list[int], params: SamplingParams, 
             gen = torch.Generator(device=device)
             gen.manual_seed(params.seed + i)
         seqs.append(Sequence(request_id, i, list(prompt_ids), len(prompt_ids), params, gen))
+    if params.prompt_logprobs is not None:
+        seqs[0].prompt_logprobs.append(None)  # (the first token has nothing before it)
     return Request(request_id, list(prompt_ids), params, seqs, prompt_text)

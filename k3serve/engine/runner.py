@@ -10,6 +10,7 @@ from ..model.batch import ForwardBatch, SeqChunk
 from ..model.k3 import K3ForCausalLM
 from .decode_graphs import DecodeGraphs
 from .prefill_graphs import PrefillGraphs
+from .prompt_logprobs import rows_to_score, score_chunks
 from .transfer import fill_pending_tokens, to_device
 from .scheduler import ScheduledSeq
 
@@ -51,14 +52,16 @@ class ModelRunner:
     def execute(self, sched: list[ScheduledSeq], fixup: tuple | None = None) -> torch.Tensor:
         """Runs the step; returns fp32 logits [num sampling sequences, V] in ``sched`` order.
         ``fixup`` = (flat positions, rows, tokens on the device): input tokens the previous step
-        sampled that the host has not read yet (overlapped scheduling), copied in on the device."""
+        sampled that the host has not read yet (overlapped scheduling), copied in on the device.
+        Prompt rows asked to be scored (prompt logprobs) are, into their sequences, in an eager step."""
         t0 = time.perf_counter()
         decode = sum(s.num_tokens == 1 and s.seq.num_computed >= s.seq.num_prompt for s in sched)
         prefill = sum(s.num_tokens for s in sched) - decode
         self.prefill_steps += prefill > 0
         self.scheduled_tokens["prefill"] += prefill
         self.scheduled_tokens["decode"] += decode
-        if self.graphs is not None or self.prefill_graphs is not None:
+        scoring = any(rows_to_score(s) is not None for s in sched)
+        if (self.graphs is not None or self.prefill_graphs is not None) and not scoring:
             chunks = self.chunks(sched)
             sampling = all(s.samples for s in sched)
             static = (self.graphs if self.graphs is not None and sampling and self.graphs.fits(chunks) else
@@ -79,6 +82,8 @@ class ModelRunner:
         want = to_device([i for i, s in enumerate(sched) if s.samples], self.device)
         t1 = time.perf_counter()
         hidden = self.model(batch, self.pool.handles)
+        if scoring:
+            score_chunks(self.model, hidden, sched)
         logits = self.model.compute_logits(hidden[batch.logits_indices[want]])
         self._forward_done()
         t2 = time.perf_counter()

@@ -7,7 +7,8 @@ per-row Python is building small parameter/id tensors and drawing the noise of s
 Pipeline (the order matters and matches vLLM):
 
 1. raw logprobs (``log_softmax`` of the input logits) if any row asked for logprobs;
-2. penalties: repetition (prompt + output tokens), frequency and presence (output only);
+2. ``allowed_token_ids`` (every other token -inf), ``logit_bias`` (added), then penalties:
+   repetition (prompt + output tokens), frequency and presence (output only);
 3. ``min_tokens``: EOS and stop token ids get ``-inf`` until enough tokens were generated;
 4. greedy rows (temperature 0): argmax;
 5. other rows: temperature, top-k, top-p, min-p, then an exponential race
@@ -75,6 +76,26 @@ def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -
     counts = torch.zeros(len(id_lists), vocab + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]
+
+
+def apply_token_biases(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """allowed_token_ids, then logit_bias, on the rows that set them (out of place; ``logits`` itself
+    when no row does)."""
+    allow = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    bias = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not allow and not bias:
+        return logits
+    dev, out = logits.device, logits.clone()
+    if allow:
+        keep = torch.zeros(len(allow), logits.shape[1], dtype=torch.bool, device=dev)
+        keep[to_device([j for j, (_, ids) in enumerate(allow) for _ in ids], dev),
+             to_device([t for _, ids in allow for t in ids], dev)] = True
+        picked = to_device([i for i, _ in allow], dev)
+        out[picked] = out[picked].masked_fill(~keep, float("-inf"))
+    if bias:
+        index = (to_device([i for i, b in bias for _ in b], dev), to_device([t for _, b in bias for t in b], dev))
+        out.index_put_(index, to_device([v for _, b in bias for v in b.values()], dev, out.dtype), accumulate=True)
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -180,8 +201,9 @@ class Sampler:
         raw = logits if logprob_logits is None else logprob_logits.float()
         raw_logprobs = raw.log_softmax(dim=-1) if ks else None
 
-        # 2-3. penalties then min_tokens (both out of place: the caller's logits stay intact).
-        processed = mask_min_tokens(apply_penalties(logits, rows), rows)
+        # 2-3. allowed tokens, biases and penalties, then min_tokens (out of place: the caller's
+        # logits stay intact).
+        processed = mask_min_tokens(apply_penalties(apply_token_biases(logits, rows), rows), rows)
 
         # 4. greedy rows: argmax (of every row, the sampled ones overwritten below; none if every
         # row is sampled, as when every request has the same settings: two launches fewer a step).

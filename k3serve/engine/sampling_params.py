@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -24,6 +26,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + k top alternatives
+    # None: none; k >= 0: every prompt token's logprob given the tokens before it (+ k top
+    # alternatives; the first token has none). Such a prompt is computed whole: no prefix-cache hit.
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits, each in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: every other token is excluded
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -31,6 +38,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:  # (OpenAI sends the token ids as JSON object keys: strings)
+            try:
+                self.logit_bias = {int(t): v for t, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -63,7 +75,56 @@ class SamplingParams:
         need(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         need(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             f"logprobs must be in 0..20, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 20),
+                 f"{name} must be in 0..20, got {value!r}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        need(all(t >= 0 and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+                 for t, v in (self.logit_bias or {}).items()),
+             "logit_bias must map token ids to biases in [-100, 100]")
+        need(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids")
+
+
+# generation_config.json's fields a request's omitted settings default to (vLLM's --generation-config
+# auto), with their SamplingParams names.
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: str | Path | None, source: str = "auto", override: dict | None = None) -> dict:
+    """The sampling defaults a model's creator recommends: ``source`` "auto" reads the model's
+    generation_config.json, "vllm" (or no model directory) none, else a directory holding one;
+    ``override`` (--override-generation-config) wins over both. SamplingParams names; a bad file
+    or value is refused here, at start-up, not in a request."""
+    raw: dict = {}
+    if source == "vllm":
+        folder = None
+    elif source == "auto":
+        folder = Path(model_dir) if model_dir is not None else None
+    else:
+        folder = Path(source)
+    if folder is not None:
+        path = folder / "generation_config.json"
+        if source != "auto" and not path.is_file():
+            raise ValueError(f"--generation-config {source}: no generation_config.json there")
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not valid JSON ({exc})") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"{path}: not a JSON object")
+    unknown = sorted(set(override or {}) - set(GENERATION_FIELDS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: {', '.join(unknown)} not among {', '.join(GENERATION_FIELDS)}")
+    raw = {**raw, **(override or {})}
+    defaults = {name: raw[key] for key, name in GENERATION_FIELDS.items() if raw.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"generation config: {exc}") from None
+    return defaults

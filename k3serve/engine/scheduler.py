@@ -165,7 +165,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(out) < self.max_num_seqs:
             seq = self.waiting[0]
             reused = 0
-            if seq.num_computed == 0 and seq.kda_slot is None and self.prefix is not None:
+            restorable = seq.num_computed == 0 and seq.kda_slot is None and not seq.scoring_prompt
+            if restorable and self.prefix is not None:
                 reused = self.prefix.restore(seq)
             n = self._chunk(seq, budget)
             if not self._grow(seq, seq.num_computed + n):

@@ -123,6 +123,10 @@ def _copy_into(name: str, t: torch.Tensor, target: Target, cfg: ModelConfig) -> 
         raise CheckpointError(f"tensor {name}: E8M0 scale byte 255 (NaN) is not a valid MXFP4 scale")
     dst = target.param.data if target.expert is None else target.param.data[target.expert]
     dst.copy_(t)
+    if dst.is_floating_point() and not bool(torch.isfinite(dst).all()):  # (read where it landed: a GPU's pace)
+        bad = ~torch.isfinite(dst)
+        raise CheckpointError(f"tensor {name}: {int(bad.sum())} non-finite values (NaN / inf, as loaded in "
+                              f"{dst.dtype}), the first at index {[int(i) for i in bad.nonzero()[0]]}")
 
 
 def _quantize_into(name: str, t: torch.Tensor, target: Target) -> None:

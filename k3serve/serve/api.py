@@ -12,7 +12,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -44,6 +44,8 @@ class ServerState:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     tool_call_text_limit: int | None = None  # (tool_grammar: free text of a forced tool call, capped)
+    return_tokens_as_token_ids: bool = False  # (the requests' default)
+    sampling_defaults: dict = field(default_factory=dict)  # (the model's generation config: omitted settings)
 
     @property
     def info(self):
@@ -101,7 +103,7 @@ async def _parse(request: Request, model_cls):
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="k3serve", version="0.1.0")
-    metrics = Metrics()
+    metrics = Metrics(state.model_name)
     app.state.k3 = state
     app.state.metrics = metrics
 
@@ -135,6 +137,14 @@ def build_app(state: ServerState) -> FastAPI:
         if state.llm.errored is not None:
             return JSONResponse(error_body("engine failed", "internal_error"), status_code=500)
         return Response(status_code=200)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # (vLLM's, for SageMaker-style probes)
+
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics_route():
@@ -181,13 +191,15 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of other than n is not supported", param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                           param="echo")
-        prompt_ids = [encode_prompt(state, p) for p in prompts]
+        check_prompt_logprobs(body)
+        # echo with max_tokens 0: the prompt scored, nothing generated (the one token run is dropped)
+        max_tokens = 1 if body.echo and body.max_tokens == 0 else body.max_tokens
+        prompt_ids = [encode_prompt(state, p, body.truncate_prompt_tokens) for p in prompts]
         for ids in prompt_ids:
-            check_budget(state, ids, body.max_tokens, "max_tokens")
-        params = make_params(body, body.max_tokens, body.logprobs, 16)
+            check_budget(state, ids, max_tokens, "max_tokens")
+        params = make_params(state, body, max_tokens, body.logprobs, 16)
+        if body.echo and body.logprobs is not None:  # (the prompt's tokens are reported with logprobs too)
+            params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         grammar = grammar_spec(state, body)
         gens = [start(state, request, ids, params, grammar) for ids in prompt_ids]
         if body.stream:
@@ -210,9 +222,10 @@ def build_app(state: ServerState) -> FastAPI:
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, given)
         check_budget(state, ids, max_tokens, given)
+        check_prompt_logprobs(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = make_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+        params = make_params(state, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers, param=given,
                              logprobs_param="top_logprobs")
         grammar = grammar_spec(state, body, prompt)
@@ -234,7 +247,7 @@ def need_tokenizer(state: ServerState) -> None:
         raise APIError(400, "this model has no tokenizer: send token ids")
 
 
-def encode_prompt(state: ServerState, prompt) -> list[int]:
+def encode_prompt(state: ServerState, prompt, truncate: int | None = None) -> list[int]:
     if isinstance(prompt, str):
         need_tokenizer(state)
         ids = state.tokenizer.encode(prompt)
@@ -243,8 +256,23 @@ def encode_prompt(state: ServerState, prompt) -> list[int]:
         vocab = state.info.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be integers in 0..{vocab - 1}", param="prompt")
+    ids = truncated(state, ids, truncate)
     check_length(state, ids, "prompt")
     return ids
+
+
+def truncated(state: ServerState, ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (-1: as many as the context
+    admits, one short of it for the first generated token)."""
+    if keep is None:
+        return ids
+    limit = state.info.max_model_len
+    if keep == -1:
+        keep = limit - 1
+    if keep < 1 or keep >= limit:
+        raise APIError(400, f"truncate_prompt_tokens must be -1 or in 1..{limit - 1} (the context is {limit} tokens), "
+                            f"got {keep}", param="truncate_prompt_tokens")
+    return ids[-keep:]
 
 
 def check_length(state: ServerState, ids: list[int], param: str) -> None:
@@ -252,6 +280,11 @@ def check_length(state: ServerState, ids: list[int], param: str) -> None:
         state.llm.check_admissible(ids)
     except RequestRejected as exc:
         raise APIError(400, str(exc), param=param) from None
+
+
+def check_prompt_logprobs(body) -> None:
+    if body.stream and body.prompt_logprobs is not None:  # (vLLM's rule; a completion's echo streams them)
+        raise APIError(400, "prompt_logprobs are not available when streaming", param="prompt_logprobs")
 
 
 def check_budget(state: ServerState, ids: list[int], max_tokens, param: str) -> None:
@@ -280,14 +313,15 @@ def render_chat(state: ServerState, body: ChatCompletionRequest):
         field = re.search(r"\b(tool_choice|tools|continue_final_message|add_generation_prompt|reasoning_effort|"
                           r"thinking_effort|response_format)\b", str(exc))
         raise APIError(400, f"cannot render the conversation: {exc}", param=field[1] if field else "messages") from None
+    prompt.token_ids = truncated(state, prompt.token_ids, getattr(body, "truncate_prompt_tokens", None))
     check_length(state, prompt.token_ids, "messages")
     return prompt
 
 
-def make_params(body, max_tokens, logprobs, default_max: int, keep_special: bool = False, param: str = "max_tokens",
-                logprobs_param: str = "logprobs"):
+def make_params(state: ServerState, body, max_tokens, logprobs, default_max: int, keep_special: bool = False,
+                param: str = "max_tokens", logprobs_param: str = "logprobs"):
     try:
-        params = body.sampling_params(max_tokens, logprobs, default_max)
+        params = body.sampling_params(max_tokens, logprobs, default_max, state.sampling_defaults)
     except ValueError as exc:  # (SamplingParams' messages start with the field they are about)
         msg = str(exc)
         field = msg.split(" ", 1)[0]
@@ -311,14 +345,15 @@ def grammar_spec(state: ServerState, body, prompt=None):
     its hot path; an invalid one comes back as the request's first output (``_first``: a 400)."""
     if not state.info.structured_output:
         if body.response_format not in (None, {"type": "text"}) or body.guided_json or body.guided_regex \
-                or body.guided_choice:
+                or body.guided_choice or body.guided_grammar or body.structured_outputs:
             raise APIError(400, "structured output is not available on this server", param="response_format")
         return None
     from .grammar import GrammarError, GrammarSpec
 
     try:
         spec = GrammarSpec.from_openai(response_format=body.response_format, guided_json=body.guided_json,
-                                       guided_regex=body.guided_regex, guided_choice=body.guided_choice)
+                                       guided_regex=body.guided_regex, guided_choice=body.guided_choice,
+                                       guided_grammar=body.guided_grammar, structured_outputs=body.structured_outputs)
         if _forced_tool_call(state, body):
             if spec is not None:
                 raise ValueError("tool_choice required/named cannot be combined with another output constraint")
@@ -423,12 +458,17 @@ async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) ->
 def _with_usage(body, chunk: dict, prompt_len: int, outs: list[RequestOutput]) -> dict:
     """A stream chunk, with the usage so far where the request asked for it on every chunk."""
     if body.stream_options and body.stream_options.continuous_usage_stats:
-        chunk["usage"] = _usage(prompt_len, outs)
+        chunk["usage"] = _usage(prompt_len, outs, not _echo_only(body))
     return chunk
 
 
-def _usage(prompt_len: int, outs: list[RequestOutput]) -> dict:
-    completion = sum(len(o.token_ids) for r in outs for o in r.outputs)
+def _echo_only(body) -> bool:
+    """/v1/completions' echo with max_tokens 0: the prompt (scored), nothing generated."""
+    return bool(getattr(body, "echo", False) and body.max_tokens == 0)
+
+
+def _usage(prompt_len: int, outs: list[RequestOutput], generated: bool = True) -> dict:
+    completion = sum(len(o.token_ids) for r in outs for o in r.outputs) if generated else 0
     prompt = prompt_len
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -438,24 +478,58 @@ def _logprob(x: float) -> float:
     return max(x, -9999.0) if not math.isnan(x) else -9999.0
 
 
-def _completion_logprobs(state: ServerState, lps, offset: int = 0) -> dict | None:
+def _completion_logprobs(state: ServerState, body, lps, offset: int = 0) -> dict | None:
     """/v1/completions' logprobs of ``lps`` [(token, logprob, alternatives)], their text starting
-    at ``offset`` of the choice's text."""
+    at ``offset`` of the choice's text (an echoed prompt's first token: logprob and alternatives None)."""
     if lps is None:
         return None
-    tok = state.tokenizer
-    name = (lambda t: tok.decode([t])) if tok else str
-    tokens = [name(t) for t, _, _ in lps]
-    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [_logprob(lp) for _, lp, _ in lps],
-            "top_logprobs": [{name(a): _logprob(alp) for a, alp in alts} for _, _, alts in lps], "text_offset": offsets}
+    text, name = _token_text(state), _token_name(state, body)
+    lengths = [len(text(t)) for t, _, _ in lps]
+    offsets = [offset + sum(lengths[:i]) for i in range(len(lps))]
+    return {"tokens": [name(t) for t, _, _ in lps],
+            "token_logprobs": [None if lp is None else _logprob(lp) for _, lp, _ in lps],
+            "top_logprobs": [None if alts is None else {name(a): _logprob(alp) for a, alp in alts} for _, _, alts in lps],
+            "text_offset": offsets}
 
 
-def _chat_logprobs(state: ServerState, lps) -> dict:
+def _token_text(state: ServerState):
     tok = state.tokenizer
+    return (lambda t: tok.decode([t])) if tok else str
+
+
+def _token_name(state: ServerState, body):
+    """How logprobs name a token: its text, or vLLM's "token_id:N" under return_tokens_as_token_ids
+    (exact where a token's bytes are not whole characters)."""
+    as_ids = body.return_tokens_as_token_ids
+    as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
+    return (lambda t: f"token_id:{t}") if as_ids else _token_text(state)
+
+
+def _echoed_scores(ids: list[int], scores: list, k: int) -> list[tuple]:
+    """An echoed prompt's tokens as logprob entries: the engine's prompt scores, ``k`` alternatives."""
+    return [(ids[0], None, None)] + [(t, lp, alts[:k]) for t, lp, alts, _ in scores[1:]]
+
+
+def _prompt_logprobs(state: ServerState, scores: list | None, k: int) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} of the prompt's token and its ``k`` likeliest alternatives."""
+    if scores is None:
+        return None
+    name = _token_text(state)
+    out: list = [None]
+    for t, lp, alts, rank in scores[1:]:
+        entry = {str(t): {"logprob": _logprob(lp), "rank": rank, "decoded_token": name(t)}}
+        for r, (a, alp) in enumerate(alts[:k], 1):
+            entry.setdefault(str(a), {"logprob": _logprob(alp), "rank": r, "decoded_token": name(a)})
+        out.append(entry)
+    return out
+
+
+def _chat_logprobs(state: ServerState, body, lps) -> dict:
+    tok, name = state.tokenizer, _token_name(state, body)
 
     def entry(t: int, lp: float) -> dict:
-        return {"token": tok.decode([t]), "logprob": _logprob(lp), "bytes": list(tok.token_bytes(t))}
+        return {"token": name(t), "logprob": _logprob(lp), "bytes": list(tok.token_bytes(t))}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]} for t, lp, alts in lps]}
 
@@ -466,14 +540,20 @@ def _prompt_text(state: ServerState, ids: list[int]) -> str:
 
 def completion_response(state: ServerState, body, prompt_ids, finals) -> dict:
     choices = []
+    generated = not _echo_only(body)
     for i, (ids, out) in enumerate(zip(prompt_ids, finals)):
         for o in out.outputs:
-            text = o.text if state.tokenizer else " ".join(map(str, o.token_ids))
+            text = (o.text if state.tokenizer else " ".join(map(str, o.token_ids))) if generated else ""
+            lps = None if o.logprobs is None else (o.logprobs if generated else [])
             if body.echo:
                 text = _prompt_text(state, ids) + text
-            choices.append({"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
-                            "stop_reason": o.stop_reason, "logprobs": _completion_logprobs(state, o.logprobs)})
-    usage = _usage(sum(len(p) for p in prompt_ids), finals)
+                lps = None if lps is None else _echoed_scores(ids, out.prompt_logprobs, body.logprobs) + lps
+            choice = {"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
+                      "stop_reason": o.stop_reason, "logprobs": _completion_logprobs(state, body, lps)}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs(state, out.prompt_logprobs, body.prompt_logprobs)
+            choices.append(choice)
+    usage = _usage(sum(len(p) for p in prompt_ids), finals, generated)
     return {"id": finals[0].request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name, "choices": choices, "usage": usage}
 
@@ -523,6 +603,7 @@ async def stream_completion(state: ServerState, body, prompt_ids, gens, firsts) 
     sent_lps: dict[int, int] = {}
     text_len: dict[int, int] = {}  # (as the whole response's text_offset: the token texts' lengths)
     finals = list(firsts)
+    generated = not _echo_only(body)
     try:
         async for i, out in _merged(gens, firsts):
             finals[i] = out
@@ -530,14 +611,20 @@ async def stream_completion(state: ServerState, body, prompt_ids, gens, firsts) 
                 key = i * body.n + o.index
                 if key in reported or not (o.delta_text or o.delta_token_ids or o.finish_reason):
                     continue
-                text = o.delta_text if state.tokenizer else " ".join(map(str, o.delta_token_ids))
-                prefix = _prompt_text(state, prompt_ids[i]) if body.echo and key not in text_len else ""
-                text_len[key] = text_len.get(key, 0) + len(prefix)
-                lps = None
+                text = (o.delta_text if state.tokenizer else " ".join(map(str, o.delta_token_ids))) if generated else ""
+                entries = None
                 if o.logprobs is not None:
-                    lps = _completion_logprobs(state, o.logprobs[sent_lps.get(key, 0):], text_len[key])
+                    entries = o.logprobs[sent_lps.get(key, 0):] if generated else []
                     sent_lps[key] = len(o.logprobs)
-                    text_len[key] += sum(map(len, lps["tokens"]))
+                offset, prefix = text_len.get(key, 0), ""
+                if body.echo and key not in text_len:  # (the prompt, scored, heads the choice's first chunk)
+                    prefix = _prompt_text(state, prompt_ids[i])
+                    if entries is not None:
+                        entries = _echoed_scores(prompt_ids[i], out.prompt_logprobs, body.logprobs) + entries
+                    else:
+                        offset += len(prefix)
+                lps = _completion_logprobs(state, body, entries, offset)
+                text_len[key] = offset + (sum(len(_token_text(state)(t)) for t, _, _ in entries) if entries else 0)
                 text = prefix + text
                 choice = {"index": key, "text": text, "logprobs": lps, "finish_reason": o.finish_reason}
                 if o.finish_reason:
@@ -549,7 +636,7 @@ async def stream_completion(state: ServerState, body, prompt_ids, gens, firsts) 
         await _close(gens)
     if body.stream_options and body.stream_options.include_usage:
         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                    "choices": [], "usage": _usage(prompt_len, finals)})
+                    "choices": [], "usage": _usage(prompt_len, finals, generated)})
     yield _sse("[DONE]")
 
 
@@ -576,10 +663,13 @@ def chat_response(state: ServerState, body, prompt, final: RequestOutput) -> dic
         msg, has_tools = _chat_message(state, body, prompt, o.text)
         choice = {"index": o.index, "message": msg, "finish_reason": "tool_calls" if has_tools else o.finish_reason}
         if body.logprobs and o.logprobs is not None:
-            choice["logprobs"] = _chat_logprobs(state, o.logprobs)
+            choice["logprobs"] = _chat_logprobs(state, body, o.logprobs)
         choices.append(choice)
-    return {"id": final.request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": state.model_name, "choices": choices, "usage": _usage(len(prompt_ids), [final])}
+    response = {"id": final.request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": state.model_name, "choices": choices, "usage": _usage(len(prompt_ids), [final])}
+    if body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = _prompt_logprobs(state, final.prompt_logprobs, body.prompt_logprobs)
+    return response
 
 
 async def stream_chat(state: ServerState, body, prompt, gen, first) -> AsyncIterator[str]:
@@ -607,7 +697,7 @@ async def stream_chat(state: ServerState, body, prompt, gen, first) -> AsyncIter
                 deltas = [{"content": o.delta_text}] if o.delta_text else []
             lps = None  # (the new tokens' logprobs ride on the output's first chunk)
             if body.logprobs and o.logprobs is not None and len(o.logprobs) > sent_lps.get(o.index, 0):
-                lps = _chat_logprobs(state, o.logprobs[sent_lps.get(o.index, 0):])
+                lps = _chat_logprobs(state, body, o.logprobs[sent_lps.get(o.index, 0):])
                 sent_lps[o.index] = len(o.logprobs)
                 deltas = deltas or [{}]
             for d in deltas:

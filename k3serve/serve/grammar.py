@@ -83,15 +83,33 @@ class GrammarSpec:
 
     @classmethod
     def from_openai(cls, response_format: dict | None = None, guided_json: Any = None,
-                    guided_regex: str | None = None, guided_choice: Sequence[str] | None = None
+                    guided_regex: str | None = None, guided_choice: Sequence[str] | None = None,
+                    guided_grammar: str | None = None, structured_outputs: dict | None = None
                     ) -> "GrammarSpec | None":
         """Map a chat/completions request's fields; None when nothing is constrained.
 
         ``response_format``: {"type": "text"} (no constraint), {"type": "json_object"} or
         {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
         (no schema: any JSON object). vLLM extras: ``guided_json`` (schema dict / JSON text),
-        ``guided_regex``, ``guided_choice``. At most one constraint may be given.
+        ``guided_regex``, ``guided_choice``, ``guided_grammar`` (EBNF, xgrammar's dialect: a
+        ``root`` rule), and their newer form ``structured_outputs`` {json | regex | choice | grammar
+        | json_object}. At most one constraint may be given.
         """
+        if structured_outputs is not None:
+            if not isinstance(structured_outputs, dict):
+                raise ValueError("structured_outputs must be an object")
+            known = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                     "grammar": "guided_grammar", "json_object": None}
+            unknown = sorted(set(structured_outputs) - set(known) - {"disable_any_whitespace",
+                                                                       "disable_additional_properties"})
+            if unknown:
+                raise ValueError(f"structured_outputs: {', '.join(unknown)} not supported (json, regex, choice, "
+                                 "grammar, json_object are)")
+            given = {k: v for k, v in structured_outputs.items() if k in known and v not in (None, False)}
+            new = [cls("json_object")] if given.pop("json_object", None) else []
+            new += [s for s in [cls.from_openai(**{known[k]: v}) for k, v in given.items()] if s is not None]
+            old = cls.from_openai(response_format, guided_json, guided_regex, guided_choice, guided_grammar)
+            return cls._one(new + ([old] if old is not None else []))
         specs: list[GrammarSpec] = []
         if response_format is not None:
             if not isinstance(response_format, dict):
@@ -115,8 +133,17 @@ class GrammarSpec:
             specs.append(cls("regex", guided_regex))
         if guided_choice is not None:
             specs.append(cls.choice(guided_choice))
+        if guided_grammar is not None:
+            if not isinstance(guided_grammar, str) or not guided_grammar.strip():
+                raise ValueError("guided_grammar must be a non-empty EBNF string")
+            specs.append(cls("ebnf", guided_grammar))
+        return cls._one(specs)
+
+    @staticmethod
+    def _one(specs: list) -> "GrammarSpec | None":
         if len(specs) > 1:
-            raise ValueError("give only one of response_format (json), guided_json, guided_regex, guided_choice")
+            raise ValueError("give only one of response_format (json), guided_json, guided_regex, guided_choice, "
+                             "guided_grammar (or structured_outputs)")
         return specs[0] if specs else None
 
 

@@ -3,12 +3,41 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class VLLMNames:
+    """The metrics vLLM's dashboards read, under vLLM's names (``vllm:...``, a ``model_name`` label),
+    copied from ours at each scrape: a Grafana board or alert made for vLLM works unchanged."""
+
+    def __init__(self, metrics: "Metrics", model_name: str):
+        self.model_name = model_name
+        self.pairs = [(metrics.running, "vllm:num_requests_running", {}),
+                      (metrics.waiting, "vllm:num_requests_waiting", {}),
+                      (metrics.pool_usage, "vllm:kv_cache_usage_perc", {}),
+                      (metrics.prompt_tokens, "vllm:prompt_tokens", {}),
+                      (metrics.generation_tokens, "vllm:generation_tokens", {}),
+                      (metrics.requests, "vllm:request_success", {"finish_reason": "finished_reason"}),
+                      (metrics.ttft, "vllm:time_to_first_token_seconds", {}),
+                      (metrics.itl, "vllm:inter_token_latency_seconds", {}),
+                      (metrics.e2e, "vllm:e2e_request_latency_seconds", {})]
+
+    def collect(self):
+        for ours, name, relabel in self.pairs:
+            for family in ours.collect():
+                out = Metric(name, family.documentation, family.type)
+                for s in family.samples:
+                    labels = {relabel.get(k, k): v for k, v in s.labels.items()}
+                    out.add_sample(name + s.name[len(family.name):], {**labels, "model_name": self.model_name},
+                                   s.value, s.timestamp)
+                yield out
+
+
 class Metrics:
-    def __init__(self):
+    def __init__(self, model_name: str | None = None):
+        """``model_name``: also publish vLLM's names for the metrics its dashboards read (VLLMNames)."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("k3serve_requests", "Finished requests", ["finish_reason"], registry=r)
         self.errors = Counter("k3serve_request_errors", "Requests answered with an error", ["status"], registry=r)
@@ -37,6 +66,8 @@ class Metrics:
                                       "recomputed after a preemption) and decode", ["kind"], registry=r)
         self.prefill_steps = Gauge("k3serve_engine_prefill_steps", "Forward steps that computed prompt tokens",
                                    registry=r)
+        if model_name is not None:
+            r.register(VLLMNames(self, model_name))
 
     def render(self, st: dict) -> bytes:
         """``st``: the engine's gauges (engine_process.engine_stats)."""

@@ -34,6 +34,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # (vLLM's)
     # vLLM-style extras
     top_k: int | None = None
     min_p: float | None = None
@@ -46,21 +47,31 @@ class _SamplingFields(BaseModel):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # (vLLM's newer form of the guided_* fields)
+    truncate_prompt_tokens: int | None = None  # (vLLM's: keep the prompt's last k tokens; -1: all that fit)
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # (vLLM's: every prompt token's logprob, in the response)
+    return_tokens_as_token_ids: bool | None = None  # (vLLM's: logprobs name tokens "token_id:N"; None: the server's)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int,
+                        defaults: dict | None = None) -> SamplingParams:
+        """``defaults``: what an omitted setting takes (the model's generation config, SamplingParams
+        names; its max_tokens caps ``default_max``), else SamplingParams' own."""
+        d = defaults or {}
+        own = lambda name: getattr(self, name) if getattr(self, name) is not None else d.get(name)  # noqa: E731
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        default_max = min(default_max, d.get("max_tokens", default_max))
         return SamplingParams(
             n=self.n, max_tokens=max_tokens if max_tokens is not None else default_max,
-            min_tokens=self.min_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens, temperature=1.0 if own("temperature") is None else own("temperature"),
+            top_p=1.0 if own("top_p") is None else own("top_p"), top_k=own("top_k") or 0,
+            min_p=own("min_p") or 0.0,
+            repetition_penalty=1.0 if own("repetition_penalty") is None else own("repetition_penalty"),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output)
 
 

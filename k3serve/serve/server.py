@@ -16,16 +16,20 @@ def build_state(args: argparse.Namespace):
     from ..cli import engine_config_from_args
     from ..engine.async_engine import AsyncLLM
     from ..engine.engine import tokenizer_or_none, validate_startup
+    from ..engine.sampling_params import generation_defaults
     from .api import ServerState
 
     model = None if args.preset else resolve_model(args.model)
     # Refused here, before the engine process starts (it checks again, with the GPU's memory).
     validate_startup(model, args.preset, engine_config_from_args(args), args.device, check_memory=False,
                      quantization=args.quantization)
+    defaults = generation_defaults(model, args.generation_config, args.override_generation_config)
+    if defaults:
+        log.info("omitted sampling settings default to the model's generation config: %s", defaults)
     llm = AsyncLLM.start(args, args.max_queue)
     name = args.served_model_name or args.preset or model.name
     return ServerState(llm, name, tokenizer_or_none(model), args.api_key, args.reasoning_parser,
-                       args.tool_call_parser, args.tool_call_text_limit)
+                       args.tool_call_parser, args.tool_call_text_limit, args.return_tokens_as_token_ids, defaults)
 
 
 def serve(args: argparse.Namespace) -> int:
