@@ -26,6 +26,7 @@ from ..engine.scheduler import RequestRejected
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body)
+from .response_store import ResponseStore
 
 
 class APIError(Exception):
@@ -46,6 +47,7 @@ class ServerState:
     tool_call_text_limit: int | None = None  # (tool_grammar: free text of a forced tool call, capped)
     return_tokens_as_token_ids: bool = False  # (the requests' default)
     sampling_defaults: dict = field(default_factory=dict)  # (the model's generation config: omitted settings)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # (/v1/responses' stored ones)
 
     @property
     def info(self):
@@ -86,13 +88,22 @@ class _APIKeyCheck:
         return await self.app(scope, receive, send)
 
 
-async def _parse(request: Request, model_cls):
+async def _json_body(request: Request) -> dict:
     try:
         data = await request.json()
     except Exception:
         raise APIError(400, "the request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    return data
+
+
+async def _parse(request: Request, model_cls):
+    return validated(model_cls, await _json_body(request))
+
+
+def validated(model_cls, data: dict):
+    """``data`` as ``model_cls`` (pydantic); a bad field is a 400 naming it."""
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
@@ -128,9 +139,7 @@ def build_app(state: ServerState) -> FastAPI:
         app.add_middleware(_APIKeyCheck, key=state.api_key, metrics=metrics)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != state.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
-                           "invalid_request_error", "model", "model_not_found")
+        check_model_name(state, name)
 
     @app.get("/health")
     async def health():
@@ -216,20 +225,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(request: Request):
         body = await _parse(request, ChatCompletionRequest)
         check_model(body.model)
-        prompt = render_chat(state, body)
-        ids = prompt.token_ids
-        use_parsers = bool(state.reasoning_parser or (state.tool_call_parser and body.tools))
-        given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = getattr(body, given)
-        check_budget(state, ids, max_tokens, given)
-        check_prompt_logprobs(body)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = make_params(state, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                             max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers, param=given,
-                             logprobs_param="top_logprobs")
-        grammar = grammar_spec(state, body, prompt)
-        gen = start(state, request, ids, params, grammar)
+        prompt, gen = chat_generation(state, request, body)
         if body.stream:
             first = await _first(gen)
             return StreamingResponse(_error_event_on_failure(stream_chat(state, body, prompt, gen, first)),
@@ -237,7 +233,51 @@ def build_app(state: ServerState) -> FastAPI:
         final, = await collect(request, [gen])
         return chat_response(state, body, prompt, final)
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        from .responses import create
+
+        return await create(state, request, await _json_body(request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        from .responses import stored
+
+        return stored(state, response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        from .responses import stored
+
+        stored(state, response_id)
+        state.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     return app
+
+
+def check_model_name(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def chat_generation(state: ServerState, request: Request, body: ChatCompletionRequest):
+    """(the rendered prompt, its generation) of a chat request, checked and started."""
+    prompt = render_chat(state, body)
+    ids = prompt.token_ids
+    use_parsers = bool(state.reasoning_parser or (state.tool_call_parser and body.tools))
+    given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, given)
+    check_budget(state, ids, max_tokens, given)
+    check_prompt_logprobs(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    params = make_params(state, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                         max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers, param=given,
+                         logprobs_param="top_logprobs")
+    grammar = grammar_spec(state, body, prompt)
+    return prompt, start(state, request, ids, params, grammar)
 
 
 # ---- request plumbing ----------------------------------------------------------------------
