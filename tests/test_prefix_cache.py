@@ -100,6 +100,26 @@ def test_multi_turn_reuses_up_to_the_previous_prompt_end(model):
     assert cached.prefix_stats()["hit_rate"] > 0.5
 
 
+def test_outputs_count_the_prompt_tokens_read_from_the_cache(model):
+    """RequestOutput.num_cached_tokens (vLLM's; the server's usage.prompt_tokens_details.cached_tokens):
+    0 on a miss, the tokens a hit skipped on the next turn."""
+    rng = random.Random(3)
+    eng = engine(model)
+    prompt = [rng.randrange(1700) for _ in range(37)]
+
+    def final(p):
+        rid = eng.add_request(p, GREEDY)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.request_id == rid and out.finished:
+                    return out
+    first = final(prompt)
+    before = eng.prefix_stats()["tokens_reused"]
+    second = final(prompt + first.outputs[0].token_ids + [5, 6, 7])
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == len(prompt)
+    assert eng.prefix_stats()["tokens_reused"] - before == len(prompt)
+
+
 def test_randomized_conversations_and_shared_prefix_batches_equal_no_cache(model):
     rng = random.Random(1)
     system = [rng.randrange(1700) for _ in range(45)]

@@ -267,6 +267,26 @@ def test_generation_config_sets_omitted_settings(model_dir):
         _start(model_dir, "--override-generation-config", '{"temprature": 0}')
 
 
+def test_usage_reports_cached_prompt_tokens(model_dir):
+    """usage.prompt_tokens_details.cached_tokens: a chat's next turn reads its history from the prefix
+    cache (small blocks here), and says how much; the first turn none."""
+    proc, url = _start(model_dir, "--prefix-block-size", "16", "--kda-checkpoint-interval", "16")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Tell me about recurrent state in linear attention."}]
+        first = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Go on."}]
+        second = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+        assert 0 < second.usage.prompt_tokens_details.cached_tokens <= first.usage.prompt_tokens
+        r = c.responses.create(model="tiny", input=msgs, max_output_tokens=4, temperature=0)
+        assert r.usage.input_tokens_details.cached_tokens >= second.usage.prompt_tokens_details.cached_tokens
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
 def test_sigterm_with_a_request_in_flight(model_dir):
     import threading
 

@@ -41,7 +41,8 @@ class _Stream:
     logprobs: dict[int, list] = field(default_factory=dict)
     prompt_logprobs: list | None = None  # (sent once by the engine; every output after carries them)
 
-    def output(self, rid: str, finished: bool, seqs: list, prompt_logprobs: list | None) -> RequestOutput:
+    def output(self, rid: str, finished: bool, seqs: list, prompt_logprobs: list | None,
+               num_cached_tokens: int) -> RequestOutput:
         """The request's output after one step's deltas. token_ids / logprobs are the stream's
         growing lists (no copy a step); ``text`` is the whole answer on the final output only
         (joined once, not re-copied every step: streams read ``delta_text``), "" before."""
@@ -58,7 +59,8 @@ class _Stream:
             outs.append(CompletionOutput(index, "".join(pieces) if finished else "", ids, finish_reason, stop_reason,
                                          all_lps, delta_text, delta_ids))
         self.prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs
-        return RequestOutput(rid, self.prompt_text, self.prompt_ids, outs, finished, self.prompt_logprobs)
+        return RequestOutput(rid, self.prompt_text, self.prompt_ids, outs, finished, self.prompt_logprobs,
+                             num_cached_tokens)
 
 
 class AsyncLLM:
@@ -175,13 +177,13 @@ class AsyncLLM:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, msgs.StepOutputs):
             self._waiting, self._adds_seen = msg.waiting, msg.adds_seen
-            for rid, finished, seqs, prompt_logprobs in msg.outputs:
+            for rid, finished, seqs, *request_news in msg.outputs:
                 stream = self._streams.get(rid)
                 if stream is None:  # its consumer went away: the abort is on its way
                     continue
                 if finished:
                     del self._streams[rid]
-                stream.queue.put_nowait(stream.output(rid, finished, seqs, prompt_logprobs))
+                stream.queue.put_nowait(stream.output(rid, finished, seqs, *request_news))
         elif isinstance(msg, msgs.RequestFailed):
             stream = self._streams.pop(msg.request_id, None)
             if stream is not None:

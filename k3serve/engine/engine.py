@@ -97,6 +97,7 @@ class RequestOutput:
     # params.prompt_logprobs: one entry a prompt token, None for the first, else (token_id, logprob,
     # [(alt_id, alt_logprob), ...], rank); once the prompt is computed (delta outputs: that once)
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache, not computed
 
 
 PLACEHOLDER = -1  # a sampled token not yet read back (overlap); the device holds the real one
@@ -616,7 +617,8 @@ class LLMEngine:
         head = req.seqs[0]
         if req.params.prompt_logprobs is not None and not head.scoring_prompt and (cumulative or not req.scored_sent):
             prompt_lps, req.scored_sent = head.prompt_logprobs, True
-        return RequestOutput(req.request_id, req.prompt_text, req.prompt_ids, outs, req.finished, prompt_lps)
+        return RequestOutput(req.request_id, req.prompt_text, req.prompt_ids, outs, req.finished, prompt_lps,
+                             head.num_cached_tokens)
 
     def prefix_stats(self) -> dict:
         return self.prefix.stats_dict() if self.prefix is not None else {}

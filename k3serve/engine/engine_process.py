@@ -83,7 +83,8 @@ class StartupFailed:
 
 # One sequence's news of a step: (index, delta_text, delta_token_ids, finish_reason, stop_reason,
 # logprobs of the delta's tokens or None); a request's: (request_id, finished, [SeqDelta, ...],
-# prompt logprobs: on the one output that carries them, else None).
+# prompt logprobs: on the one output that carries them, else None; prompt tokens read from the prefix
+# cache).
 SeqDelta = tuple
 OutputDelta = tuple
 
@@ -115,7 +116,8 @@ class EngineFailed:
 def output_delta(out: RequestOutput) -> OutputDelta:
     """``out`` from ``LLMEngine.step(cumulative=False)``: its logprobs are the new tokens' alone."""
     return out.request_id, out.finished, [(o.index, o.delta_text, o.delta_token_ids, o.finish_reason, o.stop_reason,
-                                           o.logprobs) for o in out.outputs], out.prompt_logprobs
+                                           o.logprobs) for o in out.outputs], \
+        out.prompt_logprobs, out.num_cached_tokens
 
 
 def picklable(exc: BaseException) -> BaseException:

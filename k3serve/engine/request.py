@@ -37,6 +37,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit skipped on admission (vLLM's)
     pending_checkpoint: bool = False  # prefix cache: prompt-end state not yet snapshotted
     # Filled by the engine's output processing
     # The answer's text in the pieces it was produced in: appending a piece is O(1), where

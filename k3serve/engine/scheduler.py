@@ -175,6 +175,8 @@ class Scheduler:
                 break
             if self.prefix is not None:
                 self.prefix.admitted(reused)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = reused
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -510,7 +510,8 @@ def _echo_only(body) -> bool:
 def _usage(prompt_len: int, outs: list[RequestOutput], generated: bool = True) -> dict:
     completion = sum(len(o.token_ids) for r in outs for o in r.outputs) if generated else 0
     prompt = prompt_len
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in outs)}}
 
 
 def _logprob(x: float) -> float:

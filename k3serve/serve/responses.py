@@ -317,7 +317,8 @@ class _Response:
         """The finished response (stored when asked): usage, status, logprobs."""
         o = out.outputs[0]
         incomplete = o.finish_reason == "length"
-        usage = {"input_tokens": len(self.prompt.token_ids), "input_tokens_details": {"cached_tokens": 0},
+        usage = {"input_tokens": len(self.prompt.token_ids),
+                 "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                  "output_tokens": len(o.token_ids), "total_tokens": len(self.prompt.token_ids) + len(o.token_ids),
                  "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(o)}}
         if self.chat.logprobs and o.logprobs is not None:
