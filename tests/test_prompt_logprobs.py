@@ -64,6 +64,7 @@ def test_prompt_logprobs_match_the_whole_prompts_forward_through_chunks(model, k
     scored = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
     plain = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     outs = run(eng, [(p, scored if i % 2 == 0 else plain) for i, p in enumerate(ps)])
+    assert not eng._scoring  # (finished requests leave the runner's check off)
     alone = run(eng, [(p, plain) for p in ps])
     for i, (p, out, ref) in enumerate(zip(ps, outs, alone)):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -182,6 +182,7 @@ class LLMEngine:
         self._pending: _Launched | None = None  # overlap: the launched step whose tokens are unread
         self.overlapped_steps = 0  # steps launched while the previous one's tokens were unread
         self._no_overlap: set[str] = set()  # requests that need plain steps while they run (_blocks_overlap)
+        self._scoring: set[str] = set()  # requests asking for prompt logprobs (the runner looks for their rows)
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, preset: str | None = None,
@@ -327,6 +328,8 @@ class LLMEngine:
         self.requests[request_id] = req
         if self._blocks_overlap(req):
             self._no_overlap.add(request_id)
+        if params.prompt_logprobs is not None:
+            self._scoring.add(request_id)
         self.scheduler.add(req.seqs[0])  # siblings of n > 1 start from its prefill (fork)
         return request_id
 
@@ -342,6 +345,7 @@ class LLMEngine:
         """Ends the request now; its slot and pages go back to the pool before this returns."""
         req = self.requests.pop(request_id, None)
         self._no_overlap.discard(request_id)
+        self._scoring.discard(request_id)
         if req is None:
             return
         for seq in req.seqs:
@@ -381,7 +385,7 @@ class LLMEngine:
         previous, self._pending = self._pending, None
         self.overlapped_steps += previous is not None and bool(sched)
         if sched:
-            logits = self.runner.execute(sched, self._placeholder_fixup(sched, previous))
+            logits = self.runner.execute(sched, self._placeholder_fixup(sched, previous), bool(self._scoring))
             t2 = time.perf_counter()
             launched = self._launch(sched, logits, overlap)
             if overlap:
@@ -400,6 +404,7 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
                 self._no_overlap.discard(req.request_id)
+                self._scoring.discard(req.request_id)
         self.timings["output"] += time.perf_counter() - t3
         return outs
 

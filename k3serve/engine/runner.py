@@ -49,18 +49,19 @@ class ModelRunner:
         return ForwardBatch.build(self.chunks(sched), self.pool.layout.page_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: list[ScheduledSeq], fixup: tuple | None = None) -> torch.Tensor:
+    def execute(self, sched: list[ScheduledSeq], fixup: tuple | None = None, score: bool = False) -> torch.Tensor:
         """Runs the step; returns fp32 logits [num sampling sequences, V] in ``sched`` order.
         ``fixup`` = (flat positions, rows, tokens on the device): input tokens the previous step
         sampled that the host has not read yet (overlapped scheduling), copied in on the device.
-        Prompt rows asked to be scored (prompt logprobs) are, into their sequences, in an eager step."""
+        ``score``: some request asks for prompt logprobs; rows of its prompt are scored into their
+        sequences, in an eager step."""
         t0 = time.perf_counter()
         decode = sum(s.num_tokens == 1 and s.seq.num_computed >= s.seq.num_prompt for s in sched)
         prefill = sum(s.num_tokens for s in sched) - decode
         self.prefill_steps += prefill > 0
         self.scheduled_tokens["prefill"] += prefill
         self.scheduled_tokens["decode"] += decode
-        scoring = any(rows_to_score(s) is not None for s in sched)
+        scoring = score and any(rows_to_score(s) is not None for s in sched)
         if (self.graphs is not None or self.prefill_graphs is not None) and not scoring:
             chunks = self.chunks(sched)
             sampling = all(s.samples for s in sched)
