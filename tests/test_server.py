@@ -282,6 +282,11 @@ def test_usage_reports_cached_prompt_tokens(model_dir):
         assert 0 < second.usage.prompt_tokens_details.cached_tokens <= first.usage.prompt_tokens
         r = c.responses.create(model="tiny", input=msgs, max_output_tokens=4, temperature=0)
         assert r.usage.input_tokens_details.cached_tokens >= second.usage.prompt_tokens_details.cached_tokens
+        # vLLM's /reset_prefix_cache: the same turn again starts cold
+        assert httpx.post(url + "/reset_prefix_cache").json() == {"checkpoints_held": 0}
+        again = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.choices[0].message.content == second.choices[0].message.content
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

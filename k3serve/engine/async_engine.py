@@ -141,15 +141,16 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._outbox.put(msgs.Abort(request_id))
 
-    async def stats(self, timeout: float = 30.0) -> dict:
-        """The engine's gauges (engine_process.engine_stats), read between two of its steps."""
+    async def stats(self, timeout: float = 30.0, reset_prefix_cache: bool = False) -> dict:
+        """The engine's gauges (engine_process.engine_stats), read between two of its steps (after
+        emptying the prefix cache of every checkpoint no running request holds, if asked)."""
         self._attach()
         if self.errored is not None:
             raise RuntimeError(f"the engine has stopped: {self.errored}")
         token = next(self._tokens)
         fut = self._loop.create_future()
         self._stats[token] = fut
-        self._outbox.put(msgs.StatsQuery(token))
+        self._outbox.put(msgs.StatsQuery(token, reset_prefix_cache))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

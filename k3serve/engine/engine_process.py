@@ -8,7 +8,8 @@ the engine owns a process (vLLM's EngineCore, SGLang's scheduler process): it ru
 back and sends each step's output deltas as one message; the server process
 (async_engine.AsyncLLM) turns them back into cumulative RequestOutputs.
 
-Messages to the engine: AddRequest, Abort, AbortAll, StatsQuery, Stop. From it: Ready or
+Messages to the engine: AddRequest, Abort, AbortAll, StatsQuery (which may first empty the prefix
+cache), Stop. From it: Ready or
 StartupFailed once, then StepOutputs, RequestFailed, StatsReply, EngineFailed. A step's outputs
 travel as plain tuples (``OutputDelta``): only what is new, so a message does not grow with the
 length of the answers.
@@ -63,6 +64,7 @@ class AbortAll:
 @dataclass
 class StatsQuery:
     token: int
+    reset_prefix_cache: bool = False  # (vLLM's /reset_prefix_cache: benchmarks start cold)
 
 
 @dataclass
@@ -233,6 +235,8 @@ class EngineLoop:
                 self.engine.abort_request(rid)
                 self._fail(rid, RuntimeError(msg.reason))
         elif isinstance(msg, StatsQuery):
+            if msg.reset_prefix_cache and self.engine.prefix is not None:
+                self.engine.prefix.clear()
             self.outputs.send(StatsReply(msg.token, engine_stats(self.engine)))
         else:
             raise TypeError(f"unknown engine command {msg!r}")

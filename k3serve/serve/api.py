@@ -149,6 +149,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_api_route("/ping", health, methods=["GET", "POST"])  # (vLLM's, for SageMaker-style probes)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """(vLLM's: cached checkpoints dropped, so a benchmark starts cold.)"""
+        prefix = (await state.llm.stats(reset_prefix_cache=True))["prefix"]
+        return {"checkpoints_held": prefix.get("checkpoints_held", 0)}
+
     @app.get("/version")
     async def version():
         from .. import __version__
