@@ -269,3 +269,21 @@ def test_a_finished_prompt_hands_its_slot_over(model):
     follow = prompt + [1, 2, 3]
     assert run(eng, [follow])[0] == run(engine(model, cache=False), [follow])[0]
     assert eng.prefix_stats()["tokens_reused"] == 30
+
+
+def test_cache_salt_keeps_tenants_apart(model):
+    """vLLM's cache_salt: a prompt another salt (or no salt) cached is not a hit; the same salt's is (its
+    checkpoint at 32, the interval: the one at the prompt's end would leave nothing to compute),
+    and the answer is the same either way."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(1700) for _ in range(40)]
+    eng = engine(model)
+    salted = lambda salt: SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, cache_salt=salt)  # noqa: E731
+    outs, hits = [], []
+    for salt in (None, "alice", "bob", "alice", None):
+        before = eng.prefix_stats()["tokens_reused"]
+        outs.append(run(eng, [prompt + [7]], salted(salt))[0])
+        hits.append(eng.prefix_stats()["tokens_reused"] - before)
+    assert hits == [0, 0, 0, 32, 32] and all(o == outs[0] for o in outs)
+    with pytest.raises(ValueError, match="cache_salt must be"):
+        SamplingParams(cache_salt="")

@@ -137,6 +137,7 @@ def test_sampling_extras_and_n(client):
     ({"model": "tiny", "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be"),  # (0 only with echo)
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 500}}, 400, "biases in [-100, 100]"),
+    ({"model": "tiny", "prompt": "hi", "cache_salt": ""}, 400, "cache_salt must be"),
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"9999999": 1}}, 400, "logit_bias: token ids must be"),
     ({"model": "tiny", "prompt": "hi", "allowed_token_ids": [9999999]}, 400, "allowed_token_ids: token ids"),
     ({"model": "tiny", "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs must be in 0..20"),

@@ -22,9 +22,9 @@ import itertools
 from dataclasses import dataclass, field
 
 
-def chain_hashes(tokens: list[int], block: int, n_blocks: int) -> list[bytes]:
-    """h_i = H(h_{i-1} || tokens of block i) for the first ``n_blocks`` full blocks."""
-    out, prev = [], b""
+def chain_hashes(tokens: list[int], block: int, n_blocks: int, seed: bytes = b"") -> list[bytes]:
+    """h_i = H(h_{i-1} || tokens of block i) for the first ``n_blocks`` full blocks (h_0: ``seed``)."""
+    out, prev = [], seed
     for i in range(n_blocks):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(str(tokens[i * block:(i + 1) * block]).encode())
@@ -34,6 +34,10 @@ def chain_hashes(tokens: list[int], block: int, n_blocks: int) -> list[bytes]:
 
 
 _tick = itertools.count()
+
+
+def _salt(seq) -> str | None:
+    return seq.params.cache_salt
 
 
 @dataclass(eq=False)
@@ -67,19 +71,25 @@ class PrefixIndex:
     def checkpoints(self) -> list[Checkpoint]:
         return list(self.aligned.values()) + [c for v in self.tails.values() for c in v]
 
-    def key(self, tokens: list[int], pos: int) -> tuple[bytes, tuple[int, ...]]:
+    @staticmethod
+    def seed(salt: str | None) -> bytes:
+        """The chains' start: a request's ``cache_salt`` (vLLM's) keeps its checkpoints from matching
+        any other salt's, or none's (tenants do not share, or time, each other's prefixes)."""
+        return b"" if salt is None else hashlib.blake2b(salt.encode(), digest_size=16, person=b"k3-salt").digest()
+
+    def key(self, tokens: list[int], pos: int, salt: str | None = None) -> tuple[bytes, tuple[int, ...]]:
         k = pos // self.block
-        chain = chain_hashes(tokens, self.block, k)[-1] if k else b""
+        chain = chain_hashes(tokens, self.block, k, self.seed(salt))[-1] if k else self.seed(salt)
         return chain, tuple(tokens[k * self.block: pos])
 
-    def contains(self, tokens: list[int], pos: int) -> bool:
-        chain, tail = self.key(tokens, pos)
+    def contains(self, tokens: list[int], pos: int, salt: str | None = None) -> bool:
+        chain, tail = self.key(tokens, pos, salt)
         if not tail:
             return chain in self.aligned
         return any(c.tail == tail for c in self.tails.get(chain, ()))
 
-    def add(self, ckpt: Checkpoint, tokens: list[int]) -> None:
-        ckpt.chain, ckpt.tail = self.key(tokens, ckpt.pos)
+    def add(self, ckpt: Checkpoint, tokens: list[int], salt: str | None = None) -> None:
+        ckpt.chain, ckpt.tail = self.key(tokens, ckpt.pos, salt)
         if ckpt.tail:
             self.tails.setdefault(ckpt.chain, []).append(ckpt)
         else:
@@ -94,15 +104,15 @@ class PrefixIndex:
         else:
             del self.aligned[ckpt.chain]
 
-    def match(self, tokens: list[int]) -> Checkpoint | None:
+    def match(self, tokens: list[int], salt: str | None = None) -> Checkpoint | None:
         """The longest checkpoint that prefixes ``tokens`` and leaves at least one token to compute."""
         limit = len(tokens) - 1
         if limit <= 0:
             return None
-        chains = chain_hashes(tokens, self.block, limit // self.block)
+        chains = chain_hashes(tokens, self.block, limit // self.block, self.seed(salt))
         best: Checkpoint | None = None
         for k in range(len(chains), -1, -1):
-            chain = chains[k - 1] if k else b""
+            chain = chains[k - 1] if k else self.seed(salt)
             for c in self.tails.get(chain, ()):
                 if c.pos <= limit and (best is None or c.pos > best.pos) and tuple(tokens[k * self.block: c.pos]) == c.tail:
                     best = c
@@ -151,7 +161,7 @@ class PrefixCache:
         """On admission: copy the best checkpoint into the sequence's private slot and pages.
         Returns the tokens skipped (0 on a miss or when there is no room). Counted by
         ``admitted`` only once the sequence is really admitted (a head that must wait retries)."""
-        ck = self.index.match(seq.token_ids)
+        ck = self.index.match(seq.token_ids, _salt(seq))
         if ck is None:
             return 0
         n_full, partial = divmod(ck.pos, self.page)
@@ -188,7 +198,7 @@ class PrefixCache:
         self.stats.tokens_prefilled += max(0, min(pos, seq.num_prompt) - max(pos - computed, 0))
         if pos < seq.num_prompt and pos % self.interval == 0:
             self._snapshot(seq, pos, turn_end=False)
-        elif pos == seq.num_prompt and not self.index.contains(seq.token_ids, pos):
+        elif pos == seq.num_prompt and not self.index.contains(seq.token_ids, pos, _salt(seq)):
             seq.pending_checkpoint = True
 
     def before_step(self, seq) -> None:
@@ -204,13 +214,13 @@ class PrefixCache:
         seq.pending_checkpoint = False
         ck = Checkpoint(seq.num_prompt, turn_end=True)
         self.owners.hand_over(seq, ck, -(-ck.pos // self.page))
-        self.index.add(ck, seq.token_ids)
+        self.index.add(ck, seq.token_ids, _salt(seq))
         self.stats.checkpoints_handed_over += 1
         return True
 
     # ---- memory -----------------------------------------------------------------------------
     def _snapshot(self, seq, pos: int, turn_end: bool) -> None:
-        if self.index.contains(seq.token_ids, pos):
+        if self.index.contains(seq.token_ids, pos, _salt(seq)):
             return
         n_full, partial = divmod(pos, self.page)
         if not self.make_room(1, int(partial > 0)):
@@ -223,7 +233,7 @@ class PrefixCache:
             self.owners.share_page(ck, p)
         if partial:  # the sequence keeps appending to this page: the checkpoint gets its own copy
             self.pool.copy_page(seq.pages[n_full], self.owners.alloc_page(ck))
-        self.index.add(ck, seq.token_ids)
+        self.index.add(ck, seq.token_ids, _salt(seq))
         self.stats.checkpoints_taken += 1
 
     def make_room(self, slots: int, pages: int, protect: tuple = ()) -> bool:

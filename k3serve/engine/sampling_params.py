@@ -31,6 +31,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits, each in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: every other token is excluded
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -83,6 +84,8 @@ class SamplingParams:
         need(all(t >= 0 and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
                  for t, v in (self.logit_bias or {}).items()),
              "logit_bias must map token ids to biases in [-100, 100]")
+        need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+             "cache_salt must be a non-empty string")
         need(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)),
              "allowed_token_ids must be a non-empty list of token ids")

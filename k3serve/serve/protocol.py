@@ -35,6 +35,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # (vLLM's)
+    cache_salt: str | None = None  # (vLLM's: prefix-cache hits only within the salt)
     # vLLM-style extras
     top_k: int | None = None
     min_p: float | None = None
@@ -71,7 +72,7 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
-            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, cache_salt=self.cache_salt,
             include_stop_str_in_output=self.include_stop_str_in_output)
 
 
