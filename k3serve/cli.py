@@ -128,6 +128,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--prefill-graph-context-decodes", action=argparse.BooleanOptionalAction, default=True,
                    help="... after decode rows too (another user's next turn while others decode)")
     p.add_argument("--max-graph-batch", type=_positive_int, default=256, help="largest decode batch captured as a CUDA graph")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="priority: requests' priority (lower first) orders admission, scheduling and preemption")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="overlap the host's scheduling and output processing with the GPU's step "
                         "(auto: on CUDA)")
@@ -150,7 +152,7 @@ def engine_config_from_args(args: argparse.Namespace):
                        max_prefill_graph_decodes=args.max_prefill_graph_decodes,
                        max_prefill_graph_context=args.max_prefill_graph_context,
                        prefill_graph_context_decodes=args.prefill_graph_context_decodes,
-                       async_scheduling=args.async_scheduling)
+                       async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy)
 
 
 def engine_from_args(args: argparse.Namespace):

@@ -435,3 +435,56 @@ def test_offline_llm_samples_with_the_models_generation_config(tmp_path):
     plain = LLM(tmp_path, dtype="float32", device="cpu", cache_memory="64MiB", page_size=16, progress=False,
                 generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
+
+
+def _first_outputs(eng, reqs):
+    """Request ids in the order their first token came, and their final token ids."""
+    order, finals = [], {}
+    for prompt, params, prio in reqs:
+        eng.add_request(prompt, params, priority=prio)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.outputs[0].token_ids and out.request_id not in order:
+                order.append(out.request_id)
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+    return order, finals
+
+
+def test_priority_policy_admits_and_preempts_by_priority(model):
+    """--scheduling-policy priority: with room for two at a time, the urgent request (priority 0,
+    sent last) starts first, where FCFS starts it last; when the pool runs short the worst-ranked
+    running sequence is preempted even though it was admitted first; every output equals the
+    request run alone."""
+    ps = prompts(4, 21, 20, 30)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    reqs = [(p, params, prio) for p, prio in zip(ps, (5, 5, 5, 0))]
+    order, finals = _first_outputs(engine(model, max_num_seqs=2, scheduling_policy="priority"), reqs)
+    assert order[0] == "req-3" and order.index("req-3") < order.index("req-1")
+    fcfs_order, fcfs_finals = _first_outputs(engine(model, max_num_seqs=2), [(p, params, 0) for p in ps])
+    assert fcfs_order[-1] == "req-3"
+    assert finals == fcfs_finals == {f"req-{i}": run_alone(model, p, params).outputs[0].token_ids
+                                     for i, p in enumerate(ps)}
+
+    eng = engine(model, scheduling_policy="priority", max_num_batched_tokens=64)
+    real = eng.scheduler.owners.can_allocate
+    eng.scheduler.owners.can_allocate = lambda slots=0, pages=0: (eng.pool.num_pages + pages <= 7
+                                                                   and real(slots=slots, pages=pages))
+    long = SamplingParams(max_tokens=40, **GREEDY)
+    low = eng.add_request(ps[0], long, request_id="0", priority=9)
+    eng.step()  # (the low-priority one is admitted first)
+    high = eng.add_request(ps[1], long, request_id="1", priority=1)
+    seqs = {rid: eng.requests[rid].seqs[0] for rid in (low, high)}
+    finals = drain(eng)
+    assert seqs[low].num_preemptions > 0 and seqs[high].num_preemptions == 0
+    assert finals == {i: run_alone(model, ps[i], long).outputs[0].token_ids for i in (0, 1)}
+
+
+def test_priority_needs_the_priority_policy(model):
+    eng = engine(model)
+    with pytest.raises(RequestRejected, match="needs the priority scheduling policy"):
+        eng.add_request([1, 2, 3], SamplingParams(), priority=1)
+    with pytest.raises(RequestRejected, match="priority must be an integer"):
+        engine(model, scheduling_policy="priority").add_request([1, 2, 3], SamplingParams(), priority=1.5)
+    with pytest.raises(ValueError, match="fcfs or priority"):
+        engine(model, scheduling_policy="lifo")

@@ -138,6 +138,7 @@ def test_sampling_extras_and_n(client):
     ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be"),  # (0 only with echo)
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 500}}, 400, "biases in [-100, 100]"),
     ({"model": "tiny", "prompt": "hi", "cache_salt": ""}, 400, "cache_salt must be"),
+    ({"model": "tiny", "prompt": "hi", "priority": 1}, 400, "needs the priority scheduling policy"),
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"9999999": 1}}, 400, "logit_bias: token ids must be"),
     ({"model": "tiny", "prompt": "hi", "allowed_token_ids": [9999999]}, 400, "allowed_token_ids: token ids"),
     ({"model": "tiny", "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs must be in 0..20"),
@@ -249,7 +250,8 @@ def test_api_key_and_queue_limit_and_sigterm(model_dir):
 def test_generation_config_sets_omitted_settings(model_dir):
     """--override-generation-config (over the model's generation_config.json): a request that omits
     temperature and max_tokens samples greedily, 3 tokens; one that sets them gets its own."""
-    proc, url = _start(model_dir, "--override-generation-config", '{"temperature": 0, "max_new_tokens": 3}')
+    proc, url = _start(model_dir, "--override-generation-config", '{"temperature": 0, "max_new_tokens": 3}',
+                       "--scheduling-policy", "priority")
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         outs = [c.completions.create(model="tiny", prompt="x =", seed=s, extra_body={"ignore_eos": True})
@@ -261,6 +263,8 @@ def test_generation_config_sets_omitted_settings(model_dir):
         chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                          extra_body={"ignore_eos": True})
         assert chat.usage.completion_tokens == 3
+        urgent = c.completions.create(model="tiny", prompt="x =", extra_body={"priority": -5, "ignore_eos": True})
+        assert urgent.choices[0].text == outs[0].choices[0].text
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

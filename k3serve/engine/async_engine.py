@@ -114,7 +114,7 @@ class AsyncLLM:
         check_prompt_length(len(prompt_ids), self.info.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt_text: str | None = None, grammar=None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None, grammar=None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """``grammar``: a serve.grammar.GrammarSpec; the engine process compiles it, and a bad one
         is raised (GrammarError) as the first output."""
         self._attach()
@@ -125,7 +125,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.Queue(), list(prompt_ids), prompt_text)
         self._streams[request_id] = stream
         self._adds_sent += 1
-        self._outbox.put(msgs.AddRequest(request_id, stream.prompt_ids, params, prompt_text, grammar))
+        self._outbox.put(msgs.AddRequest(request_id, stream.prompt_ids, params, prompt_text, grammar, priority))
         try:
             while True:
                 item = await stream.queue.get()

@@ -72,6 +72,9 @@ class EngineConfig:
     # GPU's. "auto": on CUDA; outputs then arrive one step later. Falls back to plain steps while
     # a request uses penalties, a grammar or n > 1 before its fork.
     async_scheduling: str = "auto"
+    # "fcfs", or "priority" (vLLM's --scheduling-policy): requests carry a priority, lower first
+    # (scheduler.py: admission, scheduling and preemption order).
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass
@@ -163,7 +166,7 @@ class LLMEngine:
         self.prefix = (PrefixCache(owners, cfg.prefix_block_size, cfg.kda_checkpoint_interval)
                        if cfg.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len,
-                                   self.prefix, owners)
+                                   self.prefix, owners, cfg.scheduling_policy)
         self.runner = ModelRunner(model, self.pool, self._decode_graphs(), self._prefill_graphs())
         if shipped:  # (sizing and captures reach most keys a server meets)
             tuned_here = tuned_configs.unshipped()
@@ -299,8 +302,10 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt_text: str | None = None, grammar=None) -> str:
-        """``grammar``: a compiled grammar (serve/grammar.py) constraining every sample of the request."""
+                    request_id: str | None = None, prompt_text: str | None = None, grammar=None,
+                    priority: int = 0) -> str:
+        """``grammar``: a compiled grammar (serve/grammar.py) constraining every sample of the request;
+        ``priority``: under the priority scheduling policy, lower runs first."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -321,7 +326,12 @@ class LLMEngine:
         if params.n > self.scheduler.max_num_seqs:  # (its samples fork and run together)
             raise RequestRejected(f"n={params.n} is more than max_num_seqs ({self.scheduler.max_num_seqs}), the "
                                   "sequences a step runs")
-        req = new_request(request_id, prompt_ids, params, text, self.device)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestRejected(f"priority must be an integer, got {priority!r}")
+        if priority and self.scheduler.policy != "priority":
+            raise RequestRejected(f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
+                                  "priority); this engine schedules first come, first served")
+        req = new_request(request_id, prompt_ids, params, text, self.device, priority)
         for seq in req.seqs:
             self._attach_text_state(seq)
             seq.grammar = grammar.new_state() if grammar is not None else None
@@ -551,8 +561,7 @@ class LLMEngine:
             sch.running.append(child)
         else:
             sch.release(child)
-            child.status = Status.WAITING
-            sch.waiting.appendleft(child)
+            sch.enqueue(child, preempted=True)
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
@@ -761,7 +770,8 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """``priority``: one a prompt, under the priority scheduling policy (lower first)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -773,10 +783,13 @@ class LLM:
         params_list = params if isinstance(params, list) else [one] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError("give one priority per prompt")
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params_list):
-                ids.append(self.engine.add_request(_prompt_of(p), sp))
+            for p, sp, rank in zip(prompts, params_list, priority):
+                ids.append(self.engine.add_request(_prompt_of(p), sp, priority=rank))
         except BaseException:  # (as vLLM: a refused prompt leaves none of the batch behind)
             for rid in ids:
                 self.engine.abort_request(rid)

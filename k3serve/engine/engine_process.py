@@ -49,6 +49,7 @@ class AddRequest:
     params: SamplingParams
     prompt_text: str | None = None
     grammar: object = None  # a serve.grammar.GrammarSpec, compiled in the engine process
+    priority: int = 0
 
 
 @dataclass
@@ -254,7 +255,7 @@ class EngineLoop:
     def _add(self, msg: AddRequest, grammar) -> None:
         try:
             self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.request_id,
-                                    prompt_text=msg.prompt_text, grammar=grammar)
+                                    prompt_text=msg.prompt_text, grammar=grammar, priority=msg.priority)
         except ValueError as exc:  # RequestRejected and kin: this request can't run
             self._fail(msg.request_id, exc)
 

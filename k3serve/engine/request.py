@@ -38,6 +38,7 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit skipped on admission (vLLM's)
+    priority: int = 0  # the priority scheduling policy's: lower runs first (vLLM's)
     pending_checkpoint: bool = False  # prefix cache: prompt-end state not yet snapshotted
     # Filled by the engine's output processing
     # The answer's text in the pieces it was produced in: appending a piece is O(1), where
@@ -105,14 +106,14 @@ class Request:
 
 
 def new_request(request_id: str, prompt_ids: list[int], params: SamplingParams, prompt_text: str | None = None,
-                device: torch.device | str = "cpu") -> Request:
+                device: torch.device | str = "cpu", priority: int = 0) -> Request:
     seqs = []
     for i in range(params.n):
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device)
             gen.manual_seed(params.seed + i)
-        seqs.append(Sequence(request_id, i, list(prompt_ids), len(prompt_ids), params, gen))
+        seqs.append(Sequence(request_id, i, list(prompt_ids), len(prompt_ids), params, gen, priority=priority))
     if params.prompt_logprobs is not None:
         seqs[0].prompt_logprobs.append(None)  # (the first token has nothing before it)
     return Request(request_id, list(prompt_ids), params, seqs, prompt_text)

@@ -6,13 +6,17 @@ sequence holds one KDA slot and the MLA pages covering its computed tokens; page
 tokens are scheduled. When the pool cannot grow, the most recently admitted running sequence is
 preempted by recompute (its cache freed, its tokens kept; on readmission it prefills them again
 and continues exactly where it was). The oldest running sequence is never preempted for a younger
-one, so the batch always makes progress. With prefix caching, admission first restores the best
-checkpoint (cache/prefix.py), prefill chunks end on checkpoint boundaries, and cached checkpoints
-are evicted before any running sequence is preempted.
+one, so the batch always makes progress. Under the ``priority`` policy (vLLM's --scheduling-policy
+priority) "oldest" reads "first by (priority, arrival)": waiting sequences are admitted in that
+order, running ones are scheduled in it, and the last of them is the one preempted; a waiting
+sequence waits for memory rather than preempting (as vLLM's). With prefix caching, admission
+first restores the best checkpoint (cache/prefix.py), prefill chunks end on checkpoint
+boundaries, and cached checkpoints are evicted before any running sequence is preempted.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -47,9 +51,13 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, pool: UnifiedPool, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 max_model_len: int = 65536, prefix: PrefixCache | None = None, owners: PoolOwners | None = None):
+                 max_model_len: int = 65536, prefix: PrefixCache | None = None, owners: PoolOwners | None = None,
+                 policy: str = "fcfs"):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
+        self.policy = policy
         self.pool = pool
         self.owners = owners or PoolOwners(pool)
         self.prefix = prefix
@@ -72,8 +80,22 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_admissible(seq.num_prompt)
+        self.enqueue(seq, preempted=False)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, float]:
+        return seq.priority, seq.arrival
+
+    def enqueue(self, seq: Sequence, preempted: bool) -> None:
+        """To the waiting queue: FCFS puts a preempted (or unforked) sequence first, a new one
+        last; the priority policy keeps the queue in (priority, arrival) order."""
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self.waiting.insert(bisect.bisect_right(self.waiting, self._rank(seq), key=self._rank), seq)
+        elif preempted:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -105,10 +127,9 @@ class Scheduler:
         seq.pending_checkpoint = False  # its state is about to be lost; recompute takes it again
         self.release(seq)
         seq.num_computed = 0
-        seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.enqueue(seq, preempted=True)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:
@@ -136,6 +157,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
+        if self.policy == "priority":
+            self.running.sort(key=self._rank)  # (stable: equal ranks keep admission order)
         i = 0
         while i < len(self.running) and budget > 0 and len(out) < self.max_num_seqs:
             seq = self.running[i]

@@ -216,7 +216,7 @@ def build_app(state: ServerState) -> FastAPI:
         if body.echo and body.logprobs is not None:  # (the prompt's tokens are reported with logprobs too)
             params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         grammar = grammar_spec(state, body)
-        gens = [start(state, request, ids, params, grammar) for ids in prompt_ids]
+        gens = [start(state, request, ids, params, grammar, body.priority) for ids in prompt_ids]
         if body.stream:
             try:
                 firsts = [await _first(gen) for gen in gens]
@@ -283,7 +283,7 @@ def chat_generation(state: ServerState, request: Request, body: ChatCompletionRe
                          max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers, param=given,
                          logprobs_param="top_logprobs")
     grammar = grammar_spec(state, body, prompt)
-    return prompt, start(state, request, ids, params, grammar)
+    return prompt, start(state, request, ids, params, grammar, body.priority)
 
 
 # ---- request plumbing ----------------------------------------------------------------------
@@ -413,9 +413,11 @@ def grammar_spec(state: ServerState, body, prompt=None):
         raise APIError(400, f"invalid structured-output request: {exc}", param="response_format") from None
 
 
-def start(state: ServerState, request: Request, ids, params, grammar) -> AsyncIterator[RequestOutput]:
+def start(state: ServerState, request: Request, ids, params, grammar,
+          priority: int = 0) -> AsyncIterator[RequestOutput]:
     rid = f"{'chatcmpl' if 'chat' in request.url.path else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    return _observed(request.app.state.metrics, len(ids), state.llm.generate(ids, params, rid, grammar=grammar))
+    return _observed(request.app.state.metrics, len(ids),
+                     state.llm.generate(ids, params, rid, grammar=grammar, priority=priority))
 
 
 async def _observed(metrics: Metrics, prompt_len: int, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

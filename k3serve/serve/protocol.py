@@ -36,6 +36,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # (vLLM's)
     cache_salt: str | None = None  # (vLLM's: prefix-cache hits only within the salt)
+    priority: int = 0  # (vLLM's: under --scheduling-policy priority, lower runs first)
     # vLLM-style extras
     top_k: int | None = None
     min_p: float | None = None
