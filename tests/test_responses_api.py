@@ -3,14 +3,13 @@ official openai client: each response equals the chat completion of the same con
 or not, continued by previous_response_id, with function calls and their outputs."""
 
 import json
-import signal
 
 import httpx
 import openai
 import pytest
 
 from k3serve.make_model import make_model
-from test_server import _start
+from test_server import serving
 
 GREEDY = dict(temperature=0, reasoning={"effort": "none"})
 TOOL = {"type": "function", "name": "get_weather", "description": "weather by city",
@@ -22,11 +21,9 @@ CHAT_TOOL = {"type": "function", "function": {k: TOOL[k] for k in ("name", "desc
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("responses")
     make_model("tiny", path, seed=6, progress=False)
-    proc, url = _start(path, "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3", "--max-model-len",
-                       "4096", "--tool-call-text-limit", "16")
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    with serving(path, "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3", "--max-model-len", "4096",
+                 "--tool-call-text-limit", "16") as url:
+        yield url
 
 
 @pytest.fixture

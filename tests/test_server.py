@@ -1,5 +1,6 @@
 """A live `k3serve serve` on the tiny model, driven by the official openai client and raw HTTP."""
 
+import contextlib
 import json
 import os
 import re
@@ -49,12 +50,21 @@ def model_dir(tmp_path_factory):
     return path
 
 
+@contextlib.contextmanager
+def serving(model_dir, *extra):
+    """A server's URL while the block runs; SIGTERM and a wait after."""
+    proc, url = _start(model_dir, *extra)
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def server(model_dir):
-    proc, url = _start(model_dir, "--max-queue", "64")
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    with serving(model_dir, "--max-queue", "64") as url:
+        yield url
 
 
 @pytest.fixture
