@@ -672,6 +672,26 @@ def test_truncate_prompt_tokens(client):
             client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"truncate_prompt_tokens": bad})
 
 
+def test_request_ids_from_the_client(client, server):
+    """vLLM's request_id field and X-Request-Id header name the request (a trace id carries through);
+    an id already running is a 400 and the running request is untouched."""
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_headers={"X-Request-Id": "trace-7"})
+    assert out.id == "cmpl-trace-7"
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                          extra_body={"request_id": "mine"})
+    assert chat.id == "chatcmpl-mine"
+    two = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, extra_body={"request_id": "pair"})
+    assert two.id == "cmpl-pair-0" and len(two.choices) == 2
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True, "request_id": "dup"}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as first:
+        lines = first.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        again = httpx.post(server + "/v1/completions", json=body)
+        assert again.status_code == 400 and "already in use" in again.json()["error"]["message"]
+        rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in "".join(rest)
+
+
 def test_prompt_logprobs_field(client):
     """vLLM's prompt_logprobs extra: the first token None, then the prompt token and its k likeliest
     alternatives with ranks; on chat, over the rendered conversation."""

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 from . import engine_process as msgs
 from .engine import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import check_prompt_length
+from .scheduler import RequestRejected, check_prompt_length
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ class AsyncLLM:
             raise RuntimeError(f"the engine has stopped: {self.errored}")
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFull(f"{self.num_waiting()} requests are already waiting (--max-queue {self.max_queue})")
+        if request_id in self._streams:  # (a client's reused X-Request-Id: the running one keeps its stream)
+            raise RequestRejected(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.Queue(), list(prompt_ids), prompt_text)
         self._streams[request_id] = stream
         self._adds_sent += 1

@@ -216,7 +216,8 @@ def build_app(state: ServerState) -> FastAPI:
         if body.echo and body.logprobs is not None:  # (the prompt's tokens are reported with logprobs too)
             params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         grammar = grammar_spec(state, body)
-        gens = [start(state, request, ids, params, grammar, body.priority) for ids in prompt_ids]
+        gens = [start(state, request, ids, params, grammar, body, i if len(prompt_ids) > 1 else None)
+                for i, ids in enumerate(prompt_ids)]
         if body.stream:
             try:
                 firsts = [await _first(gen) for gen in gens]
@@ -283,7 +284,7 @@ def chat_generation(state: ServerState, request: Request, body: ChatCompletionRe
                          max(1, state.info.max_model_len - len(ids)), keep_special=use_parsers, param=given,
                          logprobs_param="top_logprobs")
     grammar = grammar_spec(state, body, prompt)
-    return prompt, start(state, request, ids, params, grammar, body.priority)
+    return prompt, start(state, request, ids, params, grammar, body)
 
 
 # ---- request plumbing ----------------------------------------------------------------------
@@ -413,11 +414,14 @@ def grammar_spec(state: ServerState, body, prompt=None):
         raise APIError(400, f"invalid structured-output request: {exc}", param="response_format") from None
 
 
-def start(state: ServerState, request: Request, ids, params, grammar,
-          priority: int = 0) -> AsyncIterator[RequestOutput]:
-    rid = f"{'chatcmpl' if 'chat' in request.url.path else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+def start(state: ServerState, request: Request, ids, params, grammar, body,
+          index: int | None = None) -> AsyncIterator[RequestOutput]:
+    """One prompt's generation. Its id: the body's ``request_id`` or the X-Request-Id header (vLLM's:
+    a client's trace id carries through), else a random one; ``index``: the prompt's in a list."""
+    base = getattr(body, "request_id", None) or request.headers.get("x-request-id") or uuid.uuid4().hex[:24]
+    rid = f"{'chatcmpl' if 'chat' in request.url.path else 'cmpl'}-{base}" + ("" if index is None else f"-{index}")
     return _observed(request.app.state.metrics, len(ids),
-                     state.llm.generate(ids, params, rid, grammar=grammar, priority=priority))
+                     state.llm.generate(ids, params, rid, grammar=grammar, priority=body.priority))
 
 
 async def _observed(metrics: Metrics, prompt_len: int, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -37,6 +37,7 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None  # (vLLM's)
     cache_salt: str | None = None  # (vLLM's: prefix-cache hits only within the salt)
     priority: int = 0  # (vLLM's: under --scheduling-policy priority, lower runs first)
+    request_id: str | None = None  # (vLLM's: the request's id, also read from the X-Request-Id header)
     # vLLM-style extras
     top_k: int | None = None
     min_p: float | None = None
