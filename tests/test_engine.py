@@ -435,6 +435,9 @@ def test_offline_llm_samples_with_the_models_generation_config(tmp_path):
     plain = LLM(tmp_path, dtype="float32", device="cpu", cache_memory="64MiB", page_size=16, progress=False,
                 generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
+    hot = LLM(tmp_path, dtype="float32", device="cpu", cache_memory="64MiB", page_size=16, progress=False,
+              override_generation_config={"temperature": 0.7})
+    assert hot.get_default_sampling_params().temperature == 0.7 and hot.get_default_sampling_params().max_tokens == 5
 
 
 def _first_outputs(eng, reqs):

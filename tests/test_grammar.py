@@ -223,14 +223,16 @@ def test_from_openai():
     so = lambda **kw: f(structured_outputs=kw)  # noqa: E731  (vLLM's newer field)
     assert so(regex="a+") == f(guided_regex="a+") and so(json={"type": "object"}) == f(guided_json={"type": "object"})
     assert so(choice=["a"]) == f(guided_choice=["a"]) and so(grammar='root ::= "a"') == f(guided_grammar='root ::= "a"')
-    assert so(json_object=True) == GrammarSpec("json_object") and so() is None and so(json_object=False) is None
+    assert so(json_object=True) == GrammarSpec("json_object")
     for bad in (dict(response_format={"type": "xml"}), dict(response_format="json"),
                 dict(response_format={"type": "json_schema"}), dict(guided_choice=[]),
                 dict(guided_choice="ab"), dict(guided_json="{bad"), dict(guided_regex=1),
                 dict(guided_regex="a", guided_choice=["a"]), dict(guided_grammar=""),
                 dict(guided_regex="a", guided_grammar='root ::= "a"'), dict(structured_outputs="x"),
                 dict(structured_outputs={"regex": "a", "choice": ["a"]}), dict(structured_outputs={"xml": "a"}),
-                dict(structured_outputs={"regex": "a"}, guided_regex="b")):
+                dict(structured_outputs={"regex": "a"}, guided_regex="b"), dict(structured_outputs={}),
+                dict(structured_outputs={"json_object": False}),
+                dict(structured_outputs={"json": {}, "disable_any_whitespace": True})):
         with pytest.raises(ValueError):
             f(**bad)
     with pytest.raises(ValueError):

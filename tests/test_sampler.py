@@ -191,6 +191,17 @@ def test_logit_bias_and_allowed_token_ids_exact():
     assert set(drawn.tolist()) == {3, 9, 41}
 
 
+def test_allowed_tokens_that_are_all_stops_outlast_min_tokens():
+    """allowed_token_ids = the stops, with min_tokens: masking them left nothing, and argmax of an all
+    -inf row is token 0, outside the allowed set (QA found "!!!"); the allowed stop is kept."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    rows = [row(temperature=0.0, allowed_token_ids=[7], eos=[7], min_tokens=3),
+            row(temperature=1.0, allowed_token_ids=[9, 11], stop_token_ids=[9, 11], min_tokens=2, seed=4,
+                gen=torch.Generator().manual_seed(4))]
+    assert Sampler()(logits, rows).token_ids.tolist()[0] == 7
+    assert Sampler()(logits, rows).token_ids.tolist()[1] in (9, 11)
+
+
 @pytest.mark.parametrize("kw,needle", [(dict(logit_bias={"x": 1.0}), "logit_bias must map token ids to numbers"),
                                        (dict(logit_bias={3: 101}), "biases in [-100, 100]"),
                                        (dict(logit_bias={-1: 1}), "biases in [-100, 100]"),

@@ -148,6 +148,8 @@ def test_sampling_extras_and_n(client):
     ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be"),  # (0 only with echo)
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 500}}, 400, "biases in [-100, 100]"),
     ({"model": "tiny", "prompt": "hi", "cache_salt": ""}, 400, "cache_salt must be"),
+    ({"model": "tiny", "prompt": "hi", "allowed_token_ids": [64], "guided_choice": ["yes", "no"]}, 400,
+     "cannot be combined with structured output"),
     ({"model": "tiny", "prompt": "hi", "priority": 1}, 400, "needs the priority scheduling policy"),
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"9999999": 1}}, 400, "logit_bias: token ids must be"),
     ({"model": "tiny", "prompt": "hi", "allowed_token_ids": [9999999]}, 400, "allowed_token_ids: token ids"),
@@ -172,6 +174,10 @@ def test_bad_completion_requests(server, body, status, needle):
     ({"tools": [{"type": "function"}]}, "tools", "function.name"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in 0..20"),
     ({"messages": [{"role": "user", "content": "x " * 600}]}, "messages", "max_model_len"),
+    ({"logit_bias": {"9999999": 1}}, "logit_bias", "token ids must be"),
+    ({"allowed_token_ids": [9999999]}, "allowed_token_ids", "token ids must be"),
+    ({"structured_outputs": {}}, "structured_outputs", "give one of"),
+    ({"guided_grammar": ""}, "guided_grammar", "non-empty EBNF"),
 ])
 def test_bad_chat_fields_name_their_parameter(server, body, param, needle):
     r = httpx.post(server + "/v1/chat/completions",
@@ -600,6 +606,13 @@ def test_logprobs(client):
     # greedy: the sampled token is the top alternative (several byte tokens may decode to the same
     # text key, so the dict can hold fewer entries, never a higher one)
     assert all(alts and max(alts.values()) <= v + 1e-5 for alts, v in zip(lp.top_logprobs, lp.token_logprobs))
+    # sampled: the chosen token is in its entry beside the k likeliest (OpenAI's and vLLM's k + 1), by id
+    hot = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=20, temperature=1.5, seed=7,
+                                    logprobs=1, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    hl = hot.choices[0].logprobs
+    assert all(t in alts and alts[t] == v and 1 <= len(alts) <= 2
+               for t, v, alts in zip(hl.tokens, hl.token_logprobs, hl.top_logprobs))
+    assert any(len(alts) == 2 for alts in hl.top_logprobs)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
@@ -833,3 +846,42 @@ def test_tokenize_honours_add_generation_prompt(server):
     for bad in ({**body, "add_generation_prompt": True}, {**body, "messages": msgs[:1]}):
         r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, **bad})
         assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"], r.text
+
+
+def test_metrics_do_not_wait_on_a_long_engine_step():
+    """/metrics answers from the engine's last gauges when a fresh read takes over a second (a long
+    prefill step held every scrape, past Prometheus's 10 s timeout, then a 500); 503 before any read.
+    The engine's slowness is played by a stand-in; the gauges are a real engine's."""
+    import asyncio
+
+    from k3serve.engine.engine import EngineConfig, LLMEngine
+    from k3serve.engine.engine_process import engine_stats
+    from k3serve.model.loader import load_model
+    from k3serve.serve.api import ServerState, build_app
+
+    gauges = engine_stats(LLMEngine(load_model(preset="tiny", dtype="float32", device="cpu"), None,
+                                     EngineConfig(cache_memory="16MiB", page_size=16)))
+
+    class SlowEngine:
+        slow, errored, info = False, None, None
+
+        async def stats(self, timeout=30.0, reset_prefix_cache=False):
+            if self.slow:
+                await asyncio.wait_for(asyncio.sleep(60), timeout)
+            return gauges
+
+    async def scrape(engine):
+        app = build_app(ServerState(engine, "tiny"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            engine.slow = True
+            cold = await c.get("/metrics")
+            engine.slow = False
+            warm = await c.get("/metrics")
+            engine.slow = True
+            t0 = time.monotonic()
+            busy = await c.get("/metrics")
+            return cold, warm, busy, time.monotonic() - t0
+
+    cold, warm, busy, seconds = asyncio.run(scrape(SlowEngine()))
+    assert cold.status_code == 503 and cold.json()["error"]["type"] == "server_busy"
+    assert warm.status_code == busy.status_code == 200 and busy.text == warm.text and seconds < 30

@@ -316,6 +316,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
             raise RequestRejected(f"prompt token ids must be integers in 0..{vocab - 1}")
+        if grammar is not None and params.allowed_token_ids:  # (together they could leave no token at all)
+            raise RequestRejected("allowed_token_ids cannot be combined with structured output")
         for name in ("logit_bias", "allowed_token_ids"):
             if any(t >= vocab for t in getattr(params, name) or ()):
                 raise RequestRejected(f"{name}: token ids must be in 0..{vocab - 1}")
@@ -731,14 +733,17 @@ class LLM:
     """Offline batched generation: ``LLM(path).generate(prompts, params)``."""
 
     def __init__(self, model: str | Path | None = None, *, preset: str | None = None, tokenizer=None,
-                 config: EngineConfig | None = None, generation_config: str = "auto", **kw):
+                 config: EngineConfig | None = None, generation_config: str = "auto",
+                 override_generation_config: dict | None = None, **kw):
         """``generation_config``: where ``generate``'s default SamplingParams come from (vLLM's
-        --generation-config: "auto" the model's generation_config.json, "vllm" none, or a directory)."""
+        --generation-config: "auto" the model's generation_config.json, "vllm" none, or a directory);
+        ``override_generation_config``: fields over it (vLLM's)."""
         from .sampling_params import generation_defaults
 
         engine_fields = set(EngineConfig.__dataclass_fields__)
         ecfg = config or EngineConfig(**{k: kw.pop(k) for k in list(kw) if k in engine_fields})
-        self.defaults = generation_defaults(None if preset else resolve_model(model), generation_config)
+        self.defaults = generation_defaults(None if preset else resolve_model(model), generation_config,
+                                            override_generation_config)
         self.engine = LLMEngine.from_pretrained(model, preset=preset, config=ecfg, tokenizer=tokenizer, **kw)
 
     @classmethod

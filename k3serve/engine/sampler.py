@@ -142,7 +142,8 @@ def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             toks = [t for t in (*r.eos_ids, *r.params.stop_token_ids) if t < logits.shape[1]]
             r_idx += [i] * len(toks)
             t_idx += toks
-            ruled += [i] if r.grammar and toks else []
+            # (a grammar's end, or allowed_token_ids that are all stops: unmasked if nothing else is left)
+            ruled += [i] if (r.grammar or r.params.allowed_token_ids) and toks else []
     if r_idx:
         dev = logits.device
         index = (to_device(r_idx, dev), to_device(t_idx, dev))

@@ -48,6 +48,7 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # (the requests' default)
     sampling_defaults: dict = field(default_factory=dict)  # (the model's generation config: omitted settings)
     responses: ResponseStore = field(default_factory=ResponseStore)  # (/v1/responses' stored ones)
+    last_stats: dict | None = None  # (/metrics: the engine's last gauges)
 
     @property
     def info(self):
@@ -152,7 +153,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """(vLLM's: cached checkpoints dropped, so a benchmark starts cold.)"""
-        prefix = (await state.llm.stats(reset_prefix_cache=True))["prefix"]
+        try:
+            prefix = (await state.llm.stats(reset_prefix_cache=True))["prefix"]
+        except TimeoutError:
+            raise APIError(503, "the engine did not answer within 30 s", "server_busy") from None
         return {"checkpoints_held": prefix.get("checkpoints_held", 0)}
 
     @app.get("/version")
@@ -163,7 +167,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_route():
-        return Response(metrics.render(await state.llm.stats()), media_type="text/plain; version=0.0.4")
+        """Never waits on a long engine step (a big prefill: seconds; Prometheus times a scrape out at
+        10 s): the engine's gauges as of its last reply when a fresh one takes over a second."""
+        try:
+            state.last_stats = await state.llm.stats(timeout=1.0)
+        except TimeoutError:
+            if state.last_stats is None:
+                raise APIError(503, "the engine is busy with a long step; no gauges read yet", "server_busy") from None
+        return Response(metrics.render(state.last_stats), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -375,6 +386,10 @@ def make_params(state: ServerState, body, max_tokens, logprobs, default_max: int
         named = {"max_tokens": param, "logprobs": logprobs_param}.get(field, field)  # (as the request named it)
         msg, field = named + msg[len(field):], named
         raise APIError(400, msg, param=field if field.isidentifier() else None) from None
+    vocab = state.info.vocab_size
+    for name in ("logit_bias", "allowed_token_ids"):
+        if any(t >= vocab for t in getattr(params, name) or ()):
+            raise APIError(400, f"{name}: token ids must be in 0..{vocab - 1}", param=name)
     if keep_special:
         params.skip_special_tokens = False  # the reasoning / tool parsers read the markers
     return params
@@ -385,6 +400,10 @@ def _forced_tool_call(state: ServerState, body) -> bool:
     choice = getattr(body, "tool_choice", None)
     return bool(getattr(body, "tools", None) and state.tool_call_parser and (choice == "required" or isinstance(choice, dict))
                 and state.info.model_type == "kimi_k3")
+
+
+_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs")
 
 
 def grammar_spec(state: ServerState, body, prompt=None):
@@ -411,7 +430,9 @@ def grammar_spec(state: ServerState, body, prompt=None):
                                                          state.tool_call_text_limit))
         return spec
     except (GrammarError, ValueError) as exc:
-        raise APIError(400, f"invalid structured-output request: {exc}", param="response_format") from None
+        given = [f for f in _CONSTRAINTS if getattr(body, f, None) not in (None, {"type": "text"})]
+        raise APIError(400, f"invalid structured-output request: {exc}",
+                       param=given[0] if len(given) == 1 else "response_format") from None
 
 
 def start(state: ServerState, request: Request, ids, params, grammar, body,
@@ -541,7 +562,9 @@ def _completion_logprobs(state: ServerState, body, lps, offset: int = 0) -> dict
     offsets = [offset + sum(lengths[:i]) for i in range(len(lps))]
     return {"tokens": [name(t) for t, _, _ in lps],
             "token_logprobs": [None if lp is None else _logprob(lp) for _, lp, _ in lps],
-            "top_logprobs": [None if alts is None else {name(a): _logprob(alp) for a, alp in alts} for _, _, alts in lps],
+            # (the chosen token and its k alternatives, up to k + 1 entries: OpenAI's and vLLM's)
+            "top_logprobs": [None if alts is None else {name(a): _logprob(alp) for a, alp in [(t, lp), *alts]}
+                             for t, lp, alts in lps],
             "text_offset": offsets}
 
 

@@ -100,14 +100,15 @@ class GrammarSpec:
                 raise ValueError("structured_outputs must be an object")
             known = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
                      "grammar": "guided_grammar", "json_object": None}
-            unknown = sorted(set(structured_outputs) - set(known) - {"disable_any_whitespace",
-                                                                       "disable_additional_properties"})
+            unknown = sorted(set(structured_outputs) - set(known))  # (vLLM's whitespace / property switches too)
             if unknown:
                 raise ValueError(f"structured_outputs: {', '.join(unknown)} not supported (json, regex, choice, "
                                  "grammar, json_object are)")
             given = {k: v for k, v in structured_outputs.items() if k in known and v not in (None, False)}
             new = [cls("json_object")] if given.pop("json_object", None) else []
             new += [s for s in [cls.from_openai(**{known[k]: v}) for k, v in given.items()] if s is not None]
+            if not new:
+                raise ValueError("structured_outputs: give one of json, regex, choice, grammar, json_object")
             old = cls.from_openai(response_format, guided_json, guided_regex, guided_choice, guided_grammar)
             return cls._one(new + ([old] if old is not None else []))
         specs: list[GrammarSpec] = []

@@ -9,8 +9,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class VLLMNames:
-    """The metrics vLLM's dashboards read, under vLLM's names (``vllm:...``, a ``model_name`` label),
-    copied from ours at each scrape: a Grafana board or alert made for vLLM works unchanged."""
+    """The main metrics vLLM's dashboards read (requests running / waiting, cache usage, tokens,
+    finished requests, TTFT / ITL / E2E histograms) under vLLM's names (``vllm:...``, a ``model_name``
+    label), copied from ours at each scrape, so such panels and alerts read k3serve too. Not all of
+    vLLM's (no ``engine`` label, no queue / prefill / decode phase histograms; our histogram buckets;
+    request_success counts samples and aborted requests are not counted)."""
 
     def __init__(self, metrics: "Metrics", model_name: str):
         self.model_name = model_name

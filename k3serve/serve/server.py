@@ -25,7 +25,8 @@ def build_state(args: argparse.Namespace):
                      quantization=args.quantization)
     defaults = generation_defaults(model, args.generation_config, args.override_generation_config)
     if defaults:
-        log.info("omitted sampling settings default to the model's generation config: %s", defaults)
+        log.warning("omitted sampling settings default to the model's generation config (--generation-config "
+                    "vllm: none): %s", defaults)
     llm = AsyncLLM.start(args, args.max_queue)
     name = args.served_model_name or args.preset or model.name
     return ServerState(llm, name, tokenizer_or_none(model), args.api_key, args.reasoning_parser,
