@@ -151,6 +151,7 @@ def test_sampling_extras_and_n(client):
     ({"model": "tiny", "prompt": "hi", "allowed_token_ids": [64], "guided_choice": ["yes", "no"]}, 400,
      "cannot be combined with structured output"),
     ({"model": "tiny", "prompt": "hi", "priority": 1}, 400, "needs the priority scheduling policy"),
+    ({"model": "tiny", "prompt": [1.5]}, 400, "prompt has none of its accepted forms"),
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"9999999": 1}}, 400, "logit_bias: token ids must be"),
     ({"model": "tiny", "prompt": "hi", "allowed_token_ids": [9999999]}, 400, "allowed_token_ids: token ids"),
     ({"model": "tiny", "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs must be in 0..20"),

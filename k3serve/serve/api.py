@@ -108,8 +108,14 @@ def validated(model_cls, data: dict):
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        err = errors[0]
         loc = ".".join(str(x) for x in err.get("loc", ()))
+        top = str(err["loc"][0]) if err.get("loc") else None
+        same = [e for e in errors if e.get("loc") and str(e["loc"][0]) == top]
+        if len(same) > 1:  # (a union field: each accepted type's complaint, not just the first's)
+            tried = "; ".join(f"as {'.'.join(map(str, e['loc'][1:])) or top}: {e.get('msg')}" for e in same[:4])
+            raise APIError(400, f"{top} has none of its accepted forms ({tried})", param=top) from None
         raise APIError(400, f"{loc}: {err.get('msg')}", param=loc or None) from None
 
 
